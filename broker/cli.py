@@ -1,0 +1,32 @@
+"""Run the embedded Kafka-protocol broker (tansu, in memory) and create the streamrl topics."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+from .embedded import EmbeddedBroker
+from .topics import Topics
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9092, help="0 picks a free port")
+    p.add_argument("--partitions", type=int, default=4, help="partitions of completions and rewards")
+    p.add_argument("--topic-prefix", default="streamrl")
+
+
+def run(args: argparse.Namespace) -> int:
+    broker = EmbeddedBroker(args.host, args.port or None, topics=Topics(args.topic_prefix),
+                            partitions=args.partitions).start()
+    print(f"broker ready: --bootstrap-servers {broker.bootstrap_servers}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        if broker.proc is not None and broker.proc.poll() is not None:
+            print("broker exited", flush=True)
+            return 1
+    broker.stop()
+    return 0

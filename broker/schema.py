@@ -1,0 +1,313 @@
+"""The records every part of streamrl shares, and their wire encoding. The one schema module.
+
+Three record kinds travel over Kafka:
+
+* ``CompletionRecord`` (topic ``completions``, key = trajectory id): one per sampled choice, written by
+  the gateway. Token ids and the sampling logprobs are the trainer's input, so they are stored exactly
+  and compactly: int32 / float32 little-endian bytes, never JSON lists of numbers.
+* ``RewardRecord`` (topic ``rewards``, key = trajectory id): one per scored trajectory.
+* ``PolicyRecord`` (topic ``policy``, key = policy name): one per adapter version the trainer publishes.
+
+Wire format of a record value (all integers little-endian)::
+
+    offset 0  3 bytes  magic b"SRL"
+    offset 3  1 byte   kind (1 completion, 2 reward, 3 policy)
+    offset 4  1 byte   schema version of that kind (see SCHEMA_VERSIONS)
+    offset 5  4 bytes  length J of the JSON header (uint32)
+    offset 9  J bytes  JSON header (orjson): every scalar/text field
+    then               completion records only: prompt ids (int32 x n_prompt),
+                       completion ids (int32 x n_completion), logprobs (float32 x n_completion)
+
+A reader that meets an unknown magic, kind or version raises ``RecordError`` (with a ``reason`` code for
+counting) instead of guessing, so a consumer can count and skip it. Version history:
+
+* completion v1, reward v1, policy v1: the first versions (this file).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+MAGIC = b"SRL"
+KIND_COMPLETION = 1
+KIND_REWARD = 2
+KIND_POLICY = 3
+SCHEMA_VERSIONS = {KIND_COMPLETION: 1, KIND_REWARD: 1, KIND_POLICY: 1}
+_HEADER = struct.Struct("<3sBBI")
+
+MAX_ID_LENGTH = 256
+"""Trajectory, group and request ids are non-empty strings of at most this many characters."""
+
+
+class RecordError(ValueError):
+    """A record that cannot be used. ``reason`` is a short code for metrics (e.g. ``nan_logprob``)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def check_id(value: Any, name: str, *, optional: bool = False) -> str | None:
+    """Validate an id: a non-empty string of at most MAX_ID_LENGTH characters."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
+        raise RecordError("bad_id", f"{name} must be a non-empty string of at most {MAX_ID_LENGTH} chars")
+    return value
+
+
+@dataclass(slots=True)
+class CompletionRecord:
+    """One sampled choice of one request, token-exact, as the gateway saw it.
+
+    ``policy_version`` is the adapter version that served the choice (0 = the base model), so the
+    trainer's staleness is exact. ``logprobs[i]`` is the log-probability of ``completion_token_ids[i]``
+    under the distribution vLLM actually sampled from (``processed_logprobs``).
+    """
+
+    request_id: str
+    trajectory_id: str
+    prompt_token_ids: np.ndarray
+    completion_token_ids: np.ndarray
+    logprobs: np.ndarray
+    group_id: str | None = None
+    choice_index: int = 0
+    model: str = ""
+    policy_name: str | None = None
+    policy_version: int = 0
+    upstream: str = ""
+    endpoint: str = "chat"
+    finish_reason: str | None = None
+    ttft_s: float | None = None
+    total_s: float | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+    request: dict[str, Any] = field(default_factory=dict)
+    """What was asked, for inspection: messages (chat) or prompt (completions), tools, sampling params."""
+    response_text: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
+    created: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = np.ascontiguousarray(self.prompt_token_ids, dtype=np.int32)
+        self.completion_token_ids = np.ascontiguousarray(self.completion_token_ids, dtype=np.int32)
+        self.logprobs = np.ascontiguousarray(self.logprobs, dtype=np.float32)
+
+
+@dataclass(slots=True)
+class RewardRecord:
+    """The reward of one trajectory. ``group_size`` tells the trainer how many to wait for."""
+
+    trajectory_id: str
+    reward: float
+    group_id: str | None = None
+    group_size: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+
+
+@dataclass(slots=True)
+class PolicyRecord:
+    """A published adapter version: where its files are and the sha256 of its weights file."""
+
+    name: str
+    version: int
+    path: str
+    base_model: str
+    step: int
+    sha256: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+
+    @property
+    def served_name(self) -> str:
+        """The engine-side adapter name of this version; unique per version, never reused."""
+        return f"{self.name}@v{self.version}"
+
+
+Record = CompletionRecord | RewardRecord | PolicyRecord
+
+
+def _pack(kind: int, header: dict[str, Any], tail: bytes = b"") -> bytes:
+    body = orjson.dumps(header)
+    return _HEADER.pack(MAGIC, kind, SCHEMA_VERSIONS[kind], len(body)) + body + tail
+
+
+def encode(record: Record) -> bytes:
+    """Encode a record to its Kafka value bytes."""
+    if isinstance(record, CompletionRecord):
+        header = {
+            "request_id": record.request_id,
+            "trajectory_id": record.trajectory_id,
+            "group_id": record.group_id,
+            "choice_index": record.choice_index,
+            "model": record.model,
+            "policy_name": record.policy_name,
+            "policy_version": record.policy_version,
+            "upstream": record.upstream,
+            "endpoint": record.endpoint,
+            "finish_reason": record.finish_reason,
+            "ttft_s": record.ttft_s,
+            "total_s": record.total_s,
+            "usage": record.usage,
+            "request": record.request,
+            "response_text": record.response_text,
+            "tool_calls": record.tool_calls,
+            "created": record.created,
+            "n_prompt": int(record.prompt_token_ids.size),
+            "n_completion": int(record.completion_token_ids.size),
+        }
+        tail = (
+            record.prompt_token_ids.astype("<i4", copy=False).tobytes()
+            + record.completion_token_ids.astype("<i4", copy=False).tobytes()
+            + record.logprobs.astype("<f4", copy=False).tobytes()
+        )
+        return _pack(KIND_COMPLETION, header, tail)
+    if isinstance(record, RewardRecord):
+        return _pack(
+            KIND_REWARD,
+            {
+                "trajectory_id": record.trajectory_id,
+                "reward": record.reward,
+                "group_id": record.group_id,
+                "group_size": record.group_size,
+                "metrics": record.metrics,
+                "created": record.created,
+            },
+        )
+    if isinstance(record, PolicyRecord):
+        return _pack(
+            KIND_POLICY,
+            {
+                "name": record.name,
+                "version": record.version,
+                "path": record.path,
+                "base_model": record.base_model,
+                "step": record.step,
+                "sha256": record.sha256,
+                "metrics": record.metrics,
+                "created": record.created,
+            },
+        )
+    raise TypeError(f"not a streamrl record: {type(record).__name__}")
+
+
+def decode(value: bytes | None) -> Record:
+    """Decode and validate Kafka value bytes. Raises RecordError (never anything else) when unusable."""
+    try:
+        return _decode(value)
+    except RecordError:
+        raise
+    except Exception as exc:  # any structural surprise is a malformed record, not a crash
+        raise RecordError("malformed", f"{type(exc).__name__}: {exc}") from exc
+
+
+def _decode(value: bytes | None) -> Record:
+    if not value or len(value) < _HEADER.size:
+        raise RecordError("malformed", "too short")
+    magic, kind, version, json_len = _HEADER.unpack_from(value)
+    if magic != MAGIC:
+        raise RecordError("malformed", "bad magic")
+    if kind not in SCHEMA_VERSIONS:
+        raise RecordError("unknown_kind", str(kind))
+    if version != SCHEMA_VERSIONS[kind]:
+        raise RecordError("unknown_version", f"kind {kind} version {version}")
+    end = _HEADER.size + json_len
+    if end > len(value):
+        raise RecordError("malformed", "truncated header")
+    h = orjson.loads(value[_HEADER.size : end])
+    if not isinstance(h, dict):
+        raise RecordError("malformed", "header is not an object")
+    if kind == KIND_COMPLETION:
+        return _decode_completion(h, memoryview(value)[end:])
+    if kind == KIND_REWARD:
+        return _decode_reward(h)
+    return _decode_policy(h)
+
+
+def _decode_completion(h: dict[str, Any], tail: memoryview) -> CompletionRecord:
+    n_prompt, n_completion = h["n_prompt"], h["n_completion"]
+    if not (isinstance(n_prompt, int) and isinstance(n_completion, int)) or n_prompt < 0 or n_completion < 0:
+        raise RecordError("malformed", "bad array lengths")
+    if len(tail) != 4 * (n_prompt + 2 * n_completion):
+        raise RecordError("length_mismatch", f"{len(tail)} tail bytes for {n_prompt}+{n_completion} tokens")
+    arrays = np.frombuffer(tail, dtype="<i4", count=n_prompt + n_completion)
+    logprobs = np.frombuffer(tail, dtype="<f4", offset=4 * (n_prompt + n_completion))
+    if not np.isfinite(logprobs).all():
+        raise RecordError("nan_logprob", "logprobs must be finite")
+    version = h.get("policy_version", 0)
+    if not isinstance(version, int) or version < 0:
+        raise RecordError("malformed", "policy_version must be a non-negative int")
+    return CompletionRecord(
+        request_id=str(h["request_id"]),
+        trajectory_id=check_id(h["trajectory_id"], "trajectory_id"),  # type: ignore[arg-type]
+        group_id=check_id(h.get("group_id"), "group_id", optional=True),
+        prompt_token_ids=arrays[:n_prompt],
+        completion_token_ids=arrays[n_prompt:],
+        logprobs=logprobs,
+        choice_index=int(h.get("choice_index", 0)),
+        model=str(h.get("model", "")),
+        policy_name=h.get("policy_name"),
+        policy_version=version,
+        upstream=str(h.get("upstream", "")),
+        endpoint=str(h.get("endpoint", "chat")),
+        finish_reason=h.get("finish_reason"),
+        ttft_s=h.get("ttft_s"),
+        total_s=h.get("total_s"),
+        usage=h.get("usage") or {},
+        request=h.get("request") or {},
+        response_text=h.get("response_text") or "",
+        tool_calls=h.get("tool_calls"),
+        created=float(h.get("created", 0.0)),
+    )
+
+
+def check_reward(value: Any) -> float:
+    """A reward must be a finite number (bools are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RecordError("non_finite_reward", f"reward must be a finite number, got {value!r}")
+    return float(value)
+
+
+def check_group_size(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise RecordError("bad_group_size", "group_size must be an integer in [1, 4096]")
+    return value
+
+
+def _decode_reward(h: dict[str, Any]) -> RewardRecord:
+    metrics = h.get("metrics") or {}
+    if not isinstance(metrics, dict):
+        raise RecordError("malformed", "metrics must be an object")
+    return RewardRecord(
+        trajectory_id=check_id(h["trajectory_id"], "trajectory_id"),  # type: ignore[arg-type]
+        reward=check_reward(h["reward"]),
+        group_id=check_id(h.get("group_id"), "group_id", optional=True),
+        group_size=check_group_size(h.get("group_size")),
+        metrics=metrics,
+        created=float(h.get("created", 0.0)),
+    )
+
+
+def _decode_policy(h: dict[str, Any]) -> PolicyRecord:
+    version = h["version"]
+    if not isinstance(version, int) or version < 1:
+        raise RecordError("malformed", "policy version must be an int >= 1")
+    return PolicyRecord(
+        name=check_id(h["name"], "name"),  # type: ignore[arg-type]
+        version=version,
+        path=str(h["path"]),
+        base_model=str(h["base_model"]),
+        step=int(h["step"]),
+        sha256=str(h["sha256"]),
+        metrics=h.get("metrics") or {},
+        created=float(h.get("created", 0.0)),
+    )

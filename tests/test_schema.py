@@ -1,0 +1,91 @@
+"""The shared record schema: round trips, compactness and every rejection reason."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from streamrl.broker import schema
+from streamrl.broker.schema import CompletionRecord, PolicyRecord, RecordError, RewardRecord, decode, encode
+
+
+def completion(n_prompt: int = 5, n_completion: int = 3, **kw) -> CompletionRecord:
+    return CompletionRecord(
+        request_id="req-1", trajectory_id="traj-1", group_id="g",
+        prompt_token_ids=np.arange(n_prompt), completion_token_ids=np.arange(100, 100 + n_completion),
+        logprobs=-np.linspace(0.1, 1.0, n_completion), policy_version=3, **kw,
+    )
+
+
+def test_completion_round_trip_is_exact() -> None:
+    rec = completion(request={"messages": [{"role": "user", "content": "hi"}]}, response_text="yo")
+    out = decode(encode(rec))
+    assert isinstance(out, CompletionRecord)
+    assert out.prompt_token_ids.tolist() == [0, 1, 2, 3, 4]
+    assert out.completion_token_ids.tolist() == [100, 101, 102]
+    assert out.logprobs.dtype == np.float32
+    np.testing.assert_array_equal(out.logprobs, rec.logprobs)
+    assert (out.trajectory_id, out.group_id, out.policy_version) == ("traj-1", "g", 3)
+    assert out.request["messages"][0]["content"] == "hi" and out.response_text == "yo"
+
+
+def test_arrays_are_binary_not_json() -> None:
+    small, big = encode(completion(10, 10)), encode(completion(10, 1010))
+    # 4 bytes id + 4 bytes logprob per sampled token, plus two more digits in the JSON count
+    assert len(big) - len(small) == 1000 * 8 + 2
+
+
+def test_reward_and_policy_round_trip() -> None:
+    r = decode(encode(RewardRecord("t", 1.5, group_id="g", group_size=4, metrics={"acc": 1.0})))
+    assert r == RewardRecord("t", 1.5, group_id="g", group_size=4, metrics={"acc": 1.0}, created=r.created)
+    p = decode(encode(PolicyRecord("policy", 2, "/a/v2", "base", 7, "ab" * 32)))
+    assert isinstance(p, PolicyRecord) and p.served_name == "policy@v2"
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (b"", "malformed"),
+        (b"XXX\x01\x01\x00\x00\x00\x00", "malformed"),
+        (b"SRL\x09\x01\x00\x00\x00\x00", "unknown_kind"),
+        (b"SRL\x01\x07\x00\x00\x00\x00", "unknown_version"),
+        (b"SRL\x01\x01\xff\x00\x00\x00{}", "malformed"),
+    ],
+)
+def test_structural_rejections(value: bytes, reason: str) -> None:
+    with pytest.raises(RecordError) as err:
+        decode(value)
+    assert err.value.reason == reason
+
+
+def test_length_mismatch_and_nan_logprobs_are_rejected() -> None:
+    good = encode(completion())
+    with pytest.raises(RecordError) as err:
+        decode(good[:-4])
+    assert err.value.reason == "length_mismatch"
+    bad = completion()
+    bad.logprobs[1] = np.nan
+    with pytest.raises(RecordError) as err:
+        decode(encode(bad))
+    assert err.value.reason == "nan_logprob"
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), "1", True, None])
+def test_non_finite_or_non_numeric_reward_is_rejected(reward) -> None:
+    body = schema._pack(schema.KIND_REWARD, {"trajectory_id": "t", "reward": reward})
+    with pytest.raises(RecordError) as err:
+        decode(body)
+    assert err.value.reason == "non_finite_reward"
+
+
+def test_bad_ids_are_rejected() -> None:
+    for tid in ["", "x" * 257, 5]:
+        body = schema._pack(schema.KIND_REWARD, {"trajectory_id": tid, "reward": 1.0})
+        with pytest.raises(RecordError):
+            decode(body)
+
+
+def test_header_layout_is_documented() -> None:
+    magic, kind, version, n = struct.unpack_from("<3sBBI", encode(completion()))
+    assert (magic, kind, version) == (b"SRL", schema.KIND_COMPLETION, 1) and n > 0
