@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# On the GPU machine, in the repository root: join the pieces made by stage.sh (copied into STASH),
+# install them beside the image's torch into SITE, and lay out the streamrl package from this checkout
+# (the top-level folders gateway/, broker/, ... mapped under the streamrl namespace) into SITE too.
+#   usage: scripts/gpu/install.sh STASH SITE     then: export PYTHONPATH=SITE PATH=SITE/bin:$PATH
+set -euo pipefail
+stash=${1:?STASH}; site=${2:?SITE}
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+if [ ! -d "$site/vllm" ]; then
+  work=$(mktemp -d)
+  cat "$stash"/piece.* | tar xf - -C "$work"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$work"/*.whl
+  rm -rf "$work"
+fi
+# streamrl itself: a package tree of symlinks into this checkout, and a `streamrl` launcher
+rm -rf "$site/streamrl"; mkdir -p "$site/streamrl" "$site/bin"
+for f in "$repo"/streamrl/*.py; do ln -s "$f" "$site/streamrl/"; done
+for part in gateway broker trainer producers; do ln -s "$repo/$part" "$site/streamrl/$part"; done
+printf '#!/bin/sh\nexec python3 -m streamrl.cli "$@"\n' > "$site/bin/streamrl"; chmod +x "$site/bin/streamrl"
+PYTHONPATH=$site python3 -c "import vllm, torch, kafka, streamrl.broker.schema; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"

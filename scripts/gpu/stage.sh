@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Here (a machine that reaches the package registries): download vLLM 0.26.0 (the newest release pinned
+# to torch 2.11.0, which the H200 image has), the packages that image lacks, and what streamrl needs,
+# as Python 3.12 wheels, then cut them into pieces of at most 58 MiB (the device tool carries at most
+# 64 MiB per command).
+#   usage: scripts/gpu/stage.sh [DIR]     (default .gpu-wheels, ignored by git) -> DIR/p00 DIR/p01 ...
+# On the GPU machine: copy every piece into one folder, then scripts/gpu/install.sh (see docs/gpu.md).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${1:-.gpu-wheels}
+rm -rf "$out"; mkdir -p "$out/all"
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp)
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
+         manylinux2014_x86_64 manylinux1_x86_64 manylinux_2_31_x86_64 manylinux_2_26_x86_64 manylinux_2_5_x86_64; do
+  plat+=(--platform "$p")
+done
+python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/all" vllm==0.26.0 \
+  -r "$here/vllm-0.26.0-py312-requirements.txt" -r "$here/streamrl-py312-requirements.txt"
+cd "$out/all"
+cat ./*.whl | wc -c | awk '{printf "%.0f MB of wheels\n", $1/1e6}'
+tar cf - ./*.whl | split -b 58M -d - ../piece.
+cd ..
+n=0
+for f in piece.*; do d=$(printf "p%02d" "$n"); mkdir -p "$d"; mv "$f" "$d/"; n=$((n+1)); done
+rm -rf all
+ls -d p*
