@@ -1,0 +1,255 @@
+"""Join completions and rewards by trajectory id into reward-tagged groups, with bounded memory.
+
+Rules (each outcome is counted in ``Assembler.counts``):
+
+* A trajectory joins its group when its reward arrives. Group id: the reward's, else the completion's,
+  else the trajectory id. Group size: the reward's ``group_size``, else the configured default.
+* A group is ``ready`` when ``group_size`` of its trajectories have a reward and at least one
+  completion. Rewards may arrive before completions: the trajectory waits until a completion comes.
+* A group older than ``group_timeout_s`` is trained on what it has when that is at least two
+  trajectories (``incomplete_trained``), else dropped (``incomplete_dropped``).
+* Duplicate reward for a trajectory: **the first one wins** (log order, deterministic on replay);
+  later ones are counted ``duplicate_reward`` and ignored. A duplicate completion (same request id and
+  choice index) is counted ``duplicate_completion`` and ignored.
+* Completions without a reward, and rewards without completions, expire after ``ttl_s``
+  (``expired_completions`` / ``expired_rewards``). Beyond ``max_trajectories`` the oldest trajectory is
+  evicted (``evicted``). Records for a group already trained are ``late`` and ignored.
+
+Every held record keeps its raw Kafka bytes, so the trainer can checkpoint exactly what it has consumed
+but not yet trained (see trainer/state.py) and rebuild the assembler after a restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+from streamrl.broker.schema import CompletionRecord, RewardRecord
+
+COMPLETION, REWARD = "c", "r"
+
+
+@dataclass
+class Trajectory:
+    trajectory_id: str
+    first_seen: float
+    completions: list[CompletionRecord] = field(default_factory=list)
+    reward: RewardRecord | None = None
+    raw: list[tuple[str, bytes]] = field(default_factory=list)
+    """(stream, value bytes) of every record held for this trajectory, in arrival order."""
+
+    @property
+    def group_id(self) -> str:
+        if self.reward is not None and self.reward.group_id:
+            return self.reward.group_id
+        for c in self.completions:
+            if c.group_id:
+                return c.group_id
+        return self.trajectory_id
+
+    @property
+    def usable(self) -> bool:
+        return self.reward is not None and bool(self.completions)
+
+
+@dataclass
+class Group:
+    group_id: str
+    size: int
+    first_seen: float
+    members: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ReadyGroup:
+    """A group handed to the trainer: its usable trajectories, rewards attached."""
+
+    group_id: str
+    trajectories: list[Trajectory]
+    complete: bool
+
+    @property
+    def raw(self) -> list[tuple[str, bytes]]:
+        return [r for t in self.trajectories for r in t.raw]
+
+
+@dataclass
+class Sequence:
+    """One training sequence: tokens, which of them were sampled, and their behaviour logprobs."""
+
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    behaviour_logprobs: np.ndarray
+    request_ids: list[str]
+    policy_version: int
+    """The oldest version among the calls merged into this sequence (staleness is judged by it)."""
+
+
+def merge_calls(completions: list[CompletionRecord]) -> list[Sequence]:
+    """Turn a trajectory's calls (in log order) into training sequences.
+
+    A call whose prompt starts with the previous sequence's tokens (its prompt plus completion)
+    continues that sequence: the new prompt tokens (tool results, the next user turn) join unmasked,
+    the sampled tokens masked in. Otherwise the call starts a new sequence.
+    """
+    out: list[Sequence] = []
+    tokens: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    lps: list[np.ndarray] = []
+    current = np.empty(0, np.int32)
+    req: list[str] = []
+    version = 0
+
+    def flush() -> None:
+        if tokens:
+            out.append(Sequence(np.concatenate(tokens), np.concatenate(masks), np.concatenate(lps), req, version))
+
+    for c in completions:
+        p, s, lp = c.prompt_token_ids, c.completion_token_ids, c.logprobs
+        if tokens and len(p) >= len(current) and np.array_equal(p[: len(current)], current):
+            extra = p[len(current):]
+            req = [*req, c.request_id]
+            version = min(version, c.policy_version)
+        else:
+            flush()
+            tokens, masks, lps, current = [], [], [], np.empty(0, np.int32)
+            extra, req, version = p, [c.request_id], c.policy_version
+        tokens += [extra, s]
+        masks += [np.zeros(len(extra), np.int8), np.ones(len(s), np.int8)]
+        lps += [np.zeros(len(extra), np.float32), lp.astype(np.float32)]
+        current = np.concatenate([current, extra, s])
+    flush()
+    return out
+
+
+class Assembler:
+    """Holds trajectories and groups until they are ready; ``poll()`` returns what became ready."""
+
+    def __init__(self, *, group_size: int, group_timeout_s: float, ttl_s: float,
+                 max_trajectories: int, max_done_groups: int = 100_000) -> None:
+        self.group_size = group_size
+        self.group_timeout_s = group_timeout_s
+        self.ttl_s = ttl_s
+        self.max_trajectories = max_trajectories
+        self.max_done_groups = max_done_groups
+        self.trajectories: OrderedDict[str, Trajectory] = OrderedDict()
+        self.groups: dict[str, Group] = {}
+        self.done: OrderedDict[str, None] = OrderedDict()
+        """Ids of closed groups and of their trajectories (bounded, oldest forgotten first)."""
+        self.counts: Counter[str] = Counter()
+        self._ready: list[ReadyGroup] = []
+        self._seen_requests: dict[str, set[tuple[str, int]]] = {}
+
+    # ---- input -----------------------------------------------------------------------------
+    def add(self, record: CompletionRecord | RewardRecord, raw: bytes, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if isinstance(record, CompletionRecord):
+            self._add_completion(record, raw, now)
+        else:
+            self._add_reward(record, raw, now)
+
+    def _trajectory(self, trajectory_id: str, now: float) -> Trajectory:
+        t = self.trajectories.get(trajectory_id)
+        if t is None:
+            t = self.trajectories[trajectory_id] = Trajectory(trajectory_id, now)
+            while len(self.trajectories) > self.max_trajectories:
+                self._forget(next(iter(self.trajectories)), "evicted")
+        return t
+
+    def _add_completion(self, rec: CompletionRecord, raw: bytes, now: float) -> None:
+        if rec.group_id in self.done or rec.trajectory_id in self.done:
+            self.counts["late"] += 1
+            return
+        key = (rec.request_id, rec.choice_index)
+        seen = self._seen_requests.setdefault(rec.trajectory_id, set())
+        if key in seen:
+            self.counts["duplicate_completion"] += 1
+            return
+        seen.add(key)
+        t = self._trajectory(rec.trajectory_id, now)
+        t.completions.append(rec)
+        t.raw.append((COMPLETION, raw))
+        self.counts["completions"] += 1
+        if t.reward is not None:
+            self._check(t.group_id, now)
+
+    def _add_reward(self, rec: RewardRecord, raw: bytes, now: float) -> None:
+        gid_hint = rec.group_id or rec.trajectory_id
+        if gid_hint in self.done:
+            self.counts["late"] += 1
+            return
+        t = self._trajectory(rec.trajectory_id, now)
+        if t.reward is not None:
+            self.counts["duplicate_reward"] += 1
+            return
+        t.reward = rec
+        t.raw.append((REWARD, raw))
+        self.counts["rewards"] += 1
+        gid = t.group_id
+        if gid in self.done:
+            self.counts["late"] += 1
+            self._forget(t.trajectory_id, None)
+            return
+        g = self.groups.get(gid)
+        if g is None:
+            g = self.groups[gid] = Group(gid, rec.group_size or self.group_size, now)
+        g.members.append(t.trajectory_id)
+        self._check(gid, now)
+
+    # ---- output ----------------------------------------------------------------------------
+    def _usable(self, g: Group) -> list[Trajectory]:
+        return [self.trajectories[m] for m in g.members if m in self.trajectories and self.trajectories[m].usable]
+
+    def _check(self, gid: str, now: float) -> None:
+        g = self.groups.get(gid)
+        if g is not None and len(self._usable(g)) >= g.size:
+            self._release(g, complete=True)
+
+    def _release(self, g: Group, *, complete: bool) -> None:
+        members = self._usable(g)
+        self._ready.append(ReadyGroup(g.group_id, members, complete))
+        self.counts["groups_ready" if complete else "incomplete_trained"] += 1
+        self._close(g)
+
+    def _close(self, g: Group) -> None:
+        for m in g.members:
+            self._forget(m, None)
+            self.done[m] = None
+        del self.groups[g.group_id]
+        self.done[g.group_id] = None
+        while len(self.done) > self.max_done_groups:
+            self.done.popitem(last=False)
+
+    def _forget(self, trajectory_id: str, reason: str | None) -> None:
+        t = self.trajectories.pop(trajectory_id, None)
+        self._seen_requests.pop(trajectory_id, None)
+        if t is not None and reason:
+            self.counts[reason] += 1
+
+    def poll(self, now: float | None = None) -> list[ReadyGroup]:
+        """Apply timeouts and TTLs, then return (and hand over) the groups that became ready."""
+        now = time.monotonic() if now is None else now
+        for g in [g for g in self.groups.values() if now - g.first_seen >= self.group_timeout_s]:
+            if len(self._usable(g)) >= 2:
+                self._release(g, complete=False)
+            else:
+                self.counts["incomplete_dropped"] += 1
+                self._close(g)
+        for t in [t for t in self.trajectories.values() if now - t.first_seen >= self.ttl_s]:
+            if t.reward is None:
+                self._forget(t.trajectory_id, "expired_completions")
+            elif not t.completions and t.group_id not in self.groups:
+                self._forget(t.trajectory_id, "expired_rewards")
+        ready, self._ready = self._ready, []
+        return ready
+
+    def pending_raw(self) -> list[tuple[str, bytes]]:
+        """Raw records held but not yet handed over, for the checkpoint."""
+        return [r for t in self.trajectories.values() for r in t.raw]
+
+    def mark_done(self, group_ids: list[str]) -> None:
+        """Groups already trained (restored from a checkpoint): their late records are ignored."""
+        for gid in group_ids:
+            self.done[gid] = None

@@ -1,0 +1,92 @@
+"""One optimizer step over a set of groups: pack, accumulate gradients, all-reduce, clip, step.
+
+With torch.distributed initialised (torchrun, WORLD_SIZE > 1) every rank gets the same sequences,
+takes its share of micro-batches and the LoRA gradients are summed across ranks before clipping; the
+loss denominators are those of the whole step, so the result equals the single-process step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import TrainerConfig
+from .loss import grpo_loss
+from .model import packed_logprobs, trainable_parameters
+from .packing import deal, pack, sampled_tokens
+
+
+@dataclass
+class StepStats:
+    loss: float
+    tokens: int
+    """All tokens (prompt and sampled) run through the model on every rank."""
+    sampled_tokens: int
+    sequences: int
+    micro_batches: int
+    ratio_mean: float
+    truncated_frac: float
+    kl_behaviour: float
+    kl_ref: float
+    grad_norm: float
+    seconds: float
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+class Learner:
+    def __init__(self, model: torch.nn.Module, config: TrainerConfig, device: torch.device) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        self.params = trainable_parameters(model)
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, betas=config.adam_betas,
+                                           weight_decay=config.weight_decay)
+
+    def step(self, sequences: list[dict]) -> StepStats:
+        c = self.config
+        start = time.perf_counter()
+        world, rank = _world()
+        total_tokens = sampled_tokens(sequences)
+        mine = deal(pack(sequences, c.micro_batch_tokens), world, rank)
+        self.model.train()
+        for p in self.params:  # zeros, not None: a rank without micro-batches still joins the all-reduce
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        sums = torch.zeros(7, dtype=torch.float64)  # loss, sampled, ratio, truncated, kl_b, kl_ref, tokens
+        for mb in mine:
+            mb = mb.to(self.device)
+            logp = packed_logprobs(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
+                                   chunk=c.logit_chunk_tokens)
+            ref = None
+            if c.kl_coef:
+                with torch.no_grad(), self.model.disable_adapter():
+                    ref = packed_logprobs(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
+                                          chunk=c.logit_chunk_tokens)
+            loss, st = grpo_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.sequence_index, mode=c.is_mode,
+                                 is_cap=c.is_cap, clip_eps=c.clip_eps, normalize=c.normalize, ref_logprobs=ref,
+                                 kl_coef=c.kl_coef, total_tokens=total_tokens, total_sequences=len(sequences))
+            loss.backward()
+            sums += torch.tensor([loss.item(), st.tokens, st.ratio_sum, st.truncated, st.kl_behaviour_sum,
+                                  st.kl_ref_sum, mb.tokens], dtype=torch.float64)
+        if world > 1:
+            for p in self.params:
+                dist.all_reduce(p.grad)
+            dist.all_reduce(sums)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
+        self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        k = max(sums[1].item(), 1.0)
+        return StepStats(
+            loss=sums[0].item(), tokens=int(sums[6].item()), sampled_tokens=int(sums[1].item()),
+            sequences=len(sequences), micro_batches=len(mine), ratio_mean=sums[2].item() / k,
+            truncated_frac=sums[3].item() / k, kl_behaviour=sums[4].item() / k, kl_ref=sums[5].item() / k,
+            grad_norm=float(grad_norm), seconds=time.perf_counter() - start,
+        )

@@ -1,0 +1,82 @@
+"""Per-step metrics: one progress line, Prometheus gauges/counters on /metrics, a JSONL history."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+log = logging.getLogger("streamrl.trainer")
+
+
+def batch_metrics(batches: list[pa.RecordBatch], version: int) -> dict[str, float]:
+    """Reward and staleness statistics of a step's groups (one reward per trajectory)."""
+    rewards, lags = [], []
+    for b in batches:
+        seen = set()
+        for tid, r, v in zip(b.column("trajectory_id").to_pylist(), b.column("reward").to_pylist(),
+                             b.column("policy_version").to_pylist(), strict=True):
+            lags.append(version - v)
+            if tid not in seen:
+                seen.add(tid)
+                rewards.append(r)
+    return {
+        "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
+        "trajectories": len(rewards), "staleness_mean": float(np.mean(lags)), "staleness_max": float(max(lags)),
+    }
+
+
+class Metrics:
+    """Everything a step reports goes through ``report``."""
+
+    def __init__(self, port: int | None = None, history: str | None = None) -> None:
+        self.history = Path(history) if history else None
+        self.port = port
+        self._gauges: dict[str, Any] = {}
+        self._counter = None
+        self.registry = None
+        if port is not None:
+            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import Counter as PromCounter
+
+            self.registry = CollectorRegistry()
+            self._counter = PromCounter("streamrl_trainer_records", "assembler and record outcomes",
+                                        ["outcome"], registry=self.registry)
+            self._counted: Counter[str] = Counter()
+            server = start_http_server(port, registry=self.registry)
+            self.port = server[0].server_port if isinstance(server, tuple) else port
+
+    def _gauge(self, name: str):
+        from prometheus_client import Gauge
+
+        g = self._gauges.get(name)
+        if g is None:
+            g = self._gauges[name] = Gauge(f"streamrl_trainer_{name}", name.replace("_", " "), registry=self.registry)
+        return g
+
+    def report(self, step: dict[str, Any], counts: Counter[str]) -> None:
+        log.info(
+            "v%d step %d | reward %.3f±%.3f | groups %d | tok %d (%.0f/s) | stale %.1f/%d | loss %+.4f | "
+            "ratio %.3f trunc %.3f | kl %.4f | gnorm %.3f",
+            step["version"], step["step"], step["reward_mean"], step["reward_std"], step["groups"], step["tokens"],
+            step["tokens_per_s"], step["staleness_mean"], step["staleness_max"], step["loss"], step["ratio_mean"],
+            step["truncated_frac"], step["kl_behaviour"], step["grad_norm"],
+        )
+        if self.registry is not None:
+            for k, v in step.items():
+                if isinstance(v, int | float):
+                    self._gauge(k).set(v)
+            for k, v in counts.items():
+                if v > self._counted[k]:
+                    self._counter.labels(k).inc(v - self._counted[k])
+                    self._counted[k] = v
+        if self.history is not None:
+            self.history.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.history, "a") as f:
+                f.write(json.dumps({"time": time.time(), **step, "counts": dict(counts)}) + "\n")

@@ -1,0 +1,69 @@
+"""The policy: a base causal LM with a peft LoRA adapter, and logprobs over packed sequences.
+
+Sequences are packed into one row (batch 1) with ``position_ids`` restarting at 0 for each sequence;
+transformers turns that into a block-diagonal causal mask (or flash-attention varlen), so packed
+sequences never attend to each other and no padding is needed. Logprobs are computed only at the
+positions of sampled tokens, in chunks, each chunk's logits recomputed in the backward pass instead of
+kept (``torch.utils.checkpoint``): a 150k vocabulary never materialises more than ``chunk`` rows of
+fp32 logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch.utils.checkpoint import checkpoint
+
+from .config import TrainerConfig
+
+
+def pick_device(device: str) -> torch.device:
+    """``auto``: the first CUDA device when available, else the CPU (same code either way)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_policy(config: TrainerConfig, device: torch.device, *, attn_implementation: str = "sdpa") -> PeftModel:
+    """Base model (bf16 on CUDA, fp32 on CPU) with a fresh LoRA adapter; only the adapter trains."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    base = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, attn_implementation=attn_implementation)
+    base.to(device)
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=list(config.target_modules), bias="none", task_type="CAUSAL_LM")
+    model = get_peft_model(base, lora)
+    model.config.use_cache = False
+    return model
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    target_positions: torch.Tensor, *, chunk: int = 1024) -> torch.Tensor:
+    """Logprob of ``input_ids[0, p]`` given the tokens before it (within its own sequence) for each
+    ``p`` in ``target_positions`` (never 0 of a sequence: a sampled token always has a prompt before it).
+
+    ``input_ids`` and ``position_ids`` are (1, T): one packed row.
+    """
+    causal_lm = model.get_base_model()
+    hidden = causal_lm.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state[0]
+    h = hidden.index_select(0, target_positions - 1)
+    targets = input_ids[0].index_select(0, target_positions)
+    weight = causal_lm.get_output_embeddings().weight
+    parts = []
+    for i in range(0, h.shape[0], chunk):
+        hs, ts = h[i:i + chunk], targets[i:i + chunk]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_target_logprobs, hs, weight, ts, use_reentrant=False))
+        else:
+            parts.append(_target_logprobs(hs, weight, ts))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)

@@ -1,0 +1,124 @@
+"""Publish adapter versions: atomic directory, weights hash, policy record, bounded history on disk.
+
+``<adapters>/<name>/v<N>/`` holds ``adapter_config.json`` and ``adapter_model.safetensors`` (peft's
+format, which vLLM's runtime LoRA loading reads) plus ``streamrl_trainer.json`` (version, step and the
+ids of the groups this version was trained on). It is written under a temporary name and renamed, so
+a reader never sees a half-written version. The last ``keep`` version directories stay on disk because
+a serving engine may still read them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from peft import PeftModel
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+META_FILE = "streamrl_trainer.json"
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_adapter(model: PeftModel, policy_dir: Path, version: int, meta: dict) -> tuple[Path, str]:
+    """Write version ``version`` atomically; returns its directory and the sha256 of its weights.
+
+    A directory of that version left by a crash before its checkpoint was written is replaced: no
+    policy record was ever published for it (records go out only after the checkpoint).
+    """
+    policy_dir.mkdir(parents=True, exist_ok=True)
+    final = policy_dir / f"v{version}"
+    tmp = policy_dir / f".tmp-v{version}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / META_FILE).write_text(json.dumps({"version": version, **meta}))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(policy_dir)
+    return final, sha256_file(final / WEIGHTS_FILE)
+
+
+def version_dirs(policy_dir: Path) -> dict[int, Path]:
+    if not policy_dir.is_dir():
+        return {}
+    return {int(m.group(1)): p for p in policy_dir.iterdir() if (m := _VERSION_DIR.match(p.name))}
+
+
+def prune(policy_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` version directories (and stray temp directories)."""
+    dirs = version_dirs(policy_dir)
+    for v in sorted(dirs)[:-keep] if keep > 0 else []:
+        shutil.rmtree(dirs[v], ignore_errors=True)
+    for p in policy_dir.glob(".tmp-v*"):
+        if not p.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+class PolicyAnnouncer:
+    """Sends PolicyRecords to the policy topic (key = policy name) and waits for the broker's ack."""
+
+    def __init__(self, bootstrap_servers: str, topic: str) -> None:
+        from streamrl.broker.clients import make_producer
+
+        self.topic = topic
+        self.producer = make_producer(bootstrap_servers, client_id="streamrl-trainer", acks="all", linger_ms=0)
+
+    def announce(self, record) -> None:
+        from streamrl.broker.schema import encode
+
+        self.producer.send(self.topic, key=record.name.encode(), value=encode(record)).get(timeout=30)
+
+    def last_version(self, name: str, timeout_s: float = 5.0) -> int:
+        """The highest version already on the policy topic for ``name`` (0 when none)."""
+        from kafka import KafkaConsumer, TopicPartition
+        from streamrl.broker.schema import PolicyRecord, RecordError, decode
+
+        consumer = KafkaConsumer(bootstrap_servers=self.producer.config["bootstrap_servers"],
+                                 enable_auto_commit=False, group_id=None)
+        try:
+            tps = [TopicPartition(self.topic, p) for p in consumer.partitions_for_topic(self.topic) or {0}]
+            consumer.assign(tps)
+            consumer.seek_to_beginning(*tps)
+            end = consumer.end_offsets(tps)
+            best = 0
+            deadline = time.monotonic() + timeout_s
+            while any(consumer.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
+                for records in consumer.poll(timeout_ms=500).values():
+                    for r in records:
+                        try:
+                            rec = decode(r.value)
+                        except RecordError:
+                            continue
+                        if isinstance(rec, PolicyRecord) and rec.name == name:
+                            best = max(best, rec.version)
+            return best
+        finally:
+            consumer.close()
+
+    def close(self) -> None:
+        self.producer.flush(timeout=10)
+        self.producer.close(timeout=5)

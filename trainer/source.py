@@ -1,0 +1,119 @@
+"""Raw record consumption from Kafka: explicit partition assignment, exact offsets, commits.
+
+The trainer owns its offsets (they are checkpointed with the adapter), so it ``assign()``s every
+partition of the completions and rewards topics and ``seek()``s to the checkpointed offsets: no
+consumer-group join, hence no rebalance wait. Offsets are still committed to Kafka under a group id
+after each checkpoint, so lag is visible to the usual tools; on a fresh start without a checkpoint the
+committed offsets are where reading resumes, else the beginning of the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from streamrl.broker.topics import Topics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecord:
+    stream: str
+    """"c" (completions topic) or "r" (rewards topic)."""
+    value: bytes | None
+    position: str
+    """"<topic>:<partition>" of the record."""
+    offset: int
+
+
+class RecordSource(ABC):
+    """Where raw completion and reward records come from."""
+
+    @abstractmethod
+    def poll(self, timeout_s: float) -> list[RawRecord]: ...
+
+    @abstractmethod
+    def offsets(self) -> dict[str, int]:
+        """Next offset to read per ``"<topic>:<partition>"`` (everything before it has been returned)."""
+
+    def commit(self, offsets: dict[str, int]) -> None:  # noqa: B027 - optional for backends
+        """Record progress where monitoring can see it (Kafka group offsets)."""
+
+    def close(self) -> None:  # noqa: B027
+        pass
+
+
+class KafkaRecordSource(RecordSource):
+    def __init__(self, bootstrap_servers: str, topics: Topics, group_id: str,
+                 start: dict[str, int] | None = None, *, partition_timeout_s: float = 30.0) -> None:
+        from kafka import TopicPartition
+        from streamrl.broker.clients import make_consumer
+
+        self._stream = {topics.completions: "c", topics.rewards: "r"}
+        self.consumer = make_consumer(bootstrap_servers, group_id=group_id, client_id="streamrl-trainer")
+        tps = []
+        for topic in self._stream:
+            parts = self._partitions(topic, partition_timeout_s)
+            tps += [TopicPartition(topic, p) for p in sorted(parts)]
+        self.consumer.assign(tps)
+        self._next: dict[str, int] = {}
+        for tp in tps:
+            key = f"{tp.topic}:{tp.partition}"
+            offset = (start or {}).get(key)
+            if offset is None:
+                committed = self._committed(tp)
+                offset = committed if committed is not None else None
+            if offset is None:
+                self.consumer.seek_to_beginning(tp)
+                offset = self.consumer.position(tp)
+            else:
+                self.consumer.seek(tp, offset)
+            self._next[key] = offset
+        log.info("consuming %s from %s", ", ".join(self._stream), self._next)
+
+    def _partitions(self, topic: str, timeout_s: float) -> set[int]:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            parts = self.consumer.partitions_for_topic(topic)
+            if parts:
+                return parts
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"topic {topic} has no partitions (does it exist?)")
+            time.sleep(0.2)
+
+    def _committed(self, tp) -> int | None:
+        try:
+            return self.consumer.committed(tp, timeout_ms=5_000)
+        except Exception as exc:  # broker without group coordination: start from the beginning
+            log.warning("cannot read committed offset of %s: %s", tp, exc)
+            return None
+
+    def poll(self, timeout_s: float) -> list[RawRecord]:
+        out = []
+        for tp, records in self.consumer.poll(timeout_ms=int(timeout_s * 1000)).items():
+            key = f"{tp.topic}:{tp.partition}"
+            stream = self._stream[tp.topic]
+            for r in records:
+                out.append(RawRecord(stream, r.value, key, r.offset))
+                self._next[key] = r.offset + 1
+        return out
+
+    def offsets(self) -> dict[str, int]:
+        return dict(self._next)
+
+    def commit(self, offsets: dict[str, int]) -> None:
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        try:
+            self.consumer.commit({TopicPartition(k.rsplit(":", 1)[0], int(k.rsplit(":", 1)[1])):
+                                  OffsetAndMetadata(v, "", -1) for k, v in offsets.items()}, timeout_ms=5_000)
+        except Exception as exc:  # monitoring only: the checkpoint is the source of truth
+            log.warning("offset commit failed: %s", exc)
+
+    def close(self) -> None:
+        self.consumer.close(autocommit=False)
