@@ -1,0 +1,215 @@
+"""Completions and rewards -> groups -> Arrow batches: records produced exactly as the gateway does
+(shared schema + a Kafka producer keyed by trajectory id) through the real embedded broker, and the
+assembler's rules (timeouts, TTL, duplicates, staleness, bounded memory) driven by an explicit clock."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections import Counter
+
+import numpy as np
+import pytest
+from streamrl.broker.clients import make_producer
+from streamrl.broker.schema import CompletionRecord, PolicyRecord, RewardRecord, encode
+from streamrl.broker.topics import Topics, create_topics
+from streamrl.trainer.assembler import Assembler, merge_calls
+from streamrl.trainer.batch import BATCH_SCHEMA, build_batch, load_batches, save_batch
+from streamrl.trainer.config import TrainerConfig
+from streamrl.trainer.feed import StreamGroups
+from streamrl.trainer.source import KafkaRecordSource
+
+
+def call(tid: str, prompt: list[int], completion: list[int], *, gid: str | None = "g", version: int = 0,
+         req: str | None = None) -> CompletionRecord:
+    lp = -np.arange(1, len(completion) + 1, dtype=np.float32) / 10
+    return CompletionRecord(request_id=req or uuid.uuid4().hex, trajectory_id=tid, group_id=gid,
+                            prompt_token_ids=np.array(prompt), completion_token_ids=np.array(completion),
+                            logprobs=lp, policy_version=version)
+
+
+def produce(bootstrap: str, topics: Topics, records: list, raw: list[tuple[str, bytes]] = ()) -> None:
+    """As the gateway does: encode with the shared schema, key by trajectory id."""
+    p = make_producer(bootstrap)
+    for r in records:
+        topic = topics.completions if isinstance(r, CompletionRecord) else topics.rewards
+        p.send(topic, key=r.trajectory_id.encode(), value=encode(r))
+    for topic, value in raw:
+        p.send(topic, key=b"bad", value=value)
+    p.flush()
+    p.close()
+
+
+def fresh_topics(bootstrap: str) -> Topics:
+    t = Topics(f"asm{uuid.uuid4().hex[:8]}")
+    create_topics(bootstrap, t, partitions=2)
+    return t
+
+
+def stream(bootstrap: str, topics: Topics, **cfg) -> StreamGroups:
+    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, **cfg)
+    return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}"), config)
+
+
+def await_groups(s: StreamGroups, n: int, timeout: float = 30.0, version: int = 0) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = s.next_groups(n, version, 0.5)
+        if got:
+            return got
+    raise AssertionError(f"no {n} groups within {timeout}s; counts {dict(s.counts)}")
+
+
+def test_merge_calls_extends_and_splits() -> None:
+    a = call("t", [1, 2, 3], [4, 5])
+    b = call("t", [1, 2, 3, 4, 5, 9, 9], [6], version=2)      # extends a: tool result 9 9, then 6
+    c = call("t", [1, 2, 7], [8])                              # does not extend: new sequence
+    seqs = merge_calls([a, b, c])
+    assert [s.token_ids.tolist() for s in seqs] == [[1, 2, 3, 4, 5, 9, 9, 6], [1, 2, 7, 8]]
+    assert seqs[0].loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 0, 1]
+    np.testing.assert_allclose(seqs[0].behaviour_logprobs, [0, 0, 0, -0.1, -0.2, 0, 0, -0.1], rtol=1e-6)
+    assert seqs[0].policy_version == 0 and seqs[0].request_ids == [a.request_id, b.request_id]
+
+
+def test_records_through_kafka_become_the_expected_batch(broker) -> None:
+    topics = fresh_topics(broker.bootstrap_servers)
+    recs = [
+        # rewards first for two of them: they must wait for their completions
+        RewardRecord("A", 1.0, group_id="g1", group_size=3),
+        RewardRecord("B", 0.0, group_id="g1", group_size=3),
+        call("A", [10, 11], [12, 13], gid="g1"),
+        call("A", [10, 11, 12, 13, 14], [15], gid="g1"),      # multi-turn: merged into one sequence
+        call("B", [10, 11], [20], gid="g1"),
+        call("B", [30], [31, 32], gid="g1"),                  # a fresh context: a second sequence
+        call("C", [10, 11], [40, 41, 42], gid="g1"),
+        RewardRecord("C", 2.0, group_id="g1", group_size=3),
+    ]
+    produce(broker.bootstrap_servers, topics, recs)
+    s = stream(broker.bootstrap_servers, topics)
+    try:
+        [batch] = await_groups(s, 1)
+    finally:
+        s.close()
+    assert batch.schema.equals(BATCH_SCHEMA)
+    rows = sorted(batch.to_pylist(), key=lambda r: (r["trajectory_id"], r["token_ids"]))
+    assert [(r["trajectory_id"], r["token_ids"], r["loss_mask"]) for r in rows] == [
+        ("A", [10, 11, 12, 13, 14, 15], [0, 0, 1, 1, 0, 1]),
+        ("B", [10, 11, 20], [0, 0, 1]),
+        ("B", [30, 31, 32], [0, 1, 1]),
+        ("C", [10, 11, 40, 41, 42], [0, 0, 1, 1, 1]),
+    ]
+    assert rows[0]["behaviour_logprobs"] == pytest.approx([0, 0, -0.1, -0.2, 0, -0.1])
+    # rewards 1, 0, 2: mean 1, population std sqrt(2/3)
+    std = math.sqrt(2 / 3)
+    adv = {r["trajectory_id"]: r["advantage"] for r in rows}
+    assert adv == pytest.approx({"A": 0.0, "B": -1 / std, "C": 1 / std}, rel=1e-5)
+    assert {r["group_id"] for r in rows} == {"g1"} and s.counts["groups_ready"] == 1
+
+
+def test_bad_records_are_counted_and_skipped(broker) -> None:
+    topics = fresh_topics(broker.bootstrap_servers)
+    good = encode(call("X", [1, 2], [3, 4], gid="gb"))
+    nan = call("Y", [1], [2, 3], gid="gb")
+    nan.logprobs = np.array([-0.1, np.nan], np.float32)
+    bad_version = bytearray(good)
+    bad_version[4] = 99
+    raw = [
+        (topics.completions, b"not a record"),                  # malformed
+        (topics.completions, bytes(bad_version)),               # unknown schema version
+        (topics.completions, encode(nan)),                      # NaN logprob
+        (topics.completions, good[:-4]),                        # token / logprob lengths differ
+        (topics.rewards, encode(RewardRecord("X", float("inf"), group_id="gb"))),  # non-finite reward
+        (topics.completions, encode(PolicyRecord("p", 1, "/x", "m", 1, "0" * 64))),  # wrong kind
+    ]
+    good_records = [call("X", [1, 2], [3, 4], gid="gb"), call("Z", [1, 2], [5], gid="gb"),
+                    RewardRecord("X", 1.0, group_id="gb", group_size=2), RewardRecord("Z", 0.0, group_id="gb")]
+    produce(broker.bootstrap_servers, topics, good_records, raw)
+    s = stream(broker.bootstrap_servers, topics)
+    try:
+        [batch] = await_groups(s, 1)  # the good records still make their group
+    finally:
+        s.close()
+    assert batch.num_rows == 2
+    assert {k: v for k, v in s.counts.items() if k.startswith("bad_")} == {
+        "bad_malformed": 1, "bad_unknown_version": 1, "bad_nan_logprob": 1, "bad_length_mismatch": 1,
+        "bad_non_finite_reward": 1, "bad_wrong_kind": 1}
+
+
+def asm(**kw) -> Assembler:
+    return Assembler(**{"group_size": 2, "group_timeout_s": 10.0, "ttl_s": 100.0, "max_trajectories": 100, **kw})
+
+
+def test_group_ready_at_size_and_first_duplicate_reward_wins() -> None:
+    a = asm()
+    a.add(call("a", [1], [2]), b"", now=0)
+    a.add(RewardRecord("a", 1.0, group_id="g"), b"", now=0)
+    a.add(RewardRecord("a", 5.0, group_id="g"), b"", now=0)       # duplicate: ignored
+    a.add(call("b", [1], [3], req="r1"), b"", now=0)
+    a.add(call("b", [1], [3], req="r1"), b"", now=0)              # duplicate completion: ignored
+    assert a.poll(now=1) == []
+    a.add(RewardRecord("b", 0.0, group_id="g"), b"", now=1)
+    [g] = a.poll(now=1)
+    assert g.complete and sorted(t.reward.reward for t in g.trajectories) == [0.0, 1.0]
+    assert len([t for t in g.trajectories if t.trajectory_id == "b"][0].completions) == 1
+    a.add(RewardRecord("a", 3.0, group_id="g"), b"", now=2)        # group already trained: late
+    assert a.counts["duplicate_reward"] == 1 and a.counts["duplicate_completion"] == 1 and a.counts["late"] == 1
+    assert not a.trajectories and not a.groups
+
+
+def test_timeout_trains_partial_group_or_drops_it() -> None:
+    a = asm(group_size=4)
+    for t, r in [("a", 1.0), ("b", 0.0)]:
+        a.add(call(t, [1], [2], gid="big"), b"", now=0)
+        a.add(RewardRecord(t, r, group_id="big"), b"", now=0)
+    a.add(RewardRecord("c", 1.0, group_id="small"), b"", now=0)
+    a.add(call("c", [1], [2], gid="small"), b"", now=0)
+    assert a.poll(now=9.9) == []
+    [g] = a.poll(now=10.0)
+    assert g.group_id == "big" and not g.complete and len(g.trajectories) == 2
+    assert a.counts["incomplete_trained"] == 1 and a.counts["incomplete_dropped"] == 1
+
+
+def test_ttl_expiry_and_eviction_bound_memory() -> None:
+    a = asm(ttl_s=5.0, max_trajectories=3)
+    a.add(call("lonely", [1], [2]), b"", now=0)                           # never rewarded
+    a.add(RewardRecord("orphan", 1.0, group_id="o", group_size=1), b"", now=0)  # never completed
+    a.poll(now=4)
+    assert set(a.trajectories) == {"lonely", "orphan"}
+    a.poll(now=5)
+    assert "lonely" not in a.trajectories and a.counts["expired_completions"] == 1
+    for i in range(4):
+        a.add(call(f"t{i}", [1], [2]), b"", now=6)
+    assert len(a.trajectories) == 3 and a.counts["evicted"] >= 1
+
+
+def test_stale_and_signal_free_groups_are_skipped_and_counted() -> None:
+    a = asm(group_size=3)
+    for t, r, v in [("a", 1.0, 0), ("b", 0.0, 5), ("c", 1.0, 5)]:
+        a.add(call(t, [1], [2], version=v), b"", now=0)
+        a.add(RewardRecord(t, r, group_id="g"), b"", now=0)
+    [g] = a.poll(now=0)
+    counts: Counter[str] = Counter()
+    batch = build_batch(g, current_version=6, max_lag=2, std_norm=True, counts=counts)
+    assert batch is not None and sorted(batch.column("trajectory_id").to_pylist()) == ["b", "c"]
+    assert counts["stale_trajectories"] == 1
+    assert build_batch(g, current_version=9, max_lag=2, std_norm=True, counts=counts) is None
+    assert counts["groups_dropped_stale"] == 1
+    for t in ("x", "y"):
+        a.add(call(t, [1], [2], gid="flat"), b"", now=0)
+        a.add(RewardRecord(t, 0.5, group_id="flat", group_size=2), b"", now=0)
+    [flat] = a.poll(now=0)
+    assert build_batch(flat, current_version=0, max_lag=2, std_norm=True, counts=counts) is None
+    assert counts["groups_no_signal"] == 1
+
+
+def test_parquet_round_trip(tmp_path) -> None:
+    a = asm()
+    for t, r in [("a", 1.0), ("b", 0.0)]:
+        a.add(call(t, [1, 2], [3, 4]), b"", now=0)
+        a.add(RewardRecord(t, r, group_id="g"), b"", now=0)
+    [g] = a.poll(now=0)
+    batch = build_batch(g, current_version=0, max_lag=2, std_norm=False, counts=Counter())
+    save_batch(batch, tmp_path, "00000001-000")
+    [back] = load_batches(tmp_path)
+    assert back.equals(batch)
