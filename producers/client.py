@@ -1,0 +1,201 @@
+"""A trajectory context for agents that talk to the streamrl gateway with the official OpenAI client.
+
+The gateway learns which calls belong together from two headers, and the trainer learns how good they
+were from one reward. This helper does both so an agent's code stays plain OpenAI SDK code::
+
+    with Trajectory("http://127.0.0.1:8080", group_id="task-7", group_size=8) as t:
+        reply = t.client.chat.completions.create(model="policy", messages=[...])
+        t.reward(1.0)               # posted to POST /v1/rewards when the block ends
+
+``t.client`` is an ``openai.OpenAI`` whose every request carries ``X-Trajectory-Id`` (and ``X-Group-Id``).
+A block that raises posts no reward: the trajectory is abandoned and the trainer expires it. Many
+trajectories can share one ``Gateway`` (one connection pool) instead of each opening its own.
+``AsyncGateway`` / ``AsyncTrajectory`` are the same for ``openai.AsyncOpenAI``.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from types import TracebackType
+from typing import Any
+
+import httpx
+import openai
+
+TRAJECTORY_HEADER = "X-Trajectory-Id"
+GROUP_HEADER = "X-Group-Id"
+VERSION_HEADER = "X-Policy-Version"
+
+
+class RewardError(RuntimeError):
+    """The gateway refused a reward (status and body included): nothing was recorded."""
+
+
+def _v1(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else f"{url}/v1"
+
+
+def reward_body(trajectory_id: str, reward: float, group_id: str | None = None, group_size: int | None = None,
+                metrics: dict[str, float] | None = None) -> dict[str, Any]:
+    """The JSON the gateway's ``POST /v1/rewards`` takes. Checks finiteness here so a bad reward fails in
+    the agent, where the bug is, rather than as a 400 later."""
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise ValueError(f"reward must be a finite number, got {reward!r}")
+    body: dict[str, Any] = {"trajectory_id": trajectory_id, "reward": float(reward)}
+    if group_id is not None:
+        body["group_id"] = group_id
+    if group_size is not None:
+        body["group_size"] = group_size
+    if metrics:
+        body["metrics"] = metrics
+    return body
+
+
+def _check(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        raise RewardError(f"POST /v1/rewards -> {response.status_code}: {response.text[:500]}")
+
+
+def _tag_headers(trajectory_id: str, group_id: str | None) -> dict[str, str]:
+    headers = {TRAJECTORY_HEADER: trajectory_id}
+    if group_id is not None:
+        headers[GROUP_HEADER] = group_id
+    return headers
+
+
+class Gateway:
+    """One gateway: a shared OpenAI client and HTTP pool from which trajectories are made."""
+
+    def __init__(self, url: str, *, api_key: str = "unused", timeout: float = 600.0, max_retries: int = 0) -> None:
+        self.base_url = _v1(url)
+        self.http = httpx.Client(timeout=timeout)
+        self.openai = openai.OpenAI(base_url=self.base_url, api_key=api_key, http_client=self.http,
+                                    max_retries=max_retries)
+
+    def trajectory(self, *, group_id: str | None = None, group_size: int | None = None,
+                   trajectory_id: str | None = None) -> Trajectory:
+        return Trajectory(self, group_id=group_id, group_size=group_size, trajectory_id=trajectory_id)
+
+    def post_rewards(self, bodies: list[dict[str, Any]]) -> None:
+        """Post rewards in one request (the gateway takes a list)."""
+        _check(self.http.post(f"{self.base_url}/rewards", json=bodies))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Gateway:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Episode:
+    """What both trajectory flavours share: the ids, the pending reward and its request body."""
+
+    def __init__(self, group_id: str | None, group_size: int | None, trajectory_id: str | None) -> None:
+        self.trajectory_id = trajectory_id or uuid.uuid4().hex
+        self.group_id = group_id
+        self.group_size = group_size
+        self.headers = _tag_headers(self.trajectory_id, group_id)
+        self._reward: float | None = None
+        self._metrics: dict[str, float] = {}
+        self.posted = False
+
+    def reward(self, value: float, **metrics: float) -> None:
+        """Set the reward (and optional numeric metrics); it is posted when the block ends."""
+        reward_body(self.trajectory_id, value)  # validate now, where the bug is
+        self._reward = float(value)
+        self._metrics = {k: float(v) for k, v in metrics.items()}
+
+    @property
+    def has_reward(self) -> bool:
+        return self._reward is not None
+
+    def body(self) -> dict[str, Any]:
+        if self._reward is None:
+            raise ValueError(f"trajectory {self.trajectory_id} has no reward")
+        return reward_body(self.trajectory_id, self._reward, self.group_id, self.group_size, self._metrics)
+
+    def _should_post(self, exc_type: type[BaseException] | None) -> bool:
+        return exc_type is None and self._reward is not None and not self.posted
+
+
+class Trajectory(_Episode):
+    """One episode: every call through ``client`` is tagged with its ids; the reward is posted at exit."""
+
+    def __init__(self, gateway: Gateway | str, *, group_id: str | None = None, group_size: int | None = None,
+                 trajectory_id: str | None = None) -> None:
+        super().__init__(group_id, group_size, trajectory_id)
+        self._owns_gateway = isinstance(gateway, str)
+        self.gateway = Gateway(gateway) if isinstance(gateway, str) else gateway
+        self.client: openai.OpenAI = self.gateway.openai.with_options(default_headers=self.headers)
+
+    def post(self) -> None:
+        """Post the reward now (``__exit__`` does this when a reward was set)."""
+        self.gateway.post_rewards([self.body()])
+        self.posted = True
+
+    def __enter__(self) -> Trajectory:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if self._should_post(exc_type):
+                self.post()
+        finally:
+            if self._owns_gateway:
+                self.gateway.close()
+
+
+class AsyncGateway:
+    """``Gateway`` for asyncio agents (``openai.AsyncOpenAI``, ``httpx.AsyncClient``)."""
+
+    def __init__(self, url: str, *, api_key: str = "unused", timeout: float = 600.0, max_retries: int = 0,
+                 max_connections: int = 256) -> None:
+        self.base_url = _v1(url)
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.http = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.openai = openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, http_client=self.http,
+                                         max_retries=max_retries)
+
+    def trajectory(self, *, group_id: str | None = None, group_size: int | None = None,
+                   trajectory_id: str | None = None) -> AsyncTrajectory:
+        return AsyncTrajectory(self, group_id=group_id, group_size=group_size, trajectory_id=trajectory_id)
+
+    async def post_rewards(self, bodies: list[dict[str, Any]]) -> None:
+        _check(await self.http.post(f"{self.base_url}/rewards", json=bodies))
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> AsyncGateway:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class AsyncTrajectory(_Episode):
+    """``Trajectory`` for asyncio agents: ``async with gateway.trajectory(...) as t``."""
+
+    def __init__(self, gateway: AsyncGateway, *, group_id: str | None = None, group_size: int | None = None,
+                 trajectory_id: str | None = None) -> None:
+        super().__init__(group_id, group_size, trajectory_id)
+        self.gateway = gateway
+        self.client: openai.AsyncOpenAI = gateway.openai.with_options(default_headers=self.headers)
+
+    async def post(self) -> None:
+        await self.gateway.post_rewards([self.body()])
+        self.posted = True
+
+    async def __aenter__(self) -> AsyncTrajectory:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._should_post(exc_type):
+            await self.post()

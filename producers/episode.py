@@ -1,0 +1,31 @@
+"""What every example environment returns per trajectory, and how it reads the serving version."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .client import VERSION_HEADER
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One finished trajectory: its reward and the newest policy version that served any of its calls
+    (None when the gateway did not say, e.g. talking to vLLM directly)."""
+
+    reward: float
+    version: int | None
+    turns: int = 1
+
+
+def served_version(headers: Any) -> int | None:
+    """The ``X-Policy-Version`` response header as an int (0 = base model), None if absent or odd."""
+    value = headers.get(VERSION_HEADER)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def newest(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)

@@ -1,0 +1,59 @@
+"""The demo task: "write numbers". Reward = the fraction of the reply's visible characters that are digits.
+
+Chosen so that the tiny random model of the demo and the tests can learn it within minutes: a random
+policy already writes some numbers (about a third of the tiny tokenizer's vocabulary is number tokens,
+so the starting reward is low but not zero and varies within a group, which is what GRPO needs), and
+pushing probability towards number tokens is a direction LoRA can move quickly. Real models learn it in
+a handful of steps, so it also works as a smoke test of a deployment.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from .client import AsyncGateway
+from .episode import Outcome, served_version
+
+PROMPTS = (
+    "Write some numbers.",
+    "List a few numbers please.",
+    "Count with me.",
+    "Give me digits only.",
+    "What is the sum of two numbers?",
+    "Reply with numbers.",
+    "Tell me a number.",
+    "Numbers, please.",
+)
+
+
+def digit_fraction(text: str) -> float:
+    """Digits / non-whitespace characters of ``text``; 0.0 for a reply with nothing visible."""
+    visible = [c for c in text if not c.isspace()]
+    if not visible:
+        return 0.0
+    return sum(c.isdigit() for c in visible) / len(visible)
+
+
+@dataclass(frozen=True, slots=True)
+class NumbersTask:
+    """Sampling settings of the task. temperature 1.0: the behaviour policy is the model's own
+    distribution, which is what the trainer's importance ratios compare against."""
+
+    model: str = "policy"
+    max_tokens: int = 16
+    temperature: float = 1.0
+
+    def sample(self, rng: random.Random) -> str:
+        return rng.choice(PROMPTS)
+
+    async def episode(self, gateway: AsyncGateway, prompt: str, group_id: str, group_size: int) -> Outcome:
+        """One trajectory: one chat call, reward posted when the trajectory closes."""
+        async with gateway.trajectory(group_id=group_id, group_size=group_size) as t:
+            raw = await t.client.chat.completions.with_raw_response.create(
+                model=self.model, messages=[{"role": "user", "content": prompt}],
+                max_tokens=self.max_tokens, temperature=self.temperature)
+            reply = raw.parse()
+            reward = digit_fraction(reply.choices[0].message.content or "")
+            t.reward(reward)
+        return Outcome(reward, served_version(raw.headers))

@@ -1,0 +1,172 @@
+"""Drive an environment through the gateway: groups of trajectories, kept in flight, reward per version.
+
+A group is one problem sampled ``group_size`` times (separate calls sharing a group id, each its own
+trajectory), which is what the trainer's GRPO advantages are computed over. ``concurrency`` groups are
+kept in flight so vLLM batches them. Every finished trajectory is booked under the policy version that
+served it (the gateway's ``X-Policy-Version``), which shows the reward climbing version after version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .client import AsyncGateway
+from .episode import Outcome
+
+log = logging.getLogger(__name__)
+
+
+class Task(Protocol):
+    def sample(self, rng: random.Random) -> Any:
+        """A problem (a prompt, or a prompt with its answer) for one group."""
+
+    async def episode(self, gateway: AsyncGateway, problem: Any, group_id: str, group_size: int) -> Outcome:
+        """Play one trajectory through the gateway and post its reward."""
+
+
+@dataclass
+class VersionStats:
+    n: int = 0
+    total: float = 0.0
+    total_sq: float = 0.0
+    first_s: float = 0.0
+    last_s: float = 0.0
+
+    def add(self, reward: float, t: float) -> None:
+        if self.n == 0:
+            self.first_s = t
+        self.n += 1
+        self.total += reward
+        self.total_sq += reward * reward
+        self.last_s = t
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n if self.n else math.nan
+
+    @property
+    def std(self) -> float:
+        if self.n < 2:
+            return 0.0
+        return math.sqrt(max(self.total_sq / self.n - self.mean**2, 0.0))
+
+
+@dataclass
+class Board:
+    """Reward per served policy version, failed trajectories, and what to print."""
+
+    started: float = field(default_factory=time.monotonic)
+    versions: dict[int, VersionStats] = field(default_factory=dict)
+    failed: int = 0
+    groups: int = 0
+    printed: set[int] = field(default_factory=set)
+
+    def add(self, outcome: Outcome) -> None:
+        version = -1 if outcome.version is None else outcome.version
+        self.versions.setdefault(version, VersionStats()).add(outcome.reward, time.monotonic() - self.started)
+
+    @property
+    def newest(self) -> int:
+        return max(self.versions, default=-1)
+
+    def line(self, version: int) -> str:
+        s = self.versions[version]
+        bar = "#" * round(20 * min(max(s.mean, 0.0), 1.0))
+        name = "unknown" if version < 0 else f"v{version}"
+        return (f"policy {name:>4}: reward {s.mean:.3f} ± {s.std:.3f}  {bar:<20}  "
+                f"({s.n} trajectories, t={s.first_s:.0f}-{s.last_s:.0f} s)")
+
+    def closed_lines(self) -> list[str]:
+        """Lines for versions that a newer version has superseded and that were not printed yet."""
+        out = []
+        for v in sorted(self.versions):
+            if v < self.newest and v not in self.printed:
+                self.printed.add(v)
+                out.append(self.line(v))
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "versions": {str(v): {"n": s.n, "mean": s.mean, "std": s.std, "first_s": s.first_s, "last_s": s.last_s}
+                         for v, s in sorted(self.versions.items())},
+            "failed": self.failed,
+            "groups": self.groups,
+            "trajectories": sum(s.n for s in self.versions.values()),
+            "seconds": time.monotonic() - self.started,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RunLimits:
+    """When to stop: after ``until_version`` has served ``groups_at_last`` groups, or after ``max_seconds``."""
+
+    until_version: int | None = None
+    groups_at_last: int = 4
+    max_seconds: float | None = None
+
+
+async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: int = 4,
+                     limits: RunLimits = RunLimits(), stop: threading.Event | None = None, seed: int = 0,
+                     emit: Callable[[str], None] = print) -> Board:
+    """Keep ``concurrency`` groups in flight until a limit is reached or ``stop`` is set."""
+    board = Board()
+    rng = random.Random(seed)
+    done = asyncio.Event()
+    groups_at_last = 0
+
+    async def one_group() -> None:
+        nonlocal groups_at_last
+        group_id = f"g-{uuid.uuid4().hex[:12]}"
+        problem = task.sample(rng)
+        results = await asyncio.gather(*(task.episode(gateway, problem, group_id, group_size)
+                                         for _ in range(group_size)), return_exceptions=True)
+        board.groups += 1
+        versions = []
+        for r in results:
+            if isinstance(r, BaseException):
+                board.failed += 1
+                if board.failed <= 5:  # the count is in the summary; the first few say why
+                    log.warning("trajectory failed: %s: %s", type(r).__name__, r)
+            else:
+                board.add(r)
+                versions.append(-1 if r.version is None else r.version)
+        for text in board.closed_lines():
+            emit(text)
+        if limits.until_version is not None and versions and min(versions) >= limits.until_version:
+            groups_at_last += 1
+            if groups_at_last >= limits.groups_at_last:
+                done.set()
+
+    async def worker() -> None:
+        while not done.is_set():
+            await one_group()
+
+    async def watch() -> None:
+        while not done.is_set():
+            if stop is not None and stop.is_set():
+                break
+            if limits.max_seconds is not None and time.monotonic() - board.started > limits.max_seconds:
+                emit(f"time limit of {limits.max_seconds:.0f} s reached")
+                break
+            await asyncio.sleep(0.2)
+        done.set()
+
+    async with AsyncGateway(url, max_connections=max(64, 2 * concurrency * group_size)) as gateway:
+        workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        await watch()
+        for w in workers:  # finish the groups in flight so their rewards are posted, then stop
+            await w
+    if board.versions:
+        emit(board.line(board.newest))
+    emit(f"{board.groups} groups, {sum(s.n for s in board.versions.values())} trajectories, "
+         f"{board.failed} failed, {time.monotonic() - board.started:.0f} s")
+    return board
