@@ -55,11 +55,11 @@ class StreamGroups(GroupSource):
         self.config = config
         self.assembler = Assembler(group_size=config.group_size, group_timeout_s=config.group_timeout_s,
                                    ttl_s=config.trajectory_ttl_s, max_trajectories=config.max_pending_trajectories)
-        self.assembler.mark_done(list(done))
         self.counts = self.assembler.counts
         self.ready: list[tuple[pa.RecordBatch, list[tuple[str, bytes]]]] = []
-        for stream, value in restore:
+        for stream, value in restore:  # before mark_done: groups ready but untrained were closed already
             self._feed(stream, value)
+        self.assembler.mark_done(list(done))
 
     def _feed(self, stream: str, value: bytes | None) -> None:
         try:
