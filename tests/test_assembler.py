@@ -151,7 +151,7 @@ def test_group_ready_at_size_and_first_duplicate_reward_wins() -> None:
     a.add(RewardRecord("b", 0.0, group_id="g"), b"", now=1)
     [g] = a.poll(now=1)
     assert g.complete and sorted(t.reward.reward for t in g.trajectories) == [0.0, 1.0]
-    assert len([t for t in g.trajectories if t.trajectory_id == "b"][0].completions) == 1
+    assert len(next(t for t in g.trajectories if t.trajectory_id == "b").completions) == 1
     a.add(RewardRecord("a", 3.0, group_id="g"), b"", now=2)        # group already trained: late
     assert a.counts["duplicate_reward"] == 1 and a.counts["duplicate_completion"] == 1 and a.counts["late"] == 1
     assert not a.trajectories and not a.groups

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from streamrl.trainer.loss import grpo_loss, group_advantages
+from streamrl.trainer.loss import group_advantages, grpo_loss
 
 BEHAVIOUR = torch.tensor([-1.0, -2.0, -0.5])
 LOG_RATIO = torch.tensor([math.log(3.0), math.log(0.5), 0.0])

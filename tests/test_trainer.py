@@ -182,7 +182,7 @@ def trainer_process(tiny_model: Path, bootstrap: str, topics: Topics, adapters: 
            bootstrap, "--adapters", str(adapters), "--topic-prefix", topics.prefix, "--groups-per-step", "1",
            "--max-steps", "6", "--keep-versions", "100", "--device", "cpu",
            "--history", str(adapters / "history.jsonl")]
-    return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
+    return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def test_kill_9_and_restart_trains_every_group_exactly_once(tiny_model, broker, tmp_path) -> None:
