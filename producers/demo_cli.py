@@ -1,0 +1,95 @@
+"""`streamrl demo`: run an example environment against a running gateway and print the reward per version.
+
+Groups of ``--group-size`` trajectories (one problem each) are kept in flight; every trajectory is booked
+under the policy version that served it, and a line is printed each time a version is superseded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .calculator import CalculatorTask
+from .numbers import NumbersTask
+from .runner import Board, RunLimits, Task, run_groups
+
+TASKS = ("numbers", "calculator")
+
+
+@dataclass
+class DemoConfig:
+    """The demo producer's settings (also the ``[demo]`` table of ``streamrl up``'s config file)."""
+
+    task: str = "numbers"
+    model: str = "policy"
+    """Model name sent to the gateway: the stable policy name."""
+    group_size: int = 8
+    concurrency: int = 4
+    """Groups kept in flight."""
+    max_tokens: int = 16
+    until_version: int | None = None
+    """Stop once this policy version has served ``groups_at_last`` whole groups."""
+    groups_at_last: int = 4
+    max_seconds: float | None = None
+    seed: int = 0
+    summary: str | None = None
+    """Write the reward per version, failures and timings as JSON here at the end."""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"demo task must be one of {', '.join(TASKS)}, not {self.task!r}")
+        if self.group_size < 1 or self.concurrency < 1:
+            raise ValueError("group_size and concurrency must be >= 1")
+
+    def make_task(self) -> Task:
+        if self.task == "calculator":
+            return CalculatorTask(model=self.model, max_tokens=max(self.max_tokens, 64))
+        return NumbersTask(model=self.model, max_tokens=self.max_tokens)
+
+    @property
+    def limits(self) -> RunLimits:
+        return RunLimits(self.until_version, self.groups_at_last, self.max_seconds)
+
+
+def run_demo(url: str, config: DemoConfig, stop: threading.Event | None = None, emit=print) -> Board:
+    """Run the demo producer to its limits; writes the summary file when configured."""
+    board = asyncio.run(run_groups(url, config.make_task(), group_size=config.group_size,
+                                   concurrency=config.concurrency, limits=config.limits, stop=stop,
+                                   seed=config.seed, emit=emit))
+    if config.summary:
+        path = Path(config.summary)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"config": asdict(config), **board.summary()}, indent=2))
+    return board
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DemoConfig()
+    p.add_argument("--gateway", default="http://127.0.0.1:8080", help="gateway base URL")
+    p.add_argument("--task", choices=TASKS, default=d.task)
+    p.add_argument("--model", default=d.model, help="model name to request (the policy name)")
+    p.add_argument("--group-size", type=int, default=d.group_size)
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="groups in flight")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--until-version", type=int, default=None,
+                   help="stop once this version has served --groups-at-last groups")
+    p.add_argument("--groups-at-last", type=int, default=d.groups_at_last)
+    p.add_argument("--max-seconds", type=float, default=None)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--summary", default=None, help="write a JSON summary here at the end")
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    return DemoConfig(task=args.task, model=args.model, group_size=args.group_size, concurrency=args.concurrency,
+                      max_tokens=args.max_tokens, until_version=args.until_version,
+                      groups_at_last=args.groups_at_last, max_seconds=args.max_seconds, seed=args.seed,
+                      summary=args.summary)
+
+
+def run(args: argparse.Namespace) -> int:
+    board = run_demo(args.gateway, config_from_args(args), emit=lambda s: print(s, flush=True))
+    return 1 if board.failed else 0

@@ -1,0 +1,482 @@
+"""`streamrl up`: broker, vLLM engine, gateway and trainer as one process tree, with one combined log.
+
+Every part runs as its own child process in its own process group, so a shutdown (Ctrl-C, SIGTERM, a
+part that dies, or the demo finishing) stops each group in order, children included: demo -> gateway
+-> trainer -> engine -> broker. ``--bootstrap-servers`` uses an external Kafka instead of the embedded
+broker and ``--upstream`` external vLLM servers instead of starting one; nothing else changes.
+
+Configuration: defaults, then one TOML/JSON file (tables ``[up]``, ``[engine]``, ``[trainer]``,
+``[demo]``), then flags. The ``[trainer]`` table holds ``TrainerConfig`` fields; ``up`` writes the
+effective trainer configuration to ``<work-dir>/trainer.json`` and hands it to the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.topics import Topics, create_topics
+from streamrl.engine import Engine, EngineConfig
+from streamrl.producers.demo_cli import DemoConfig, run_demo
+from streamrl.producers.demo_model import build_demo_model, default_cache_dir
+from streamrl.trainer.config import TrainerConfig
+
+DEMO_TRAINER: dict[str, Any] = {
+    "learning_rate": 3e-2,
+    "groups_per_step": 2,
+    "group_size": 8,
+    "lora_rank": 8,
+    "max_lag": 4,
+    "group_timeout_s": 20.0,
+}
+"""Trainer settings under which the demo model learns the demo task within minutes on 2 CPU cores (see
+docs/loop.md). Applied with ``--demo`` below whatever the config file's ``[trainer]`` table says."""
+
+
+@dataclass
+class EngineSection:
+    """The vLLM engine that ``up`` starts when no ``--upstream`` is given, and where it runs."""
+
+    device: str | None = None
+    """CUDA device index(es) for vLLM (CUDA_VISIBLE_DEVICES), e.g. "0"; None = vLLM's default."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of the GPU vLLM may take; lower it when the trainer shares the GPU."""
+    port: int | None = None
+    max_lora_rank: int = 16
+    max_loras: int = 4
+    max_model_len: int = 2048
+    cpu_kv_cache_gb: int = 1
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class UpConfig:
+    model: str | None = None
+    """Base model path or id. None builds the demo model into the cache directory."""
+    host: str = "127.0.0.1"
+    port: int = 8080
+    """Gateway port (0 = a free one)."""
+    work_dir: str | None = None
+    """Adapters, logs, trainer config and history. None = a new directory per run under the cache (the
+    embedded broker keeps nothing across runs, so neither should the trainer's offsets)."""
+    bootstrap_servers: str | None = None
+    """External Kafka; None starts the embedded broker."""
+    broker_port: int | None = None
+    partitions: int = 4
+    upstreams: list[str] = field(default_factory=list)
+    """External vLLM base URLs; empty starts one engine."""
+    topic_prefix: str = "streamrl"
+    policy_name: str = "policy"
+    max_loaded_versions: int = 3
+    trainer_device: str | None = None
+    """Trainer device: auto, cpu, cuda, cuda:N (the [trainer] table's ``device``)."""
+    trainer_nproc: int = 1
+    """Trainer processes (torchrun, one per GPU) for multi-GPU data-parallel training."""
+    verbose: bool = False
+    """Show the engine's INFO lines in the combined log too (they are always in its log file)."""
+    engine: EngineSection = field(default_factory=EngineSection)
+    demo: DemoConfig | None = None
+    trainer_table: dict[str, Any] = field(default_factory=dict)
+    """The config file's [trainer] table, validated against TrainerConfig when the stack is built."""
+
+    def __post_init__(self) -> None:
+        if self.trainer_nproc < 1:
+            raise ValueError("trainer_nproc must be >= 1")
+        if self.work_dir is None:
+            self.work_dir = str(default_cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S"))
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(str(self.work_dir))
+
+    def trainer_config(self, model: str, bootstrap_servers: str) -> TrainerConfig:
+        """Demo defaults (with --demo) < the [trainer] table < what ``up`` owns (model, broker, paths)."""
+        values = dict(DEMO_TRAINER) if self.demo is not None else {}
+        values.update(self.trainer_table)
+        if self.trainer_device is not None:
+            values["device"] = self.trainer_device
+        values.update(model=model, bootstrap_servers=bootstrap_servers, topic_prefix=self.topic_prefix,
+                      name=self.policy_name, adapters=str(self.run_dir / "adapters"),
+                      history=values.get("history") or str(self.run_dir / "history.jsonl"))
+        return TrainerConfig.load(None, **values)
+
+
+def _table(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown option(s) in [{where}]: {', '.join(unknown)}")
+    return data
+
+
+def load_config(path: str | Path | None = None, **flags: Any) -> UpConfig:
+    """Defaults, then the file, then the flags that were given (None = not given)."""
+    data: dict[str, Any] = {}
+    if path:
+        text = Path(path).read_text()
+        data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
+        extra = sorted(set(data) - {"up", "engine", "trainer", "demo"})
+        if extra:
+            raise ValueError(f"unknown table(s) in {path}: {', '.join(extra)} (use up, engine, trainer, demo)")
+    up = _table(UpConfig, dict(data.get("up", {})), "up")
+    engine = _table(EngineSection, dict(data.get("engine", {})), "engine")
+    demo = _table(DemoConfig, dict(data.get("demo", {})), "demo")
+    engine_flags = {k[len("engine_"):]: flags.pop(k) for k in list(flags) if k.startswith("engine_")}
+    demo_flags = {k[len("demo_"):]: flags.pop(k) for k in list(flags) if k.startswith("demo_")}
+    want_demo = bool(flags.pop("demo", False)) or "demo" in data
+    engine.update({k: v for k, v in engine_flags.items() if v is not None})
+    demo.update({k: v for k, v in demo_flags.items() if v is not None})
+    up.update({k: v for k, v in flags.items() if v is not None})
+    return UpConfig(**up, engine=EngineSection(**engine), demo=DemoConfig(**demo) if want_demo else None,
+                    trainer_table=dict(data.get("trainer", {})))
+
+
+# ---------------------------------------------------------------------------------------------- logs
+
+
+_CLIENT_CHATTER = re.compile(r" (?:DEBUG|INFO) (?:kafka|httpx|aiohttp|urllib3)[.:]")
+_ENGINE_TROUBLE = re.compile(r"ERROR|CRITICAL|Traceback|Error\b|Exception")
+
+
+def console_worthy(part: str, text: str, verbose: bool) -> bool:
+    """What reaches the console (every line still goes to the part's log file): not the Kafka/HTTP
+    clients' INFO chatter, and of vLLM only its trouble unless ``verbose``."""
+    if verbose:
+        return True
+    if part == "engine":
+        return bool(_ENGINE_TROUBLE.search(text))
+    return not _CLIENT_CHATTER.search(text)
+
+
+class CombinedLog:
+    """Prefixes each part's lines with its name on stdout, and keeps each part's full log in a file."""
+
+    def __init__(self, out: IO[str] | None = None, verbose: bool = False) -> None:
+        self.out = out or sys.stdout
+        self.verbose = verbose
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def line(self, part: str, text: str) -> None:
+        with self.lock:
+            self.out.write(f"{part:<8}| {text.rstrip()}\n")
+            self.out.flush()
+
+    def pump(self, part: str, stream: IO[bytes], log_file: Path) -> None:
+        """Copy a child's output to its log file and, prefixed, to the console."""
+        def run() -> None:
+            with open(log_file, "ab") as f:
+                for raw in iter(stream.readline, b""):
+                    f.write(raw)
+                    f.flush()
+                    text = raw.decode(errors="replace")
+                    if console_worthy(part, text, self.verbose):
+                        self.line(part, text)
+        self._start(run)
+
+    def follow(self, part: str, log_file: Path, stop: threading.Event) -> None:
+        """Follow a log file another component writes (the engine's)."""
+        def run() -> None:
+            log_file.touch()
+            with open(log_file, errors="replace") as f:
+                f.seek(0, os.SEEK_END)
+                while not stop.is_set():
+                    text = f.readline()
+                    if not text:
+                        time.sleep(0.2)
+                    elif console_worthy(part, text, self.verbose):
+                        self.line(part, text)
+        self._start(run)
+
+    def _start(self, target: Any) -> None:
+        t = threading.Thread(target=target, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+
+# ------------------------------------------------------------------------------------------- parts
+
+
+@contextlib.contextmanager
+def signals_blocked() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM while a child is being spawned, so a shutdown never leaves one untracked."""
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def stop_group(proc: subprocess.Popen, timeout: float) -> bool:
+    """SIGTERM a child's process group, SIGKILL what is left after ``timeout``. True if it had to be killed."""
+    killed = False
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            killed = True
+    with contextlib.suppress(ProcessLookupError):  # stragglers of an exited leader
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return killed
+
+
+class Shutdown(Exception):
+    """Raised in the main thread by SIGINT/SIGTERM."""
+
+
+class Stack:
+    """The running parts. ``start()`` brings them up in order; ``stop()`` takes down what was started."""
+
+    def __init__(self, config: UpConfig, log: CombinedLog | None = None) -> None:
+        self.config = config
+        self.log = log or CombinedLog(verbose=config.verbose)
+        self.run_dir = config.run_dir
+        self.logs = self.run_dir / "logs"
+        self.broker: EmbeddedBroker | None = None
+        self.engine: Engine | None = None
+        self.children: dict[str, subprocess.Popen] = {}
+        self.model = ""
+        self.bootstrap_servers = ""
+        self.upstreams: list[str] = []
+        self.gateway_url = ""
+        self.demo_thread: threading.Thread | None = None
+        self.demo_stop = threading.Event()
+        self.demo_failed: int | None = None
+        self._following = threading.Event()
+
+    # start ------------------------------------------------------------------------------------
+
+    def start(self) -> Stack:
+        c = self.config
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.log.line("up", f"run directory {self.run_dir}")
+        self.model = self._model()
+        self.bootstrap_servers = self._broker()
+        trainer = c.trainer_config(self.model, self.bootstrap_servers)  # validated before anything slow
+        self._trainer(trainer)
+        self.upstreams = self._engine()
+        self._gateway()
+        if c.demo is not None:
+            self._demo(c.demo)
+        return self
+
+    def _model(self) -> str:
+        if self.config.model is not None:
+            return self.config.model
+        path = default_cache_dir() / "models" / "tiny-demo"
+        self.log.line("up", f"no --model given: using the demo model at {path} (built on first use)")
+        return str(build_demo_model(path))
+
+    def _broker(self) -> str:
+        c = self.config
+        topics = Topics(c.topic_prefix)
+        if c.bootstrap_servers:
+            create_topics(c.bootstrap_servers, topics, partitions=c.partitions)
+            self.log.line("broker", f"external Kafka at {c.bootstrap_servers}")
+            return c.bootstrap_servers
+        with signals_blocked():
+            self.broker = EmbeddedBroker(c.host, c.broker_port, topics=topics, partitions=c.partitions,
+                                         log_file=self.logs / "broker.log")
+            self.broker.start()
+        self.log.line("broker", f"embedded broker ready at {self.broker.bootstrap_servers}")
+        return self.broker.bootstrap_servers
+
+    def _spawn(self, part: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        with signals_blocked():
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env={**os.environ, **(env or {})})
+            self.children[part] = proc
+        assert proc.stdout is not None
+        self.log.pump(part, proc.stdout, self.logs / f"{part}.log")
+        return proc
+
+    def _trainer(self, trainer: TrainerConfig) -> None:
+        path = self.run_dir / "trainer.json"
+        path.write_text(json.dumps(dataclasses.asdict(trainer), indent=2))
+        cli = ["-m", "streamrl.cli", "trainer", "--config", str(path)]
+        n = self.config.trainer_nproc
+        argv = [sys.executable, *cli] if n == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *cli]
+        self._spawn("trainer", argv, env={"PYTHONUNBUFFERED": "1"})
+
+    def _engine(self) -> list[str]:
+        c = self.config
+        if c.upstreams:
+            self.log.line("engine", f"external upstream(s): {', '.join(c.upstreams)}")
+            return list(c.upstreams)
+        e = c.engine
+        config = EngineConfig(model=self.model, host=c.host, port=e.port, max_lora_rank=e.max_lora_rank,
+                              max_loras=e.max_loras, max_model_len=e.max_model_len, device=e.device,
+                              gpu_memory_utilization=e.gpu_memory_utilization, cpu_kv_cache_gb=e.cpu_kv_cache_gb,
+                              extra_args=list(e.extra_args))
+        log_file = self.logs / "engine.log"
+        self.engine = Engine(config, log_file=log_file)
+        self.log.follow("engine", log_file, self._following)
+        self.log.line("engine", f"starting vLLM on {self.model} (log: {log_file})")
+        with signals_blocked(), open(log_file, "ab") as out:
+            self.engine.proc = subprocess.Popen(self.engine.command(), env=self.engine.environment(), stdout=out,
+                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                start_new_session=True)
+        self.engine.wait_healthy(timeout=900)
+        self.log.line("engine", f"vLLM ready at {self.engine.url}")
+        return [self.engine.url]
+
+    def _gateway(self) -> None:
+        c = self.config
+        port = c.port or free_port(c.host)
+        argv = [sys.executable, "-m", "streamrl.cli", "gateway", "--host", c.host, "--port", str(port),
+                "--bootstrap-servers", self.bootstrap_servers, "--topic-prefix", c.topic_prefix,
+                "--policy-name", c.policy_name, "--max-loaded-versions", str(c.max_loaded_versions)]
+        for url in self.upstreams:
+            argv += ["--upstream", url]
+        proc = self._spawn("gateway", argv)
+        self.gateway_url = f"http://{c.host}:{port}"
+        deadline = time.monotonic() + 120
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"gateway exited with code {proc.returncode} during start-up")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.gateway_url}/health").status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("gateway not healthy after 120 s")
+                time.sleep(0.2)
+        self.log.line("gateway", f"ready at {self.gateway_url}/v1 (model {c.policy_name!r})")
+
+    def _demo(self, demo: DemoConfig) -> None:
+        if demo.summary is None:
+            demo = dataclasses.replace(demo, summary=str(self.run_dir / "demo-summary.json"))
+
+        def run() -> None:
+            board = run_demo(self.gateway_url, demo, stop=self.demo_stop,
+                             emit=lambda s: self.log.line("demo", s))
+            self.demo_failed = board.failed
+
+        self.log.line("demo", f"task {demo.task!r}: groups of {demo.group_size}, {demo.concurrency} in flight; "
+                              "reward per policy version follows")
+        self.demo_thread = threading.Thread(target=run, name="demo", daemon=True)
+        self.demo_thread.start()
+
+    # run --------------------------------------------------------------------------------------
+
+    def wait(self) -> int:
+        """Until a part dies (1), the demo ends (0, or 1 if any trajectory failed) or a signal arrives."""
+        while True:
+            for part, proc in self.children.items():
+                if proc.poll() is not None:
+                    self.log.line("up", f"{part} exited with code {proc.returncode}; stopping")
+                    return 1
+            for part, p in (("engine", self.engine and self.engine.proc), ("broker", self.broker and self.broker.proc)):
+                if p is not None and p.poll() is not None:
+                    self.log.line("up", f"{part} exited with code {p.returncode}; stopping")
+                    return 1
+            if self.demo_thread is not None and not self.demo_thread.is_alive():
+                if self.demo_failed is None:
+                    self.log.line("up", "demo stopped with an error; stopping")
+                    return 1
+                return 1 if self.demo_failed else 0
+            time.sleep(0.3)
+
+    # stop -------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        if self.demo_thread is not None:
+            self.demo_stop.set()
+            self.demo_thread.join(timeout=60)
+        for part, timeout in (("gateway", 10.0), ("trainer", 60.0)):
+            proc = self.children.get(part)
+            if proc is not None:
+                self.log.line("up", f"stopping {part}")
+                if stop_group(proc, timeout):
+                    self.log.line("up", f"{part} did not stop within {timeout:.0f} s of SIGTERM: killed")
+        if self.engine is not None:
+            self.log.line("up", "stopping engine")
+            self.engine.stop()
+        if self.broker is not None:
+            self.log.line("up", "stopping broker")
+            self.broker.stop()
+        self._following.set()
+        for t in self.log.threads:
+            t.join(timeout=2)
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML or JSON file with [up], [engine], [trainer], [demo] tables")
+    p.add_argument("--model", help="base model path or id (default: the demo model, built on first use)")
+    p.add_argument("--host", help="interface for the gateway, engine and broker (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gateway port (default 8080; 0 = a free one)")
+    p.add_argument("--work-dir", help="adapters, logs and history (default: a new run directory in the cache)")
+    p.add_argument("--bootstrap-servers", help="external Kafka HOST:PORT (no embedded broker)")
+    p.add_argument("--upstream", action="append", dest="upstreams",
+                   help="external vLLM base URL, repeatable (no engine is started)")
+    p.add_argument("--topic-prefix")
+    p.add_argument("--policy-name", help="the stable model name clients use (default policy)")
+    p.add_argument("--engine-device", help="CUDA device(s) for vLLM, e.g. 0")
+    p.add_argument("--gpu-memory-utilization", type=float, dest="engine_gpu_memory_utilization",
+                   help="fraction of the GPU vLLM may take (lower it to share the GPU with the trainer)")
+    p.add_argument("--max-model-len", type=int, dest="engine_max_model_len")
+    p.add_argument("--trainer-device", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--trainer-nproc", type=int, help="trainer processes, one per GPU (torchrun)")
+    p.add_argument("--verbose", action="store_true", default=None, help="show the engine's INFO lines")
+    p.add_argument("--demo", action="store_true", help="also run the demo producer and print reward per version")
+    p.add_argument("--demo-task", choices=("numbers", "calculator"))
+    p.add_argument("--demo-until-version", type=int, help="with --demo: stop everything once this version "
+                   "has served --demo-groups-at-last groups")
+    p.add_argument("--demo-groups-at-last", type=int)
+    p.add_argument("--demo-max-seconds", type=float, help="with --demo: stop everything after this long")
+    p.add_argument("--demo-summary", help="with --demo: write the reward per version as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the log
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "log_level", "config")}
+    config = load_config(args.config, **flags)
+    stack = Stack(config)
+
+    def shutdown(signum: int, _frame: object) -> None:
+        raise Shutdown(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 1
+    try:
+        stack.start()
+        code = stack.wait()
+    except Shutdown as sig:
+        stack.log.line("up", f"{sig}: shutting down")
+        code = 0
+    except Exception as exc:
+        stack.log.line("up", f"error: {type(exc).__name__}: {exc}")
+    finally:
+        for s in old:  # a second Ctrl-C must not interrupt the orderly stop
+            signal.signal(s, signal.SIG_IGN)
+        stack.stop()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    stack.log.line("up", f"stopped (exit code {code})")
+    return code
