@@ -57,6 +57,9 @@ def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
     if state.lora:
         set_peft_model_state_dict(model, state.lora)
         learner.optimizer.load_state_dict(state.optimizer)
+    if world > 1:  # every rank starts from rank 0's adapter weights
+        for p in learner.params:
+            dist.broadcast(p.data, src=0)
     log.info("rank %d/%d on %s, resuming at version %d step %d", rank, world, device, state.version, state.step)
     source = announcer = metrics = None
     if rank == 0:
