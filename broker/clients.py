@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,8 @@ class ProducerStats:
     """Sent but not acknowledged (broker unreachable, timeouts)."""
     dropped: int = 0
     """Refused at the door because the buffer was full."""
+    invalid: int = 0
+    """Deferred records whose value could not be built (nothing was sent for them)."""
     bytes_delivered: int = 0
 
     @property
@@ -71,16 +74,22 @@ class ProducerStats:
         return self.failed + self.dropped
 
 
+Build = Callable[[], list[tuple[bytes | None, bytes]]]
+"""Makes (key, value) pairs on the producer thread, so encoding stays off the caller's thread."""
+
+
 class LogProducer:
     """Fire-and-forget producer for servers: bounded buffer, background thread, counters."""
 
     def __init__(self, bootstrap_servers: str, *, max_buffered: int = 100_000,
-                 compression: str | None = DEFAULT_COMPRESSION, send_timeout_ms: int = 10_000) -> None:
+                 compression: str | None = DEFAULT_COMPRESSION, send_timeout_ms: int = 10_000,
+                 client_id: str = "streamrl-gateway") -> None:
         self.bootstrap_servers = bootstrap_servers
         self.stats = ProducerStats()
-        self._queue: queue.Queue[tuple[str, bytes | None, bytes] | None] = queue.Queue(max_buffered)
+        self._queue: queue.Queue[tuple[str, bytes | None, bytes | Build, int] | None] = queue.Queue(max_buffered)
         self._compression = compression
         self._send_timeout_ms = send_timeout_ms
+        self._client_id = client_id
         self._lock = threading.Lock()
         self._producer: KafkaProducer | None = None
         self._thread = threading.Thread(target=self._run, name="streamrl-log-producer", daemon=True)
@@ -88,23 +97,36 @@ class LogProducer:
 
     def offer(self, topic: str, key: bytes | None, value: bytes) -> bool:
         """Queue a record; False (and counted as dropped) when the buffer is full. Never blocks."""
-        self.stats.offered += 1
+        return self._put((topic, key, value, 1))
+
+    def offer_deferred(self, topic: str, build: Build, count: int) -> bool:
+        """Queue ``count`` records whose bytes ``build()`` makes later, on the producer thread.
+        If ``build`` raises, none of them is sent and all are counted as invalid."""
+        return self._put((topic, None, build, count))
+
+    def _put(self, item: tuple[str, bytes | None, bytes | Build, int]) -> bool:
+        n = item[3]
+        self.stats.offered += n
         try:
-            self._queue.put_nowait((topic, key, value))
+            self._queue.put_nowait(item)
             return True
         except queue.Full:
-            self.stats.dropped += 1
+            self.stats.dropped += n
             return False
 
     @property
     def buffered(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def capacity(self) -> int:
+        return self._queue.maxsize
+
     def _connect(self) -> KafkaProducer | None:
         try:
             return make_producer(self.bootstrap_servers, compression=self._compression,
                                  max_block_ms=self._send_timeout_ms, request_timeout_ms=self._send_timeout_ms,
-                                 delivery_timeout_ms=self._send_timeout_ms + 5_000, client_id="streamrl-gateway")
+                                 delivery_timeout_ms=self._send_timeout_ms + 5_000, client_id=self._client_id)
         except Exception as exc:  # broker down at start: keep serving, retry on the next record
             log.warning("cannot connect producer to %s: %s", self.bootstrap_servers, exc)
             return None
@@ -116,9 +138,9 @@ class LogProducer:
                 self.stats.bytes_delivered += nbytes
         return ok
 
-    def _on_err(self, exc: BaseException) -> None:
+    def _on_err(self, exc: BaseException, n: int = 1) -> None:
         with self._lock:
-            self.stats.failed += 1
+            self.stats.failed += n
         log.debug("record not delivered: %s", exc)
 
     def _run(self) -> None:
@@ -126,23 +148,38 @@ class LogProducer:
             item = self._queue.get()
             if item is None:
                 break
+            topic, key, value, count = item
+            if callable(value):
+                try:
+                    pairs = value()
+                except Exception as exc:
+                    with self._lock:
+                        self.stats.invalid += count
+                    log.warning("record not built: %s", exc)
+                    continue
+            else:
+                pairs = [(key, value)]
             if self._producer is None:
                 self._producer = self._connect()
                 if self._producer is None:
-                    self._on_err(ConnectionError("broker unreachable"))
+                    self._on_err(ConnectionError("broker unreachable"), len(pairs))
                     time.sleep(0.2)
                     continue
-            topic, key, value = item
-            try:
-                fut = self._producer.send(topic, key=key, value=value)
-                fut.add_callback(self._on_ok(len(value))).add_errback(self._on_err)
-            except Exception as exc:  # metadata timeout, buffer exhausted in the client
-                self._on_err(exc)
+            for k, v in pairs:
+                try:
+                    fut = self._producer.send(topic, key=k, value=v)
+                    fut.add_callback(self._on_ok(len(v))).add_errback(self._on_err)
+                except Exception as exc:  # metadata timeout, buffer exhausted in the client
+                    self._on_err(exc)
         if self._producer is not None:
             try:
                 self._producer.flush(timeout=self._send_timeout_ms / 1000)
-            finally:
-                self._producer.close(timeout=1)
+            except Exception as exc:  # broker gone: what is left is counted by the errbacks
+                log.warning("records left undelivered at close: %s", exc)
+            try:
+                self._producer.close(timeout=0)
+            except Exception as exc:
+                log.debug("producer close: %s", exc)
 
     def close(self) -> None:
         """Deliver what is buffered (bounded by the send timeout), then stop the thread."""

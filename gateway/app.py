@@ -1,0 +1,144 @@
+"""The gateway's FastAPI app: routes, and the start/stop of what runs beside them.
+
+The lifespan owns the pooled upstream client, the upstream health checks, the Kafka log producer and
+the policy follower (hot-swap); ``create_app`` wires them and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import orjson
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+from streamrl.broker.clients import LogProducer
+from streamrl.broker.topics import Topics
+
+from .config import GatewayConfig
+from .metrics import GatewayMetrics
+from .policy import PolicyRouter
+from .proxy import JSON, Proxy
+from .rewards import post_rewards
+from .upstreams import UpstreamPool
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    """The parts of one running gateway, reachable from tests as ``app.state.gateway``."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.topics = Topics(config.topic_prefix)
+        self.metrics = GatewayMetrics()
+        self.pool = UpstreamPool(config.upstreams, interval_s=config.health_interval_s,
+                                 timeout_s=config.health_timeout_s)
+        self.router = PolicyRouter(config.policy_name, self.pool)
+        self.producer: LogProducer | None = None
+        self.proxy = Proxy(config, self.pool, self.router, None, self.metrics, self.topics.completions)
+        self.follower = None
+        self.session: aiohttp.ClientSession | None = None
+        self.metrics.watch(self.pool, lambda: self.producer.stats if self.producer else None,
+                           lambda: self.producer.buffered if self.producer else 0, lambda: self.router.version)
+
+    async def start(self) -> None:
+        c = self.config
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=None)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                             skip_auto_headers=("User-Agent",))
+        if c.bootstrap_servers is not None:
+            self.producer = LogProducer(c.bootstrap_servers, max_buffered=c.max_buffered_records,
+                                        send_timeout_ms=c.producer_send_timeout_ms)
+        self.proxy.producer = self.producer
+        self.proxy.session = self.session
+        await self.pool.start(self.session)
+        if c.bootstrap_servers is not None and c.follow_policy:
+            from .hotswap import PolicyFollower
+
+            self.follower = PolicyFollower(c, self.pool, self.router, self.session, self.topics.policy)
+            await self.follower.start()
+        log.info("gateway up: upstreams %s, logging %s, policy name %r", list(c.upstreams),
+                 "to " + c.bootstrap_servers if c.bootstrap_servers else "off", c.policy_name)
+
+    async def stop(self) -> None:
+        if self.follower is not None:
+            await self.follower.stop()
+        await self.pool.stop()
+        if self.session is not None:
+            await self.session.close()
+        if self.producer is not None:
+            self.producer.close()
+
+    def health(self) -> dict[str, object]:
+        healthy = sum(u.healthy for u in self.pool.upstreams)
+        stats = self.producer.stats if self.producer else None
+        return {
+            "status": "ok" if healthy else "no_healthy_upstream",
+            "upstreams": [u.state() for u in self.pool.upstreams],
+            "policy": self.router.state(),
+            "producer": None if stats is None else {
+                "offered": stats.offered, "delivered": stats.delivered, "failed": stats.failed,
+                "dropped": stats.dropped, "invalid": stats.invalid, "buffered": self.producer.buffered,
+            },
+        }
+
+    def models(self) -> dict[str, object]:
+        cards = self.pool.model_cards()
+        base = cards[0]["id"] if cards else None
+        if base is not None:
+            cards.append({"id": self.config.policy_name, "object": "model", "owned_by": "streamrl",
+                          "root": self.router.routed.served_name if self.router.routed else base,
+                          "parent": base})
+        return {"object": "list", "data": cards}
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    gateway = Gateway(config)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = FastAPI(title="streamrl gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+    proxy = gateway.proxy
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle(request, "completions")
+
+    @app.post("/v1/rewards")
+    async def rewards(request: Request) -> Response:
+        started = time.perf_counter()
+        response = await post_rewards(request, gateway.producer, gateway.topics.rewards, config.max_body_bytes)
+        gateway.metrics.observe("/v1/rewards", response.status_code, time.perf_counter() - started)
+        if response.status_code == 200:
+            gateway.metrics.rewards.inc(orjson.loads(response.body)["accepted"])
+        return response
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(orjson.dumps(gateway.models()), media_type=JSON)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(orjson.dumps(gateway.health()), media_type=JSON)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,45 @@
+"""Run the OpenAI-compatible gateway in front of vLLM servers; it logs every completion to Kafka."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import GatewayConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--upstream", action="append", required=True,
+                   help="vLLM base URL without /v1 (repeat for several)")
+    p.add_argument("--bootstrap-servers", required=True, help="Kafka bootstrap servers, HOST:PORT")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--topic-prefix", default="streamrl")
+    p.add_argument("--policy-name", default="policy", help="stable model name of the policy being trained")
+    p.add_argument("--max-loaded-versions", type=int, default=3,
+                   help="at most this many policy versions stay loaded per upstream (>= 2)")
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    p.add_argument("--upstream-timeout", type=float, default=600.0,
+                   help="seconds without a byte from the upstream before a 504")
+    p.add_argument("--no-logging", action="store_true",
+                   help="forward only, log nothing (for measuring the gateway's overhead)")
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        upstreams=tuple(args.upstream),
+        bootstrap_servers=None if args.no_logging else args.bootstrap_servers,
+        host=args.host, port=args.port, topic_prefix=args.topic_prefix, policy_name=args.policy_name,
+        max_loaded_versions=args.max_loaded_versions, max_body_bytes=args.max_body_bytes,
+        upstream_timeout_s=args.upstream_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    config = config_from_args(args)
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning",
+                access_log=False, loop="uvloop", http="httptools")
+    return 0

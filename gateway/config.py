@@ -1,0 +1,49 @@
+"""Typed configuration of the gateway. One dataclass; the CLI and tests build it, nothing reads dicts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    upstreams: tuple[str, ...]
+    """vLLM OpenAI base URLs, without ``/v1``."""
+    bootstrap_servers: str | None
+    """Kafka bootstrap servers; None turns logging off (used by the overhead benchmark's baseline)."""
+    host: str = "127.0.0.1"
+    port: int = 8080
+    topic_prefix: str = "streamrl"
+    policy_name: str = "policy"
+    """The stable model name clients use for the policy being trained."""
+    max_loaded_versions: int = 3
+    """At most this many policy versions stay loaded in each upstream."""
+    follow_policy: bool = True
+    """Follow the policy topic and hot-swap published versions (needs ``bootstrap_servers``)."""
+    max_body_bytes: int = 16 << 20
+    upstream_timeout_s: float = 600.0
+    """A request that gets no (further) bytes from its upstream for this long ends in 504."""
+    connect_timeout_s: float = 2.0
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    max_buffered_records: int = 100_000
+    producer_send_timeout_ms: int = 10_000
+    record_request: bool = True
+    """Keep the request (messages/prompt, tools, sampling params) in each record for inspection."""
+    load_retry_s: float = 1.0
+    """Pause before retrying an adapter load that failed on an upstream."""
+    extra_headers: dict[str, str] = field(default_factory=dict)
+    """Headers sent to every upstream (e.g. an API key)."""
+
+    def __post_init__(self) -> None:
+        if not self.upstreams:
+            raise ValueError("at least one upstream is required")
+        if self.max_loaded_versions < 2:  # the routed version plus the next one being loaded
+            raise ValueError("max_loaded_versions must be >= 2")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be >= 1024")
+        object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))
+
+    @property
+    def logging_enabled(self) -> bool:
+        return self.bootstrap_servers is not None

@@ -1,0 +1,77 @@
+"""Prometheus metrics of one gateway (its own registry, so several gateways can live in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from streamrl.broker.clients import ProducerStats
+
+from .upstreams import UpstreamPool
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _StateCollector(Collector):
+    """Reads live state at scrape time: upstreams, producer counters, policy version."""
+
+    def __init__(self, pool: UpstreamPool, stats: Callable[[], ProducerStats | None],
+                 buffered: Callable[[], int], policy_version: Callable[[], int]) -> None:
+        self.pool, self.stats, self.buffered, self.policy_version = pool, stats, buffered, policy_version
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        up = GaugeMetricFamily("streamrl_gateway_upstream_healthy", "1 if the upstream is in rotation",
+                               labels=["upstream"])
+        inflight = GaugeMetricFamily("streamrl_gateway_upstream_in_flight", "requests in flight per upstream",
+                                     labels=["upstream"])
+        for u in self.pool.upstreams:
+            up.add_metric([u.url], 1.0 if u.healthy else 0.0)
+            inflight.add_metric([u.url], u.in_flight)
+        yield up
+        yield inflight
+        s = self.stats()
+        if s is not None:
+            records = CounterMetricFamily("streamrl_gateway_records", "records by outcome", labels=["outcome"])
+            records.add_metric(["offered"], s.offered)
+            records.add_metric(["produced"], s.delivered)
+            records.add_metric(["failed"], s.failed)
+            records.add_metric(["dropped"], s.dropped)
+            records.add_metric(["invalid"], s.invalid)
+            yield records
+            yield CounterMetricFamily("streamrl_gateway_records_undelivered",
+                                      "records offered but not delivered (failed + dropped)", value=s.undelivered)
+            yield CounterMetricFamily("streamrl_gateway_record_bytes", "record bytes delivered (before compression)",
+                                      value=s.bytes_delivered)
+            yield GaugeMetricFamily("streamrl_gateway_records_buffered", "records waiting for the producer",
+                                    value=self.buffered())
+        yield GaugeMetricFamily("streamrl_gateway_policy_version", "policy version routed for the policy name",
+                                value=self.policy_version())
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("streamrl_gateway_requests", "requests by route and status",
+                                ["route", "status"], registry=self.registry)
+        self.latency = Histogram("streamrl_gateway_request_seconds", "time to the full response by route",
+                                 ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("streamrl_gateway_ttft_seconds", "time to first token of streamed responses",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tokens = Counter("streamrl_gateway_tokens", "tokens seen in logged completions", ["kind"],
+                              registry=self.registry)
+        self.retries = Counter("streamrl_gateway_upstream_retries", "requests retried on another upstream",
+                               registry=self.registry)
+        self.rewards = Counter("streamrl_gateway_rewards", "rewards accepted", registry=self.registry)
+
+    def watch(self, pool: UpstreamPool, stats: Callable[[], ProducerStats | None], buffered: Callable[[], int],
+              policy_version: Callable[[], int]) -> None:
+        self.registry.register(_StateCollector(pool, stats, buffered, policy_version))
+
+    def observe(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, str(status)).inc()
+        self.latency.labels(route).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,386 @@
+"""Forward ``/v1/chat/completions`` and ``/v1/completions`` to an upstream and log what it produced.
+
+For the record the gateway asks vLLM for the sampled tokens' logprobs and the token ids; when the
+client did not ask for them itself they are set back to the ``null`` vLLM returns when they are not
+requested, so the client receives what vLLM would have returned for its own request. Records are
+built and encoded on the producer thread; a failed or cut-off response produces no record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+from streamrl.broker.clients import LogProducer
+from streamrl.broker.schema import RecordError, check_id, encode
+
+from .capture import CallContext, ChoiceCapture, StreamCapture, build_records, capture_body
+from .config import GatewayConfig
+from .metrics import GatewayMetrics
+from .policy import Lease, PolicyRouter
+from .upstreams import Upstream, UpstreamPool
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+_RETRYABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+"""Failures before any response byte: the request can go to another upstream unseen by the client."""
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntityTooLarge",
+                500: "InternalServerError", 502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """An OpenAI-style error body, the shape vLLM uses too."""
+    return orjson.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"),
+                                   "param": param, "code": status}})
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    return Response(error_body(status, message, param), status, headers=headers, media_type=JSON)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise BadRequest(413, f"request body is over the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(413, f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_request(raw: bytes, endpoint: str) -> dict[str, Any]:
+    """Validate what the gateway itself relies on; vLLM validates the rest and its 400 is passed on."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(400, f"invalid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest(400, "'model' must be a non-empty string", "model")
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise BadRequest(400, "'messages' must be a non-empty list of objects", "messages")
+    elif not isinstance(body.get("prompt"), str | list):
+        raise BadRequest(400, "'prompt' must be a string or a list", "prompt")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(400, "'stream' must be a boolean", "stream")
+    n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise BadRequest(400, "'n' must be a positive integer", "n")
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise BadRequest(400, "'metadata' must be an object", "metadata")
+    return body
+
+
+def _tag(request: Request, metadata: dict[str, Any] | None, header: str, key: str) -> str | None:
+    value = request.headers.get(header)
+    if value is None and metadata is not None:
+        value = metadata.get(key)
+    try:
+        return check_id(value, key, optional=True)
+    except RecordError as exc:
+        raise BadRequest(400, str(exc), key) from None
+
+
+def _strip(data: dict[str, Any], chat: bool, ids: bool, logprobs: bool) -> None:
+    """Set what the gateway asked for on its own behalf back to vLLM's ``null``."""
+    if ids and chat and "prompt_token_ids" in data:
+        data["prompt_token_ids"] = None
+    for choice in data.get("choices") or ():
+        if ids:
+            if "token_ids" in choice:
+                choice["token_ids"] = None
+            if not chat and "prompt_token_ids" in choice:
+                choice["prompt_token_ids"] = None
+        if logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+
+
+class _Call:
+    """One request's state while it is forwarded."""
+
+    __slots__ = ("chat", "ctx", "headers", "lease", "record", "route", "strip_ids", "strip_logprobs",
+                 "upstream")
+
+    def __init__(self, endpoint: str, ctx: CallContext, lease: Lease, record: bool) -> None:
+        self.chat = endpoint == "chat"
+        self.route = ROUTES[endpoint]
+        self.ctx, self.lease, self.record = ctx, lease, record
+        self.strip_ids = self.strip_logprobs = False
+        self.upstream: Upstream | None = None
+        self.headers = {"X-Request-Id": ctx.request_id, "X-Trajectory-Id": ctx.trajectory_id}
+        if ctx.group_id is not None:
+            self.headers["X-Group-Id"] = ctx.group_id
+        if lease.policy_name is not None:
+            self.headers["X-Policy-Version"] = str(lease.version)
+
+
+class _Relay(StreamingResponse):
+    """A streaming response that always runs its clean-up, even if the client left before the first byte."""
+
+    def __init__(self, content: AsyncIterator[bytes], status: int, headers: dict[str, str],
+                 on_close: Callable[[], None]) -> None:
+        super().__init__(content, status, headers=headers, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class Proxy:
+    def __init__(self, config: GatewayConfig, pool: UpstreamPool, router: PolicyRouter,
+                 producer: LogProducer | None, metrics: GatewayMetrics, completions_topic: str) -> None:
+        self.config, self.pool, self.router = config, pool, router
+        self.producer, self.metrics, self.topic = producer, metrics, completions_topic
+        self.session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s,
+                                              sock_read=config.upstream_timeout_s)
+        self._upstream_headers = {"Content-Type": JSON, **config.extra_headers}
+
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        started = time.perf_counter()
+        route = ROUTES[endpoint]
+        try:
+            response = await self._handle(request, endpoint, started)
+        except BadRequest as exc:
+            response = error_response(exc.status, exc.message, exc.param)
+        except Exception as exc:  # a bug must cost one request, never the gateway
+            log.exception("request failed in the gateway")
+            response = error_response(500, f"gateway error: {type(exc).__name__}")
+        if not isinstance(response, _Relay):
+            self.metrics.observe(route, response.status_code, time.perf_counter() - started)
+        return response
+
+    async def _handle(self, request: Request, endpoint: str, started: float) -> Response:
+        raw = await read_body(request, self.config.max_body_bytes)
+        body = parse_request(raw, endpoint)
+        metadata = body.get("metadata")
+        trajectory_id = _tag(request, metadata, "x-trajectory-id", "trajectory_id") or uuid.uuid4().hex
+        group_id = _tag(request, metadata, "x-group-id", "group_id")
+        lease = self.router.resolve(body["model"])
+        if lease is None:
+            raise BadRequest(404, f"The model `{body['model']}` does not exist.", "model")
+        ctx = CallContext(trajectory_id=trajectory_id, group_id=group_id, endpoint=endpoint, model=body["model"],
+                          policy_name=lease.policy_name, policy_version=lease.version,
+                          request=body if self.config.record_request else {}, started=started)
+        call = _Call(endpoint, ctx, lease, record=self.producer is not None)
+        try:
+            payload = self._upstream_payload(call, body, raw, metadata)
+            response = await self._forward(call, payload, bool(body.get("stream")))
+        except BaseException:
+            lease.release()
+            raise
+        if not isinstance(response, _Relay):
+            lease.release()
+        return response
+
+    def _upstream_payload(self, call: _Call, body: dict[str, Any], raw: bytes,
+                          metadata: dict[str, Any] | None) -> bytes:
+        """The body for vLLM: the engine-side model, our tags removed, logprobs and ids when recording."""
+        sent: dict[str, Any] | None = None
+        if call.lease.engine_model != body["model"]:
+            sent = dict(body)
+            sent["model"] = call.lease.engine_model
+        if metadata is not None and ("trajectory_id" in metadata or "group_id" in metadata):
+            sent = sent or dict(body)
+            rest = {k: v for k, v in metadata.items() if k not in ("trajectory_id", "group_id")}
+            if rest:
+                sent["metadata"] = rest
+            else:
+                del sent["metadata"]
+        if call.record:
+            if not body.get("return_token_ids"):
+                sent = sent or dict(body)
+                sent["return_token_ids"] = True
+                call.strip_ids = True
+            if call.chat and not body.get("logprobs"):
+                sent = sent or dict(body)
+                sent["logprobs"] = True
+                call.strip_logprobs = True
+            elif not call.chat and body.get("logprobs") is None:
+                sent = sent or dict(body)
+                sent["logprobs"] = 0
+                call.strip_logprobs = True
+        return raw if sent is None else orjson.dumps(sent)
+
+    async def _connect(self, call: _Call, payload: bytes) -> aiohttp.ClientResponse | Response:
+        """Send to the least-busy upstream; on a failure before any response byte, try another."""
+        assert self.session is not None
+        model = call.lease.engine_model
+        excluded: tuple[Upstream, ...] = ()
+        for attempt in range(len(self.pool.upstreams) + 1):
+            up = self.pool.pick(model, excluded)
+            if up is None:
+                break
+            up.in_flight += 1
+            try:
+                resp = await self.session.post(up.url + call.route, data=payload, headers=self._upstream_headers,
+                                               timeout=self._timeout)
+            except aiohttp.ClientConnectorError as exc:
+                up.in_flight -= 1
+                self.pool.mark_failed(up, f"connect: {exc}")
+                excluded += (up,)
+            except _RETRYABLE as exc:
+                up.in_flight -= 1
+                if attempt:
+                    excluded += (up,)
+                log.info("upstream %s dropped the request before answering (%s); retrying", up.url, exc)
+            except TimeoutError:
+                up.in_flight -= 1
+                return error_response(504, "upstream timed out", headers=call.headers)
+            else:
+                call.upstream = up
+                call.ctx.upstream = up.url
+                return resp
+            self.metrics.retries.inc()
+        if call.lease.policy_name is not None and call.lease.version > 0:
+            message = f"no healthy upstream has policy version {call.lease.version} loaded"
+        else:
+            message = f"no healthy upstream serves `{model}`"
+        return error_response(503, message, headers=call.headers)
+
+    def _done_with_upstream(self, call: _Call) -> None:
+        if call.upstream is not None:
+            call.upstream.in_flight -= 1
+            call.upstream = None
+
+    async def _forward(self, call: _Call, payload: bytes, stream: bool) -> Response:
+        resp = await self._connect(call, payload)
+        if isinstance(resp, Response):
+            return resp
+        if stream and resp.status == 200:
+            return self._stream(call, resp)
+        try:
+            raw = await resp.read()
+        except TimeoutError:
+            return error_response(504, "upstream timed out", headers=call.headers)
+        except aiohttp.ClientError as exc:
+            return error_response(502, f"upstream failed: {exc}", headers=call.headers)
+        finally:
+            resp.release()
+            self._done_with_upstream(call)
+        content_type = resp.headers.get("Content-Type", JSON)
+        if resp.status != 200 or not (call.record or call.strip_ids or call.strip_logprobs):
+            return Response(raw, resp.status, headers=call.headers, media_type=content_type)
+        data = orjson.loads(raw)
+        captures = capture_body(data, call.ctx.endpoint)
+        if call.strip_ids or call.strip_logprobs:
+            _strip(data, call.chat, call.strip_ids, call.strip_logprobs)
+            raw = orjson.dumps(data)
+        self._emit(call, captures)
+        return Response(raw, 200, headers=call.headers, media_type=content_type)
+
+    def _emit(self, call: _Call, captures: list[ChoiceCapture]) -> None:
+        """Hand the call's records to the producer thread (built and encoded there)."""
+        if self.producer is None or not captures:
+            return
+        ctx = call.ctx
+        total_s = time.perf_counter() - ctx.started
+        key = ctx.trajectory_id.encode()
+        n_completion = sum(len(c.token_ids) for c in captures)
+        self.metrics.tokens.labels("completion").inc(n_completion)
+        self.metrics.tokens.labels("prompt").inc(sum(len(c.prompt_token_ids or ()) for c in captures))
+
+        def build() -> list[tuple[bytes | None, bytes]]:
+            return [(key, encode(r)) for r in build_records(ctx, captures, total_s)]
+
+        self.producer.offer_deferred(self.topic, build, len(captures))
+
+    def _stream(self, call: _Call, resp: aiohttp.ClientResponse) -> Response:
+        capture = StreamCapture(call.ctx.endpoint) if call.record else None
+
+        def on_close() -> None:
+            resp.release()
+            self._done_with_upstream(call)
+            call.lease.release()
+
+        headers = dict(call.headers)
+        headers["Cache-Control"] = "no-cache"
+        return _Relay(self._relay(call, resp, capture), 200, headers, on_close)
+
+    async def _relay(self, call: _Call, resp: aiohttp.ClientResponse,
+                     capture: StreamCapture | None) -> AsyncIterator[bytes]:
+        started = call.ctx.started
+        complete = failed = False
+        strip = call.strip_ids or call.strip_logprobs
+        buffer = b""
+        try:
+            async for data in resp.content.iter_any():
+                if capture is None and not strip:
+                    yield data
+                    continue
+                buffer += data
+                *events, buffer = buffer.split(b"\n\n")
+                out = []
+                now = time.perf_counter()
+                for event in events:
+                    if not event.startswith(b"data: "):
+                        out.append(event + b"\n\n")
+                        continue
+                    payload = event[6:]
+                    if payload == b"[DONE]":
+                        complete = True
+                        out.append(event + b"\n\n")
+                        continue
+                    try:
+                        chunk = orjson.loads(payload)
+                    except orjson.JSONDecodeError:
+                        failed = True
+                        out.append(event + b"\n\n")
+                        continue
+                    if "error" in chunk:
+                        failed = True
+                    elif capture is not None:
+                        capture.add(chunk, now)
+                    if strip:
+                        _strip(chunk, call.chat, call.strip_ids, call.strip_logprobs)
+                        out.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                    else:
+                        out.append(event + b"\n\n")
+                if out:
+                    yield b"".join(out)
+            if buffer:
+                yield buffer
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            status = 504 if isinstance(exc, TimeoutError) else 502
+            failed = True
+            yield b"data: " + error_body(status, f"upstream stream ended: {type(exc).__name__}") + b"\n\n"
+        finally:
+            self.metrics.observe(call.route, 200, time.perf_counter() - started)
+        if capture is not None and complete and not failed:
+            captures = capture.captures()
+            first = min((c.first_token_s for c in captures if c.first_token_s is not None), default=None)
+            if first is not None:
+                self.metrics.ttft.observe(first - started)
+            self._emit(call, captures)
+

@@ -1,0 +1,47 @@
+"""Run a gateway inside the current process on a background thread (tests, benchmarks, ``streamrl up``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+
+from .app import create_app
+from .config import GatewayConfig
+
+
+class GatewayServer:
+    """``with GatewayServer(config) as gw: gw.url ...``; the gateway's parts are at ``gw.gateway``."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.app = create_app(config)
+        self.gateway = self.app.state.gateway
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port,
+                                                     log_level="warning", access_log=False,
+                                                     loop="uvloop", http="httptools"))
+        self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def start(self, timeout: float = 60.0) -> GatewayServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> GatewayServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
