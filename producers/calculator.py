@@ -148,4 +148,4 @@ class CalculatorTask:
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
             reward = score(answer, problem.answer, used_tool)
             t.reward(reward, turns=turns)
-        return Outcome(reward, version, turns)
+        return Outcome(reward, version, t.trajectory_id, turns)

@@ -15,6 +15,7 @@ class Outcome:
 
     reward: float
     version: int | None
+    trajectory_id: str = ""
     turns: int = 1
 
 

@@ -56,4 +56,4 @@ class NumbersTask:
             reply = raw.parse()
             reward = digit_fraction(reply.choices[0].message.content or "")
             t.reward(reward)
-        return Outcome(reward, served_version(raw.headers))
+        return Outcome(reward, served_version(raw.headers), t.trajectory_id)
