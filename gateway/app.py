@@ -20,6 +20,7 @@ from streamrl.broker.clients import LogProducer
 from streamrl.broker.topics import Topics
 
 from .config import GatewayConfig
+from .hotswap import PolicyFollower
 from .metrics import GatewayMetrics
 from .policy import PolicyRouter
 from .proxy import JSON, Proxy
@@ -41,7 +42,7 @@ class Gateway:
         self.router = PolicyRouter(config.policy_name, self.pool)
         self.producer: LogProducer | None = None
         self.proxy = Proxy(config, self.pool, self.router, None, self.metrics, self.topics.completions)
-        self.follower = None
+        self.follower: PolicyFollower | None = None
         self.session: aiohttp.ClientSession | None = None
         self.metrics.watch(self.pool, lambda: self.producer.stats if self.producer else None,
                            lambda: self.producer.buffered if self.producer else 0, lambda: self.router.version)
@@ -58,9 +59,8 @@ class Gateway:
         self.proxy.session = self.session
         await self.pool.start(self.session)
         if c.bootstrap_servers is not None and c.follow_policy:
-            from .hotswap import PolicyFollower
-
-            self.follower = PolicyFollower(c, self.pool, self.router, self.session, self.topics.policy)
+            self.follower = PolicyFollower(c, self.pool, self.router, self.session, self.topics.policy,
+                                           self.metrics)
             await self.follower.start()
         log.info("gateway up: upstreams %s, logging %s, policy name %r", list(c.upstreams),
                  "to " + c.bootstrap_servers if c.bootstrap_servers else "off", c.policy_name)

@@ -64,6 +64,16 @@ class GatewayMetrics:
         self.retries = Counter("streamrl_gateway_upstream_retries", "requests retried on another upstream",
                                registry=self.registry)
         self.rewards = Counter("streamrl_gateway_rewards", "rewards accepted", registry=self.registry)
+        self.swaps = Counter("streamrl_gateway_policy_swaps", "policy versions routed", registry=self.registry)
+        self.swap_rejected = Counter("streamrl_gateway_policy_rejected",
+                                     "published versions not served (sha256 mismatch, unreadable)",
+                                     registry=self.registry)
+        self.adapter_load_failures = Counter("streamrl_gateway_adapter_load_failures",
+                                             "failed adapter loads into an upstream (retried)",
+                                             registry=self.registry)
+        self.publish_to_route = Histogram("streamrl_gateway_publish_to_route_seconds",
+                                          "from a version's publication to the policy name routed to it",
+                                          buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def watch(self, pool: UpstreamPool, stats: Callable[[], ProducerStats | None], buffered: Callable[[], int],
               policy_version: Callable[[], int]) -> None:

@@ -71,7 +71,7 @@ class PolicyRouter:
                 return Lease(None, None, base[0], self.name, 0) if base else None
             return Lease(self, routed, routed.served_name, self.name, routed.record.version)
         for state in self.versions.values():  # a pinned version, e.g. "policy@v3", while loaded
-            if state.served_name == model and not state.unloading:
+            if state.served_name == model and state.loaded_at and not state.unloading:
                 return Lease(self, state, model, self.name, state.record.version)
         if self.pool.known_model(model):
             return Lease(None, None, model, None, 0)

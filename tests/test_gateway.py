@@ -62,7 +62,7 @@ class TopicReader:
 def gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
     config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers,
                            port=free_port(), topic_prefix=TOPICS.prefix, max_body_bytes=64 << 10,
-                           health_interval_s=0.5, follow_policy=False)
+                           health_interval_s=0.5, follow_policy=False)  # others may publish "policy" here
     with GatewayServer(config) as gw:
         yield gw
 

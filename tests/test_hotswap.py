@@ -1,0 +1,178 @@
+"""Hot-swap under load, against a real vLLM server: published adapter versions replace each other in the
+gateway with no failed request, every response names a published version, and requests that started
+before a swap finish on the version they started with."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.schema import CompletionRecord
+from streamrl.broker.topics import Topics, create_topics
+from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.publish import publish_version, random_adapter
+from streamrl.gateway.server import GatewayServer
+from test_gateway import TopicReader
+
+from streamrl.engine import Engine
+
+TOPICS = Topics("hotswap")
+CHAT = [{"role": "user", "content": "Count to ten."}]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return [random_adapter(tiny_model, root / f"v{v}", seed=v) for v in range(1, 5)]
+
+
+@pytest.fixture(scope="module")
+def topics(broker: EmbeddedBroker) -> Topics:
+    create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
+    return TOPICS
+
+
+@pytest.fixture(scope="module")
+def base_model(engine: Engine) -> str:
+    return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
+
+
+def gateway_config(broker: EmbeddedBroker, engine: Engine, name: str, **kw) -> GatewayConfig:
+    return GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
+                         topic_prefix=TOPICS.prefix, policy_name=name, health_interval_s=0.5, **kw)
+
+
+def wait_routed(gw: GatewayServer, version: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while gw.gateway.router.version != version:
+        assert time.monotonic() < deadline, f"version {version} not routed"
+        time.sleep(0.01)
+
+
+def engine_adapters(engine: Engine) -> set[str]:
+    return {m["id"] for m in httpx.get(f"{engine.url}/v1/models").json()["data"] if m.get("parent")}
+
+
+def wait_unloaded(engine: Engine, name: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while name in engine_adapters(engine):
+        assert time.monotonic() < deadline, f"{name} still loaded"
+        time.sleep(0.05)
+
+
+def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model):
+    name = "loadtest"
+    published = {0}
+    results: list[tuple[int, str, str, str]] = []  # (status, version header, served model, request id)
+    errors: list[str] = []
+    stop = threading.Event()
+    reader = TopicReader(broker.bootstrap_servers, topics.completions)
+
+    def worker(stream: bool) -> None:
+        with httpx.Client(timeout=60) as http:
+            while not stop.is_set():
+                body = {"model": name, "messages": CHAT, "max_tokens": 8, "stream": stream}
+                try:
+                    with http.stream("POST", f"{gw.url}/v1/chat/completions", json=body) as r:
+                        text = r.read().decode()
+                        if r.status_code != 200 or "error" in text:
+                            errors.append(f"{r.status_code}: {text[:200]}")
+                            continue
+                        served = text.split('"model":"', 1)[1].split('"', 1)[0]
+                        results.append((r.status_code, r.headers["x-policy-version"], served,
+                                        r.headers["x-request-id"]))
+                except httpx.HTTPError as exc:
+                    errors.append(repr(exc))
+
+    with GatewayServer(gateway_config(broker, engine, name)) as gw:
+        threads = [threading.Thread(target=worker, args=(i % 2 == 0,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            for version, path in enumerate(adapters[:3], start=1):
+                before = len(results)
+                publish_version(broker.bootstrap_servers, topics, name, version, path, base_model)
+                published.add(version)
+                wait_routed(gw, version)
+                deadline = time.monotonic() + 30
+                while len(results) < before + 6:  # keep the load on across the swap
+                    assert time.monotonic() < deadline and not errors, errors[:3]
+                    time.sleep(0.01)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert not errors, errors[:5]
+        assert len(results) >= 18
+        versions = {int(v) for _, v, _, _ in results}
+        assert versions <= published and {1, 2, 3} <= versions
+        for _, v, served, _ in results:  # the engine-side model is the adapter of the version in the header
+            assert served == (base_model if v == "0" else f"{name}@v{v}")
+        # the records carry the version that served them
+        sample = {rid: int(v) for _, v, _, rid in results[-12:]}
+        recs = reader.wait_for(lambda r: isinstance(r, CompletionRecord) and r.request_id in sample, count=12)
+        assert {r.request_id: r.policy_version for r in recs} == sample
+        assert all(r.policy_name == name for r in recs)
+        # versions no longer routed were unloaded once idle; the routed one stays
+        wait_unloaded(engine, f"{name}@v1")
+        wait_unloaded(engine, f"{name}@v2")
+        assert f"{name}@v3" in engine_adapters(engine)
+    reader.close()
+
+
+def test_request_started_before_swap_finishes_on_old_version(broker, engine, topics, adapters, base_model):
+    name = "inflight"
+    publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
+    with GatewayServer(gateway_config(broker, engine, name)) as gw:
+        wait_routed(gw, 1)  # caught up on start
+        body = {"model": name, "prompt": "a", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=120) as http, http.stream("POST", f"{gw.url}/v1/completions", json=body) as old:
+            assert old.headers["x-policy-version"] == "1"
+            lines = old.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert f'"model":"{name}@v1"' in first
+            publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
+            wait_routed(gw, 2)
+            new = http.post(f"{gw.url}/v1/completions", json={**body, "stream": False, "max_tokens": 4})
+            assert new.status_code == 200 and new.headers["x-policy-version"] == "2"
+            assert new.json()["model"] == f"{name}@v2"
+            assert gw.gateway.router.versions[1].in_flight == 1  # v1 held by the running stream
+            assert f"{name}@v1" in engine_adapters(engine)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert all(f'"model":"{name}@v1"' in line for line in rest if line.startswith("data: {"))
+        wait_unloaded(engine, f"{name}@v1")  # drained, so unloaded
+
+
+def test_catch_up_bad_checksum_and_max_loaded(broker, engine, topics, adapters, base_model):
+    name = "catchup"
+    for version, path in enumerate(adapters[:2], start=1):
+        publish_version(broker.bootstrap_servers, topics, name, version, path, base_model)
+    with GatewayServer(gateway_config(broker, engine, name, max_loaded_versions=2)) as gw:
+        assert gw.gateway.router.version == 2  # the latest, before the first request was served
+        assert f"{name}@v1" not in engine_adapters(engine)  # intermediate versions are skipped
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": name, "messages": CHAT, "max_tokens": 3})
+        assert r.headers["x-policy-version"] == "2"
+
+        # a record whose sha256 does not match the weights is never served
+        tampered = adapters[2].parent / "v3-tampered"
+        tampered.mkdir()
+        for f in adapters[2].iterdir():
+            (tampered / f.name).write_bytes(f.read_bytes())
+        publish_version(broker.bootstrap_servers, topics, name, 3, tampered, base_model)
+        (tampered / "adapter_model.safetensors").write_bytes(b"tampered")
+        deadline = time.monotonic() + 30
+        while gw.gateway.follower.rejected < 1:
+            assert time.monotonic() < deadline, "tampered version not rejected"
+            time.sleep(0.01)
+        assert gw.gateway.router.version == 2 and f"{name}@v3" not in engine_adapters(engine)
+
+        publish_version(broker.bootstrap_servers, topics, name, 4, adapters[3], base_model)
+        wait_routed(gw, 4)
+        wait_unloaded(engine, f"{name}@v2")
+        loaded = {a for a in engine_adapters(engine) if a.startswith(name)}
+        assert loaded == {f"{name}@v4"} and len(gw.gateway.router.versions) <= 2
