@@ -38,13 +38,26 @@ def test_pack_fills_budget_without_padding() -> None:
     assert len(pack([seq(300, 2, 1.0, rng)], 100)) == 1  # an over-long sequence gets its own micro-batch
 
 
+def test_pack_stacks_rows_and_pads_at_the_end() -> None:
+    rng = np.random.default_rng(0)
+    seqs = [seq(50, 2, 1.0, rng), seq(30, 2, -1.0, rng)]
+    [mb] = pack(seqs, budget=100, row_tokens=50)  # one sequence per row, two rows of width 50
+    assert tuple(mb.input_ids.shape) == (2, 50) and mb.real_tokens == 80
+    assert mb.position_ids[1].tolist() == list(range(50))  # padding continues the positions: no packing mask
+    assert mb.target_positions.tolist() == list(range(2, 50)) + list(range(52, 80))
+    assert mb.advantages.tolist() == [1.0] * 48 + [-1.0] * 28
+
+
 def test_packed_logprobs_equal_separate_forward(policy) -> None:
     _, model = policy
     rng = np.random.default_rng(1)
     seqs = [seq(9, 3, 1.0, rng), seq(6, 2, 1.0, rng)]
-    [mb] = pack(seqs, 100)
+    [mb] = pack(seqs, 100)                        # both in one row, positions restarting
+    [rows] = pack(seqs, 18, row_tokens=9)         # one per row, the second padded
+    assert tuple(mb.input_ids.shape) == (1, 15) and tuple(rows.input_ids.shape) == (2, 9)
     with torch.no_grad():
         packed = packed_logprobs(model, mb.input_ids, mb.position_ids, mb.target_positions, chunk=4)
+        stacked = packed_logprobs(model, rows.input_ids, rows.position_ids, rows.target_positions, chunk=4)
         expected = []
         for s in sorted(seqs, key=lambda s: -len(s["token_ids"])):
             ids = torch.as_tensor(s["token_ids"])[None]
@@ -52,6 +65,7 @@ def test_packed_logprobs_equal_separate_forward(policy) -> None:
             pos = np.flatnonzero(s["loss_mask"])
             expected.append(logp[pos - 1, ids[0, pos]])
     torch.testing.assert_close(packed, torch.cat(expected), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stacked, torch.cat(expected), rtol=1e-5, atol=1e-5)
 
 
 def test_a_step_moves_logprobs_in_the_direction_of_the_advantage(policy) -> None:

@@ -63,7 +63,16 @@ class TrainerConfig:
     adam_betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 4096
+    """Token budget of one micro-batch (rows x longest row)."""
+    row_tokens: int | None = None
+    """Longest packed row; default micro_batch_tokens (one row per micro-batch). Rows holding one
+    sequence each keep the plain causal mask (flash attention on CUDA)."""
     logit_chunk_tokens: int = 1024
+    recompute_logits: bool = True
+    """Recompute each logit chunk in the backward pass instead of keeping fp32 logits."""
+    attn_implementation: str = "sdpa"
+    compile: bool = False
+    """torch.compile the transformer body (CUDA: faster after a warm-up; shapes vary, so off by default)."""
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0

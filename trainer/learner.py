@@ -23,7 +23,7 @@ from .packing import deal, pack, sampled_tokens
 class StepStats:
     loss: float
     tokens: int
-    """All tokens (prompt and sampled) run through the model on every rank."""
+    """All tokens (prompt and sampled, padding excluded) run through the model, all ranks together."""
     sampled_tokens: int
     sequences: int
     micro_batches: int
@@ -55,7 +55,7 @@ class Learner:
         start = time.perf_counter()
         world, rank = _world()
         total_tokens = sampled_tokens(sequences)
-        mine = deal(pack(sequences, c.micro_batch_tokens), world, rank)
+        mine = deal(pack(sequences, c.micro_batch_tokens, c.row_tokens), world, rank)
         self.model.train()
         for p in self.params:  # zeros, not None: a rank without micro-batches still joins the all-reduce
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
@@ -63,7 +63,7 @@ class Learner:
         for mb in mine:
             mb = mb.to(self.device)
             logp = packed_logprobs(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
-                                   chunk=c.logit_chunk_tokens)
+                                   chunk=c.logit_chunk_tokens, recompute=c.recompute_logits)
             ref = None
             if c.kl_coef:
                 with torch.no_grad(), self.model.disable_adapter():
@@ -74,7 +74,7 @@ class Learner:
                                  kl_coef=c.kl_coef, total_tokens=total_tokens, total_sequences=len(sequences))
             loss.backward()
             sums += torch.tensor([loss.item(), st.tokens, st.ratio_sum, st.truncated, st.kl_behaviour_sum,
-                                  st.kl_ref_sum, mb.tokens], dtype=torch.float64)
+                                  st.kl_ref_sum, mb.real_tokens], dtype=torch.float64)
         if world > 1:
             for p in self.params:
                 dist.all_reduce(p.grad)

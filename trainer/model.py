@@ -24,17 +24,23 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def load_policy(config: TrainerConfig, device: torch.device, *, attn_implementation: str = "sdpa") -> PeftModel:
+def load_policy(config: TrainerConfig, device: torch.device) -> PeftModel:
     """Base model (bf16 on CUDA, fp32 on CPU) with a fresh LoRA adapter; only the adapter trains."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, attn_implementation=attn_implementation)
-    base.to(device)
+    base = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, attn_implementation=config.attn_implementation)
+    return attach_lora(base.to(device), config)
+
+
+def attach_lora(base: torch.nn.Module, config: TrainerConfig) -> PeftModel:
+    """Wrap a causal LM with the configured LoRA adapter (optionally compiling the transformer body)."""
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=list(config.target_modules), bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)
     model.config.use_cache = False
+    if config.compile:
+        model.get_base_model().model.compile()  # in place: parameter names (and saved adapters) unchanged
     return model
 
 
@@ -48,21 +54,24 @@ def _target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
 
 
 def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                    target_positions: torch.Tensor, *, chunk: int = 1024) -> torch.Tensor:
-    """Logprob of ``input_ids[0, p]`` given the tokens before it (within its own sequence) for each
-    ``p`` in ``target_positions`` (never 0 of a sequence: a sampled token always has a prompt before it).
+                    target_positions: torch.Tensor, *, chunk: int = 1024, recompute: bool = True) -> torch.Tensor:
+    """Logprob of each target token given the tokens before it within its own sequence.
 
-    ``input_ids`` and ``position_ids`` are (1, T): one packed row.
+    ``input_ids`` and ``position_ids`` are (R, T) packed rows; ``target_positions`` are flat indices
+    ``row * T + column`` (never column 0 of a sequence: a sampled token always has a prompt before it).
+    Logits exist only for the targets, ``chunk`` rows at a time; with ``recompute`` a chunk's logits
+    are recomputed in the backward pass instead of kept (saves memory, costs one more lm_head matmul).
     """
     causal_lm = model.get_base_model()
-    hidden = causal_lm.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state[0]
+    hidden = causal_lm.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1])
     h = hidden.index_select(0, target_positions - 1)
-    targets = input_ids[0].index_select(0, target_positions)
+    targets = input_ids.reshape(-1).index_select(0, target_positions)
     weight = causal_lm.get_output_embeddings().weight
     parts = []
     for i in range(0, h.shape[0], chunk):
         hs, ts = h[i:i + chunk], targets[i:i + chunk]
-        if torch.is_grad_enabled():
+        if recompute and torch.is_grad_enabled():
             parts.append(checkpoint(_target_logprobs, hs, weight, ts, use_reentrant=False))
         else:
             parts.append(_target_logprobs(hs, weight, ts))

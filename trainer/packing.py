@@ -1,8 +1,16 @@
-"""Pack an optimizer step's sequences into micro-batches of at most ``budget`` tokens.
+"""Pack an optimizer step's sequences into micro-batches with minimal padding.
 
-First-fit decreasing: sequences sorted longest first, each into the first micro-batch with room. A
-micro-batch is one packed row (no padding at all); a sequence longer than the budget gets a micro-batch
-of its own. Micro-batches are then dealt to ranks balanced by tokens for multi-GPU training.
+Two levels, both first-fit decreasing:
+
+* rows: sequences (longest first) go into the first row with room for them, up to ``row_tokens``;
+  within a row ``position_ids`` restart at 0 for each sequence, so packed sequences never attend to
+  each other (a row holding exactly one sequence keeps the plain causal mask, i.e. flash attention);
+* micro-batches: rows (longest first) are stacked while ``rows x longest row`` fits ``budget`` tokens;
+  shorter rows are padded at the end (pad positions continue the row's positions and are never
+  targets, and causal attention keeps real tokens from seeing them).
+
+A sequence longer than ``row_tokens`` gets a row of its own. Micro-batches are then dealt to ranks,
+balanced by tokens, for multi-GPU training.
 """
 
 from __future__ import annotations
@@ -15,64 +23,83 @@ import torch
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor        # (1, T) int64
-    position_ids: torch.Tensor     # (1, T) int64, restarting at 0 per sequence
-    target_positions: torch.Tensor  # (K,) positions of sampled tokens in the row
+    input_ids: torch.Tensor           # (R, T) int64
+    position_ids: torch.Tensor        # (R, T) int64, restarting at 0 per sequence
+    target_positions: torch.Tensor    # (K,) flat indices (row * T + column) of sampled tokens
     behaviour_logprobs: torch.Tensor  # (K,)
-    advantages: torch.Tensor       # (K,)
-    sequence_index: torch.Tensor   # (K,) 0..n-1 within this micro-batch
+    advantages: torch.Tensor          # (K,)
+    sequence_index: torch.Tensor      # (K,) 0..n-1 within this micro-batch
     n_sequences: int
+    real_tokens: int                  # tokens excluding padding
 
     @property
     def tokens(self) -> int:
-        return int(self.input_ids.shape[1])
+        return int(self.input_ids.numel())
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.target_positions.to(device),
                           self.behaviour_logprobs.to(device), self.advantages.to(device),
-                          self.sequence_index.to(device), self.n_sequences)
+                          self.sequence_index.to(device), self.n_sequences, self.real_tokens)
 
 
-def _make(seqs: list[dict]) -> MicroBatch:
-    ids, pos, tgt, beh, adv, sidx = [], [], [], [], [], []
-    offset = 0
-    for i, s in enumerate(seqs):
-        n = len(s["token_ids"])
-        ids.append(s["token_ids"])
-        pos.append(np.arange(n))
-        where = np.flatnonzero(s["loss_mask"])
-        where = where[where > 0]  # position 0 has no context; never sampled in practice
-        tgt.append(where + offset)
-        beh.append(s["behaviour_logprobs"][where])
-        adv.append(np.full(len(where), s["advantage"], np.float32))
-        sidx.append(np.full(len(where), i))
-        offset += n
-    return MicroBatch(
-        torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
-        torch.from_numpy(np.concatenate(pos).astype(np.int64))[None],
-        torch.from_numpy(np.concatenate(tgt).astype(np.int64)),
-        torch.from_numpy(np.concatenate(beh).astype(np.float32)),
-        torch.from_numpy(np.concatenate(adv)),
-        torch.from_numpy(np.concatenate(sidx).astype(np.int64)),
-        len(seqs),
-    )
-
-
-def pack(sequences: list[dict], budget: int) -> list[MicroBatch]:
-    """Pack sequences (dicts from ``batch.rows``) into micro-batches of at most ``budget`` tokens."""
-    bins: list[list[dict]] = []
+def _first_fit(items: list, size, capacity: int) -> list[list]:
+    bins: list[list] = []
     room: list[int] = []
-    for s in sorted(sequences, key=lambda s: len(s["token_ids"]), reverse=True):
-        n = len(s["token_ids"])
+    for item in sorted(items, key=size, reverse=True):
+        n = size(item)
         for i, r in enumerate(room):
             if n <= r:
-                bins[i].append(s)
+                bins[i].append(item)
                 room[i] -= n
                 break
         else:
-            bins.append([s])
-            room.append(max(budget - n, 0))
-    return [_make(b) for b in bins]
+            bins.append([item])
+            room.append(max(capacity - n, 0))
+    return bins
+
+
+def _row_length(row: list[dict]) -> int:
+    return sum(len(s["token_ids"]) for s in row)
+
+
+def _make(rows: list[list[dict]]) -> MicroBatch:
+    width = max(_row_length(r) for r in rows)
+    ids = np.zeros((len(rows), width), np.int64)
+    pos = np.zeros((len(rows), width), np.int64)
+    tgt, beh, adv, sidx = [], [], [], []
+    k = 0
+    for r, row in enumerate(rows):
+        col = 0
+        for s in row:
+            n = len(s["token_ids"])
+            ids[r, col:col + n] = s["token_ids"]
+            pos[r, col:col + n] = np.arange(n)
+            where = np.flatnonzero(s["loss_mask"])
+            where = where[where > 0]  # position 0 has no context; never sampled in practice
+            tgt.append(r * width + col + where)
+            beh.append(np.asarray(s["behaviour_logprobs"], np.float32)[where])
+            adv.append(np.full(len(where), s["advantage"], np.float32))
+            sidx.append(np.full(len(where), k))
+            col += n
+            k += 1
+        pos[r, col:] = np.arange(width - col) + (pos[r, col - 1] + 1 if col else 0)  # padding continues
+    return MicroBatch(torch.from_numpy(ids), torch.from_numpy(pos),
+                      torch.from_numpy(np.concatenate(tgt).astype(np.int64)),
+                      torch.from_numpy(np.concatenate(beh)), torch.from_numpy(np.concatenate(adv)),
+                      torch.from_numpy(np.concatenate(sidx).astype(np.int64)), k,
+                      sum(_row_length(r) for r in rows))
+
+
+def pack(sequences: list[dict], budget: int, row_tokens: int | None = None) -> list[MicroBatch]:
+    """Pack sequences (dicts from ``batch.rows``) into micro-batches of about ``budget`` tokens."""
+    rows = _first_fit(sequences, lambda s: len(s["token_ids"]), row_tokens or budget)
+    micro: list[list[list[dict]]] = []
+    for row in sorted(rows, key=_row_length, reverse=True):
+        if micro and (len(micro[-1]) + 1) * _row_length(micro[-1][0]) <= budget:
+            micro[-1].append(row)
+        else:
+            micro.append([row])
+    return [_make(m) for m in micro]
 
 
 def deal(micro_batches: list[MicroBatch], world_size: int, rank: int) -> list[MicroBatch]:
@@ -88,4 +115,4 @@ def deal(micro_batches: list[MicroBatch], world_size: int, rank: int) -> list[Mi
 
 
 def sampled_tokens(sequences: list[dict]) -> int:
-    return int(sum(int(s["loss_mask"][1:].sum()) for s in sequences))
+    return int(sum(int(np.asarray(s["loss_mask"])[1:].sum()) for s in sequences))
