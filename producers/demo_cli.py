@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .calculator import CalculatorTask
 from .numbers import NumbersTask
-from .runner import Board, RunLimits, Task, run_groups
+from .runner import Board, Pacer, RunLimits, Task, run_groups
 
 TASKS = ("numbers", "calculator")
 
@@ -31,6 +32,10 @@ class DemoConfig:
     concurrency: int = 4
     """Groups kept in flight."""
     max_tokens: int = 16
+    groups_per_step: int | None = None
+    """The trainer's groups per step: paces generation to at most ``max_ahead`` steps ahead of training
+    (see runner.Pacer). None = no pacing (``streamrl up`` sets it from the trainer's configuration)."""
+    max_ahead: int = 1
     until_version: int | None = None
     """Stop once this policy version has served ``groups_at_last`` whole groups."""
     groups_at_last: int = 4
@@ -54,11 +59,15 @@ class DemoConfig:
     def limits(self) -> RunLimits:
         return RunLimits(self.until_version, self.groups_at_last, self.max_seconds)
 
+    def pacer(self) -> Pacer | None:
+        return None if self.groups_per_step is None else Pacer(self.groups_per_step, self.max_ahead)
+
 
 def run_demo(url: str, config: DemoConfig, stop: threading.Event | None = None, emit=print) -> Board:
     """Run the demo producer to its limits; writes the summary file when configured."""
     board = asyncio.run(run_groups(url, config.make_task(), group_size=config.group_size,
-                                   concurrency=config.concurrency, limits=config.limits, stop=stop,
+                                   concurrency=config.concurrency, limits=config.limits,
+                                   pacer=config.pacer(), stop=stop,
                                    seed=config.seed, emit=emit))
     if config.summary:
         path = Path(config.summary)
@@ -75,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=d.group_size)
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="groups in flight")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--groups-per-step", type=int, default=None,
+                   help="the trainer's groups per step: keep generation at most --max-ahead steps ahead")
+    p.add_argument("--max-ahead", type=int, default=d.max_ahead)
     p.add_argument("--until-version", type=int, default=None,
                    help="stop once this version has served --groups-at-last groups")
     p.add_argument("--groups-at-last", type=int, default=d.groups_at_last)
@@ -85,11 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     return DemoConfig(task=args.task, model=args.model, group_size=args.group_size, concurrency=args.concurrency,
-                      max_tokens=args.max_tokens, until_version=args.until_version,
+                      max_tokens=args.max_tokens, groups_per_step=args.groups_per_step,
+                      max_ahead=args.max_ahead, until_version=args.until_version,
                       groups_at_last=args.groups_at_last, max_seconds=args.max_seconds, seed=args.seed,
                       summary=args.summary)
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     board = run_demo(args.gateway, config_from_args(args), emit=lambda s: print(s, flush=True))
     return 1 if board.failed else 0

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import httpx
+
 from .client import AsyncGateway
 from .episode import Outcome
 
@@ -105,6 +107,50 @@ class Board:
         }
 
 
+async def gateway_version(http: httpx.AsyncClient, url: str) -> int | None:
+    """The policy version the gateway routes its policy name to now (``GET /health``), None if unknown."""
+    try:
+        policy = (await http.get(f"{url.rstrip('/')}/health")).json().get("policy") or {}
+        version = policy.get("version")
+        return version if isinstance(version, int) else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+
+
+@dataclass
+class Pacer:
+    """Bounded off-policyness (the rule AReaL uses): a new group starts only while the groups started so
+    far are at most ``(v - v0 + 1 + max_ahead) * groups_per_step``, v being the version the gateway
+    serves now and v0 the one it served at the start. Generation then runs at most ``max_ahead`` steps
+    ahead of training, so samples are at most about that many versions stale, whatever the speed ratio
+    of inference and training. When the version does not move for ``stall_s`` (the trainer skips groups
+    that carry no signal, or waits for more) one more group is let through, so nothing deadlocks."""
+
+    groups_per_step: int
+    max_ahead: int = 1
+    stall_s: float = 3.0
+    started: int = 0
+    first_version: int | None = None
+    last_grant: float = field(default_factory=time.monotonic)
+
+    def allowance(self, version: int) -> int:
+        if self.first_version is None:
+            self.first_version = version
+        return (version - self.first_version + 1 + self.max_ahead) * self.groups_per_step
+
+    async def acquire(self, http: httpx.AsyncClient, url: str, done: asyncio.Event) -> bool:
+        """Wait for a group's turn; False when the run ends first."""
+        while not done.is_set():
+            version = await gateway_version(http, url)
+            if version is None or self.started < self.allowance(version) \
+                    or time.monotonic() - self.last_grant > self.stall_s:
+                self.started += 1
+                self.last_grant = time.monotonic()
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+
 @dataclass(frozen=True, slots=True)
 class RunLimits:
     """When to stop: after ``until_version`` has served ``groups_at_last`` groups, or after ``max_seconds``."""
@@ -115,9 +161,11 @@ class RunLimits:
 
 
 async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: int = 4,
-                     limits: RunLimits = RunLimits(), stop: threading.Event | None = None, seed: int = 0,
+                     limits: RunLimits = RunLimits(), pacer: Pacer | None = None,
+                     stop: threading.Event | None = None, seed: int = 0,
                      emit: Callable[[str], None] = print) -> Board:
-    """Keep ``concurrency`` groups in flight until a limit is reached or ``stop`` is set."""
+    """Keep up to ``concurrency`` groups in flight (as far as ``pacer`` allows) until a limit is reached
+    or ``stop`` is set."""
     board = Board()
     rng = random.Random(seed)
     done = asyncio.Event()
@@ -148,6 +196,8 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
 
     async def worker() -> None:
         while not done.is_set():
+            if pacer is not None and not await pacer.acquire(gateway.http, url, done):
+                break
             await one_group()
 
     async def watch() -> None:

@@ -215,15 +215,35 @@ class CombinedLog:
 # ------------------------------------------------------------------------------------------- parts
 
 
-@contextlib.contextmanager
-def signals_blocked() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM while a child is being spawned, so a shutdown never leaves one untracked."""
-    sigs = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+class Shutdown(Exception):
+    """Raised in the main thread when SIGINT/SIGTERM arrives (outside a spawn)."""
+
+
+class SignalGate:
+    """Turns SIGINT/SIGTERM into ``Shutdown`` in the main thread, except while a child is being spawned:
+    then the signal waits until the child is tracked, so a shutdown never leaves one behind. (Blocking
+    the signals with a mask instead would be inherited by the children, which then ignore SIGTERM.)"""
+
+    def __init__(self) -> None:
+        self.pending: str | None = None
+        self.deferring = 0
+
+    def handler(self, signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.deferring:
+            self.pending = name
+        else:
+            raise Shutdown(name)
+
+    @contextlib.contextmanager
+    def defer(self) -> Iterator[None]:
+        self.deferring += 1
+        try:
+            yield
+        finally:
+            self.deferring -= 1
+        if self.pending and not self.deferring:
+            raise Shutdown(self.pending)
 
 
 def stop_group(proc: subprocess.Popen, timeout: float) -> bool:
@@ -242,15 +262,12 @@ def stop_group(proc: subprocess.Popen, timeout: float) -> bool:
     return killed
 
 
-class Shutdown(Exception):
-    """Raised in the main thread by SIGINT/SIGTERM."""
-
-
 class Stack:
     """The running parts. ``start()`` brings them up in order; ``stop()`` takes down what was started."""
 
-    def __init__(self, config: UpConfig, log: CombinedLog | None = None) -> None:
+    def __init__(self, config: UpConfig, log: CombinedLog | None = None, gate: SignalGate | None = None) -> None:
         self.config = config
+        self.gate = gate or SignalGate()
         self.log = log or CombinedLog(verbose=config.verbose)
         self.run_dir = config.run_dir
         self.logs = self.run_dir / "logs"
@@ -279,7 +296,10 @@ class Stack:
         self.upstreams = self._engine()
         self._gateway()
         if c.demo is not None:
-            self._demo(c.demo)
+            demo = c.demo
+            if demo.groups_per_step is None:  # pace the demo to the trainer
+                demo = dataclasses.replace(demo, groups_per_step=trainer.groups_per_step)
+            self._demo(demo)
         return self
 
     def _model(self) -> str:
@@ -296,7 +316,7 @@ class Stack:
             create_topics(c.bootstrap_servers, topics, partitions=c.partitions)
             self.log.line("broker", f"external Kafka at {c.bootstrap_servers}")
             return c.bootstrap_servers
-        with signals_blocked():
+        with self.gate.defer():
             self.broker = EmbeddedBroker(c.host, c.broker_port, topics=topics, partitions=c.partitions,
                                          log_file=self.logs / "broker.log")
             self.broker.start()
@@ -304,7 +324,7 @@ class Stack:
         return self.broker.bootstrap_servers
 
     def _spawn(self, part: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        with signals_blocked():
+        with self.gate.defer():
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env={**os.environ, **(env or {})})
             self.children[part] = proc
@@ -335,7 +355,7 @@ class Stack:
         self.engine = Engine(config, log_file=log_file)
         self.log.follow("engine", log_file, self._following)
         self.log.line("engine", f"starting vLLM on {self.model} (log: {log_file})")
-        with signals_blocked(), open(log_file, "ab") as out:
+        with self.gate.defer(), open(log_file, "ab") as out:
             self.engine.proc = subprocess.Popen(self.engine.command(), env=self.engine.environment(), stdout=out,
                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                 start_new_session=True)
@@ -406,7 +426,7 @@ class Stack:
         if self.demo_thread is not None:
             self.demo_stop.set()
             self.demo_thread.join(timeout=60)
-        for part, timeout in (("gateway", 10.0), ("trainer", 60.0)):
+        for part, timeout in (("gateway", 20.0), ("trainer", 60.0)):
             proc = self.children.get(part)
             if proc is not None:
                 self.log.line("up", f"stopping {part}")
@@ -454,15 +474,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the log
+    for chatty in ("httpx", "kafka"):  # a line per request / connection would drown the combined log
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "log_level", "config")}
     config = load_config(args.config, **flags)
-    stack = Stack(config)
-
-    def shutdown(signum: int, _frame: object) -> None:
-        raise Shutdown(signal.Signals(signum).name)
-
-    old = {s: signal.signal(s, shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
+    gate = SignalGate()
+    stack = Stack(config, gate=gate)
+    old = {s: signal.signal(s, gate.handler) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 1
     try:
         stack.start()
