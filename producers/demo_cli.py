@@ -37,9 +37,12 @@ class DemoConfig:
     (see runner.Pacer). None = no pacing (``streamrl up`` sets it from the trainer's configuration)."""
     max_ahead: int = 1
     until_version: int | None = None
-    """Stop once this policy version has served ``groups_at_last`` whole groups."""
-    groups_at_last: int = 4
-    max_seconds: float | None = None
+    """Stop once this policy version (or a later one) has served ``stop_groups`` whole groups."""
+    until_reward: float | None = 0.95
+    """Stop once a trained version has averaged this reward over ``stop_groups`` whole groups (the demo
+    task's maximum is 1.0; past it every group has equal rewards and the trainer has nothing to learn)."""
+    stop_groups: int = 4
+    max_seconds: float | None = 900.0
     seed: int = 0
     summary: str | None = None
     """Write the reward per version, failures and timings as JSON here at the end."""
@@ -57,7 +60,7 @@ class DemoConfig:
 
     @property
     def limits(self) -> RunLimits:
-        return RunLimits(self.until_version, self.groups_at_last, self.max_seconds)
+        return RunLimits(self.until_version, self.until_reward, self.stop_groups, self.max_seconds)
 
     def pacer(self) -> Pacer | None:
         return None if self.groups_per_step is None else Pacer(self.groups_per_step, self.max_ahead)
@@ -88,9 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the trainer's groups per step: keep generation at most --max-ahead steps ahead")
     p.add_argument("--max-ahead", type=int, default=d.max_ahead)
     p.add_argument("--until-version", type=int, default=None,
-                   help="stop once this version has served --groups-at-last groups")
-    p.add_argument("--groups-at-last", type=int, default=d.groups_at_last)
-    p.add_argument("--max-seconds", type=float, default=None)
+                   help="stop once this version has served --stop-groups groups")
+    p.add_argument("--until-reward", type=float, default=d.until_reward,
+                   help="stop once a trained version averages this reward over --stop-groups groups")
+    p.add_argument("--stop-groups", type=int, default=d.stop_groups)
+    p.add_argument("--max-seconds", type=float, default=d.max_seconds)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--summary", default=None, help="write a JSON summary here at the end")
 
@@ -99,7 +104,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     return DemoConfig(task=args.task, model=args.model, group_size=args.group_size, concurrency=args.concurrency,
                       max_tokens=args.max_tokens, groups_per_step=args.groups_per_step,
                       max_ahead=args.max_ahead, until_version=args.until_version,
-                      groups_at_last=args.groups_at_last, max_seconds=args.max_seconds, seed=args.seed,
+                      until_reward=args.until_reward, stop_groups=args.stop_groups, max_seconds=args.max_seconds, seed=args.seed,
                       summary=args.summary)
 
 

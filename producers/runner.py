@@ -153,10 +153,13 @@ class Pacer:
 
 @dataclass(frozen=True, slots=True)
 class RunLimits:
-    """When to stop: after ``until_version`` has served ``groups_at_last`` groups, or after ``max_seconds``."""
+    """When to stop, whichever comes first: ``stop_groups`` whole groups served by version
+    ``until_version`` or later; a trained version (>= 1) whose ``stop_groups`` whole groups (every call
+    served by that version) average ``until_reward`` or more; ``max_seconds``."""
 
     until_version: int | None = None
-    groups_at_last: int = 4
+    until_reward: float | None = None
+    stop_groups: int = 4
     max_seconds: float | None = None
 
 
@@ -169,16 +172,17 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
     board = Board()
     rng = random.Random(seed)
     done = asyncio.Event()
-    groups_at_last = 0
+    late_groups = 0
+    group_means: dict[int, list[float]] = {}
 
     async def one_group() -> None:
-        nonlocal groups_at_last
+        nonlocal late_groups
         group_id = f"g-{uuid.uuid4().hex[:12]}"
         problem = task.sample(rng)
         results = await asyncio.gather(*(task.episode(gateway, problem, group_id, group_size)
                                          for _ in range(group_size)), return_exceptions=True)
         board.groups += 1
-        versions = []
+        versions, rewards = [], []
         for r in results:
             if isinstance(r, BaseException):
                 board.failed += 1
@@ -187,11 +191,22 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
             else:
                 board.add(r)
                 versions.append(-1 if r.version is None else r.version)
+                rewards.append(r.reward)
         for text in board.closed_lines():
             emit(text)
-        if limits.until_version is not None and versions and min(versions) >= limits.until_version:
-            groups_at_last += 1
-            if groups_at_last >= limits.groups_at_last:
+        if not versions or len(versions) < group_size:
+            return
+        if limits.until_version is not None and min(versions) >= limits.until_version:
+            late_groups += 1
+            if late_groups >= limits.stop_groups:
+                done.set()
+        v = versions[0]
+        if limits.until_reward is not None and v >= 1 and all(x == v for x in versions):
+            means = group_means.setdefault(v, [])
+            means.append(sum(rewards) / len(rewards))
+            if len(means) >= limits.stop_groups and sum(means) / len(means) >= limits.until_reward \
+                    and not done.is_set():
+                emit(f"reward target {limits.until_reward} reached by policy v{v}")
                 done.set()
 
     async def worker() -> None:

@@ -467,9 +467,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="also run the demo producer and print reward per version")
     p.add_argument("--demo-task", choices=("numbers", "calculator"))
     p.add_argument("--demo-until-version", type=int, help="with --demo: stop everything once this version "
-                   "has served --demo-groups-at-last groups")
-    p.add_argument("--demo-groups-at-last", type=int)
-    p.add_argument("--demo-max-seconds", type=float, help="with --demo: stop everything after this long")
+                   "has served --demo-stop-groups groups")
+    p.add_argument("--demo-until-reward", type=float, help="with --demo: stop everything once a trained version "
+                   "averages this reward over --demo-stop-groups groups (default 0.95; above 1 = never)")
+    p.add_argument("--demo-stop-groups", type=int)
+    p.add_argument("--demo-max-seconds", type=float, help="with --demo: stop everything after this long (default 900)")
     p.add_argument("--demo-summary", help="with --demo: write the reward per version as JSON here")
 
 

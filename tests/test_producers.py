@@ -205,7 +205,7 @@ def test_numbers_episodes_through_the_gateway(gateway: GatewayServer, completion
     """A whole group through the runner: every trajectory gets a completion record and a reward record
     whose value is the digit fraction of what was returned; the base model serves as version 0."""
     board = asyncio.run(run_groups(gateway.url, NumbersTask(max_tokens=12), group_size=4, concurrency=2,
-                                   limits=RunLimits(until_version=0, groups_at_last=3), emit=lambda _: None))
+                                   limits=RunLimits(until_version=0, stop_groups=3), emit=lambda _: None))
     assert board.failed == 0 and board.groups >= 3
     assert set(board.versions) == {0}
     n = board.versions[0].n

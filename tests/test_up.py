@@ -1,0 +1,141 @@
+"""`streamrl up`: configuration (defaults < file < flags), the combined log, the signal gate, and a run
+against external services (the session's broker and vLLM) that must stop cleanly on SIGINT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from streamrl.broker.embedded import EmbeddedBroker, free_port
+
+from streamrl.engine import Engine
+from streamrl.up import DEMO_TRAINER, Shutdown, SignalGate, console_worthy, load_config
+
+CONFIG = """
+[up]
+port = 9100
+policy_name = "agent"
+trainer_device = "cpu"
+
+[engine]
+device = "0"
+gpu_memory_utilization = 0.4
+extra_args = ["--enforce-eager"]
+
+[trainer]
+learning_rate = 0.01
+lora_rank = 4
+
+[demo]
+group_size = 4
+"""
+
+
+def test_config_file_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "up.toml"
+    path.write_text(CONFIG)
+    c = load_config(path, port=9200, engine_device="1", demo_concurrency=None, model="m", work_dir=str(tmp_path))
+    assert c.port == 9200 and c.policy_name == "agent" and c.model == "m"  # flag beats file beats default
+    assert c.engine.device == "1" and c.engine.gpu_memory_utilization == 0.4
+    assert c.engine.extra_args == ["--enforce-eager"]
+    assert c.demo is not None and c.demo.group_size == 4  # a [demo] table turns the demo on
+    t = c.trainer_config("m", "127.0.0.1:1")
+    assert t.learning_rate == 0.01 and t.lora_rank == 4  # the file beats the demo's defaults...
+    assert t.groups_per_step == DEMO_TRAINER["groups_per_step"]  # ...which fill the rest
+    assert t.device == "cpu" and t.name == "agent" and t.model == "m" and t.bootstrap_servers == "127.0.0.1:1"
+    assert t.adapters == str(tmp_path / "adapters") and t.history == str(tmp_path / "history.jsonl")
+
+
+def test_without_demo_the_trainer_keeps_its_own_defaults(tmp_path: Path) -> None:
+    c = load_config(None, model="m", work_dir=str(tmp_path))
+    assert c.demo is None and c.bootstrap_servers is None and c.upstreams == []
+    from streamrl.trainer.config import TrainerConfig
+
+    assert c.trainer_config("m", "b:1").learning_rate == TrainerConfig().learning_rate
+
+
+@pytest.mark.parametrize("text, error", [
+    ("[up]\nprot = 1\n", "unknown option.*prot"),
+    ("[engine]\ngpu = 1\n", r"unknown option.*\[engine\]"),
+    ("[trainers]\n", "unknown table"),
+    ("[demo]\ntask = 'chess'\n", "demo task"),
+])
+def test_config_errors_are_clear(tmp_path: Path, text: str, error: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=error):
+        load_config(path)
+
+
+def test_bad_trainer_table_fails_before_anything_starts(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[trainer]\nlearning_rat = 1\n")
+    c = load_config(path, work_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="learning_rat"):
+        c.trainer_config("m", "b:1")
+
+
+def test_console_filter() -> None:
+    assert console_worthy("trainer", "INFO streamrl.trainer: v3 step 3 | reward 0.5", verbose=False)
+    assert not console_worthy("trainer", "2026 INFO kafka.net.connection: Connected", verbose=False)
+    assert console_worthy("trainer", "2026 INFO kafka.net.connection: Connected", verbose=True)
+    assert not console_worthy("engine", "(APIServer pid=1) INFO 11-29 [api_server.py] Started", verbose=False)
+    assert console_worthy("engine", "(APIServer pid=1) ERROR 11-29 engine died", verbose=False)
+
+
+def test_signal_gate_defers_during_a_spawn() -> None:
+    gate = SignalGate()
+    with pytest.raises(Shutdown, match="SIGTERM"):
+        gate.handler(signal.SIGTERM, None)
+    spawned = False
+    with pytest.raises(Shutdown, match="SIGINT"), gate.defer():
+        gate.handler(signal.SIGINT, None)  # arrives mid-spawn: held back...
+        spawned = True  # ...so the spawn completes and is tracked
+    assert spawned
+
+
+def _leftovers(marker: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+def test_external_broker_and_upstream_then_ctrl_c(tmp_path: Path, tiny_model: Path, broker: EmbeddedBroker,
+                                                 engine: Engine) -> None:
+    """With --bootstrap-servers and --upstream, up starts only the gateway and the trainer; the gateway
+    serves through the external vLLM; SIGINT stops both (no SIGKILL needed) and leaves nothing behind."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "streamrl.cli", "up", "--model", str(tiny_model), "--port", str(port),
+           "--work-dir", str(tmp_path), "--bootstrap-servers", broker.bootstrap_servers,
+           "--upstream", engine.url, "--topic-prefix", "uptest", "--trainer-device", "cpu"]
+    log = (tmp_path / "up.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "gateway | ready" not in (tmp_path / "up.log").read_text():
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "gateway not ready"
+            time.sleep(0.5)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+            "model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert reply.status_code == 200 and reply.headers["X-Policy-Version"] == "0"
+        trainer_cfg = json.loads((tmp_path / "trainer.json").read_text())
+        assert trainer_cfg["topic_prefix"] == "uptest" and trainer_cfg["bootstrap_servers"] == broker.bootstrap_servers
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    text = (tmp_path / "up.log").read_text()
+    assert "engine  | external upstream" in text and "external Kafka" in text
+    assert "embedded broker ready" not in text and "starting vLLM" not in text
+    assert "SIGINT: shutting down" in text and "did not stop within" not in text
+    assert _leftovers(str(tmp_path)) == []
