@@ -99,7 +99,7 @@ def baseline(model, seq_len: int, warmup: int, steps: int, device: torch.device)
 
 
 def ours(model, seq_len: int, n_seqs: int, rows: int, warmup: int, steps: int, device: torch.device,
-         compile_: bool, recompute: bool) -> float:
+         compile_: bool, recompute: bool, profile: bool = False) -> float:
     """The trainer's own step (trainer.learner.Learner): packed rows, target-only chunked logprobs,
     GRPO loss with truncated IS, AdamW, gradient clipping."""
     config = TrainerConfig(model="bench", lora_rank=16, lora_alpha=32, target_modules=TARGETS,
@@ -112,6 +112,13 @@ def ours(model, seq_len: int, n_seqs: int, rows: int, warmup: int, steps: int, d
              "behaviour_logprobs": np.full(seq_len, -12.0, np.float32), "advantage": float(rng.choice([-1, 1]))}
             for _ in range(n_seqs)]
     seconds = timed(lambda: learner.step(seqs), warmup, steps, device)
+    if profile:  # one more step under the profiler: where the GPU time goes, top kernels
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            learner.step(seqs)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60), flush=True)
     peft_model.unload()
     return n_seqs * seq_len / seconds
 
@@ -127,6 +134,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one step per variant")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -151,13 +160,15 @@ def main() -> None:
 
         print(f"{shape}: N = {fpt['N'] / 1e9:.3f}B matmul params, {fpt['4N+attn'] / 1e9:.2f} GFLOP/token (4N+attn)",
               flush=True)
-        tps, model = baseline(model, args.seq_len, args.warmup, args.steps, device)
-        report("baseline transformers+peft, 1 seq", tps)
-        base_tps = tps
+        base_tps = float("nan")
+        if not args.no_baseline:
+            base_tps, model = baseline(model, args.seq_len, args.warmup, args.steps, device)
+            report("baseline transformers+peft, 1 seq", base_tps)
         for variant in args.variants.split(","):
             try:
                 tps = ours(model, args.seq_len, args.seqs_per_step, rows, args.warmup, args.steps, device,
-                           compile_=variant == "compile", recompute=variant == "eager-recompute")
+                           compile_=variant == "compile", recompute=variant == "eager-recompute",
+                           profile=args.profile)
                 report(f"streamrl trainer ({variant})", tps)
                 print(f"  speed-up vs baseline: {tps / base_tps:.2f}x", flush=True)
             except Exception as exc:  # report and go on: one failed variant must not lose the others
