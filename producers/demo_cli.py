@@ -39,9 +39,9 @@ class DemoConfig:
     until_version: int | None = None
     """Stop once this policy version (or a later one) has served ``stop_groups`` whole groups."""
     until_reward: float | None = 0.95
-    """Stop once a trained version has averaged this reward over ``stop_groups`` whole groups (the demo
-    task's maximum is 1.0; past it every group has equal rewards and the trainer has nothing to learn)."""
-    stop_groups: int = 4
+    """Stop once the last ``stop_groups`` whole groups, served by trained versions, average this reward
+    (the demo task's maximum is 1.0; there every group has equal rewards and nothing is left to learn)."""
+    stop_groups: int = 6
     max_seconds: float | None = 900.0
     seed: int = 0
     summary: str | None = None
@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--until-version", type=int, default=None,
                    help="stop once this version has served --stop-groups groups")
     p.add_argument("--until-reward", type=float, default=d.until_reward,
-                   help="stop once a trained version averages this reward over --stop-groups groups")
+                   help="stop once the last --stop-groups groups (trained versions) average this reward")
     p.add_argument("--stop-groups", type=int, default=d.stop_groups)
     p.add_argument("--max-seconds", type=float, default=d.max_seconds)
     p.add_argument("--seed", type=int, default=d.seed)

@@ -15,6 +15,7 @@ import random
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -154,8 +155,8 @@ class Pacer:
 @dataclass(frozen=True, slots=True)
 class RunLimits:
     """When to stop, whichever comes first: ``stop_groups`` whole groups served by version
-    ``until_version`` or later; a trained version (>= 1) whose ``stop_groups`` whole groups (every call
-    served by that version) average ``until_reward`` or more; ``max_seconds``."""
+    ``until_version`` or later; the last ``stop_groups`` groups, all served by trained versions (>= 1),
+    average ``until_reward`` or more; ``max_seconds``."""
 
     until_version: int | None = None
     until_reward: float | None = None
@@ -173,7 +174,7 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
     rng = random.Random(seed)
     done = asyncio.Event()
     late_groups = 0
-    group_means: dict[int, list[float]] = {}
+    recent: deque[tuple[int, float]] = deque(maxlen=limits.stop_groups)  # (oldest version, mean reward)
 
     async def one_group() -> None:
         nonlocal late_groups
@@ -200,14 +201,13 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
             late_groups += 1
             if late_groups >= limits.stop_groups:
                 done.set()
-        v = versions[0]
-        if limits.until_reward is not None and v >= 1 and all(x == v for x in versions):
-            means = group_means.setdefault(v, [])
-            means.append(sum(rewards) / len(rewards))
-            if len(means) >= limits.stop_groups and sum(means) / len(means) >= limits.until_reward \
-                    and not done.is_set():
-                emit(f"reward target {limits.until_reward} reached by policy v{v}")
-                done.set()
+        recent.append((min(versions), sum(rewards) / len(rewards)))
+        if limits.until_reward is not None and len(recent) == limits.stop_groups and not done.is_set() \
+                and min(v for v, _ in recent) >= 1 \
+                and sum(m for _, m in recent) / len(recent) >= limits.until_reward:
+            emit(f"reward target {limits.until_reward} reached: the last {len(recent)} groups "
+                 f"(policy v{min(versions)}) averaged {sum(m for _, m in recent) / len(recent):.3f}")
+            done.set()
 
     async def worker() -> None:
         while not done.is_set():

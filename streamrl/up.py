@@ -468,8 +468,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo-task", choices=("numbers", "calculator"))
     p.add_argument("--demo-until-version", type=int, help="with --demo: stop everything once this version "
                    "has served --demo-stop-groups groups")
-    p.add_argument("--demo-until-reward", type=float, help="with --demo: stop everything once a trained version "
-                   "averages this reward over --demo-stop-groups groups (default 0.95; above 1 = never)")
+    p.add_argument("--demo-until-reward", type=float, help="with --demo: stop everything once the last "
+                   "--demo-stop-groups groups (default 6) average this reward (default 0.95; above 1 = never)")
     p.add_argument("--demo-stop-groups", type=int)
     p.add_argument("--demo-max-seconds", type=float, help="with --demo: stop everything after this long (default 900)")
     p.add_argument("--demo-summary", help="with --demo: write the reward per version as JSON here")

@@ -15,7 +15,7 @@ import pytest
 from streamrl.producers.demo_model import build_demo_model
 
 TARGET = 0.8
-"""The run stops once a trained version averages this over 2 whole groups (measured: docs/loop.md)."""
+"""The run stops once the last 6 groups (48 trajectories) of trained versions average this."""
 MARGIN = 0.25
 """The last 3 versions' mean reward must exceed the first 3 versions' by this much (they start near 0.4)."""
 
@@ -37,7 +37,7 @@ def test_reward_rises_through_streamrl_up(tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "streamrl.cli", "up", "--model", str(model), "--port", "0",
            "--work-dir", str(work), "--demo", "--demo-until-reward", str(TARGET),
-           "--demo-stop-groups", "2", "--demo-max-seconds", "480", "--demo-summary", str(summary)]
+           "--demo-stop-groups", "6", "--demo-max-seconds", "480", "--demo-summary", str(summary)]
     log = (tmp_path / "up.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
