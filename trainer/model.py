@@ -10,8 +10,11 @@ fp32 logits.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch.utils.checkpoint import checkpoint
 
 from .config import TrainerConfig
@@ -37,8 +40,13 @@ def attach_lora(base: torch.nn.Module, config: TrainerConfig) -> PeftModel:
     """Wrap a causal LM with the configured LoRA adapter (optionally compiling the transformer body)."""
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=list(config.target_modules), bias="none", task_type="CAUSAL_LM")
-    model = get_peft_model(base, lora)
+    model = get_peft_model(base, lora)  # adapter weights in fp32 (peft's default), optimizer states too
     model.config.use_cache = False
+    if next(base.parameters()).dtype == torch.bfloat16:
+        # packed_logprobs runs the body under bf16 autocast: peft need not cast inputs to fp32 copies
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.cast_input_dtype_enabled = False
     if config.compile:
         model.get_base_model().model.compile()  # in place: parameter names (and saved adapters) unchanged
     return model
@@ -49,8 +57,9 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def _target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = torch.nn.functional.linear(hidden, weight).float()
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    # one fused log-softmax with fp32 output, then the targets' entries (no logsumexp composite)
+    logits = torch.nn.functional.linear(hidden, weight)
+    return torch.log_softmax(logits, -1, dtype=torch.float32).gather(-1, targets[:, None]).squeeze(-1)
 
 
 def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -63,11 +72,15 @@ def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: tor
     are recomputed in the backward pass instead of kept (saves memory, costs one more lm_head matmul).
     """
     causal_lm = model.get_base_model()
-    hidden = causal_lm.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+    weight = causal_lm.get_output_embeddings().weight
+    # bf16 base with fp32 adapter weights: autocast runs the small LoRA matmuls in bf16 on bf16 inputs
+    # instead of peft casting every layer's input to fp32 (see attach_lora)
+    mixed = weight.dtype == torch.bfloat16
+    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
+        hidden = causal_lm.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1])
     h = hidden.index_select(0, target_positions - 1)
     targets = input_ids.reshape(-1).index_select(0, target_positions)
-    weight = causal_lm.get_output_embeddings().weight
     parts = []
     for i in range(0, h.shape[0], chunk):
         hs, ts = h[i:i + chunk], targets[i:i + chunk]
