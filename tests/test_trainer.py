@@ -67,9 +67,12 @@ def policy_records(bootstrap: str, topics: Topics) -> list[PolicyRecord]:
     c.seek_to_beginning(tp)
     end = c.end_offsets([tp])[tp]
     out = []
-    while c.position(tp) < end:
-        for records in c.poll(timeout_ms=1000).values():
+    while True:  # to the end offset, then until an empty poll (tansu under-reports multi-record batches)
+        polled = c.poll(timeout_ms=300)
+        for records in polled.values():
             out += [decode(r.value) for r in records]
+        if not polled and c.position(tp) >= end:
+            break
     c.close()
     return out
 
@@ -185,7 +188,7 @@ def trainer_process(tiny_model: Path, bootstrap: str, topics: Topics, adapters: 
     return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_kill_9_and_restart_trains_every_group_exactly_once(tiny_model, broker, tmp_path) -> None:
+def test_kill_9_sigterm_and_restart_train_every_group_exactly_once(tiny_model, broker, tmp_path) -> None:
     topics = new_topics(broker.bootstrap_servers)
     rng = np.random.default_rng(1)
     groups = [f"k{i}" for i in range(6)]
@@ -200,6 +203,10 @@ def test_kill_9_and_restart_trains_every_group_exactly_once(tiny_model, broker, 
         half = group_records(groups[4], rng)
         produce(broker.bootstrap_servers, topics, half[: len(half) // 2])
         proc = trainer_process(tiny_model, broker.bootstrap_servers, topics, adapters, log)
+        wait_for(lambda: (adapters / "policy" / "v3").exists() or proc.poll() is not None, 180, "version 3")
+        os.killpg(proc.pid, signal.SIGTERM)  # graceful stop: finishes what it is doing, exits 0
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        proc = trainer_process(tiny_model, broker.bootstrap_servers, topics, adapters, log)
         produce(broker.bootstrap_servers, topics, half[len(half) // 2:] + group_records(groups[5], rng))
         assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
     finally:
@@ -213,5 +220,15 @@ def test_kill_9_and_restart_trains_every_group_exactly_once(tiny_model, broker, 
     assert sorted(trained_groups) == groups  # none twice, none skipped
     assert [r.version for r in policy_records(broker.bootstrap_servers, topics)] == versions
     state = load_state(policy / ".state")
-    assert state is not None and state.version == 6 and state.step == 6 and not state.pending
+    # offsets committed to Kafka under the trainer's group = the checkpoint's = every record produced
+    # (tansu's ListOffsets under-reports the end of multi-record batches, so count instead)
+    c = KafkaConsumer(bootstrap_servers=broker.bootstrap_servers, group_id="streamrl-trainer.policy",
+                      enable_auto_commit=False)
+    tps = [TopicPartition(t, p) for t in (topics.completions, topics.rewards) for p in (0, 1)]
+    committed = {f"{tp.topic}:{tp.partition}": c.committed(tp) for tp in tps}
+    c.close()
+    assert state is not None and committed == state.offsets
+    assert sum(v for k, v in committed.items() if "completions" in k) == 6 * GROUP_SIZE * 2
+    assert sum(v for k, v in committed.items() if "rewards" in k) == 6 * GROUP_SIZE
+    assert state.version == 6 and state.step == 6 and not state.pending
     assert all(int(s["step"]) == 6 for s in state.optimizer["state"].values())  # optimizer state carried over

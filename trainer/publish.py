@@ -106,8 +106,11 @@ class PolicyAnnouncer:
             end = consumer.end_offsets(tps)
             best = 0
             deadline = time.monotonic() + timeout_s
-            while any(consumer.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
-                for records in consumer.poll(timeout_ms=500).values():
+            # read to the end offsets, then until a poll comes back empty: some brokers (tansu)
+            # under-report the end of a multi-record batch
+            while time.monotonic() < deadline:
+                polled = consumer.poll(timeout_ms=300)
+                for records in polled.values():
                     for r in records:
                         try:
                             rec = decode(r.value)
@@ -115,6 +118,8 @@ class PolicyAnnouncer:
                             continue
                         if isinstance(rec, PolicyRecord) and rec.name == name:
                             best = max(best, rec.version)
+                if not polled and all(consumer.position(tp) >= end[tp] for tp in tps):
+                    break
             return best
         finally:
             consumer.close()
