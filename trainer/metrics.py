@@ -61,12 +61,15 @@ class Metrics:
         return g
 
     def report(self, step: dict[str, Any], counts: Counter[str]) -> None:
+        skipped = counts["groups_no_signal"]
+        dropped = counts["groups_dropped_stale"] + counts["incomplete_dropped"]
+        bad = sum(v for k, v in counts.items() if k.startswith("bad_"))
         log.info(
-            "v%d step %d | reward %.3f±%.3f | groups %d | tok %d (%.0f/s) | stale %.1f/%d | loss %+.4f | "
-            "ratio %.3f trunc %.3f | kl %.4f | gnorm %.3f",
-            step["version"], step["step"], step["reward_mean"], step["reward_std"], step["groups"], step["tokens"],
-            step["tokens_per_s"], step["staleness_mean"], step["staleness_max"], step["loss"], step["ratio_mean"],
-            step["truncated_frac"], step["kl_behaviour"], step["grad_norm"],
+            "v%d step %d | reward %.3f±%.3f | groups %d (total skipped %d dropped %d, bad records %d) | "
+            "tok %d (%.0f/s) | stale %.1f/%d | loss %+.4f | ratio %.3f trunc %.3f | kl %.4f | gnorm %.3f",
+            step["version"], step["step"], step["reward_mean"], step["reward_std"], step["groups"], skipped, dropped,
+            bad, step["tokens"], step["tokens_per_s"], step["staleness_mean"], step["staleness_max"], step["loss"],
+            step["ratio_mean"], step["truncated_frac"], step["kl_behaviour"], step["grad_norm"],
         )
         if self.registry is not None:
             for k, v in step.items():
