@@ -1,8 +1,9 @@
 """Turn what vLLM returned into ``CompletionRecord`` values, one per choice, token ids not strings.
 
-The request path only collects references (``ChoiceCapture``); building arrays and encoding happens on
-the producer thread (``build_records``), so the event loop does no per-token work beyond what
-forwarding needs.
+The request path does one shallow pass over a response (``split_body``) or collects references from
+streamed chunks (``StreamCapture``); decoding the token-level parts, building arrays and encoding happen
+on the producer thread (``decode_choice``, ``build_records``), so the event loop does no per-token work
+beyond what forwarding needs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from streamrl.broker.schema import CompletionRecord
 
 
@@ -49,32 +51,118 @@ class ChoiceCapture:
     first_token_s: float | None = None
 
 
-def capture_body(data: dict[str, Any], endpoint: str) -> list[ChoiceCapture]:
-    """Collect the per-choice pieces of a non-streamed response (references only, cheap)."""
+class _Logprob(msgspec.Struct):
+    logprob: float | None = None
+
+
+class _ChatLogprobs(msgspec.Struct):
+    content: list[_Logprob] | None = None
+
+
+class _CompletionLogprobs(msgspec.Struct):
+    token_logprobs: list[float | None] | None = None
+
+
+_Field = msgspec.Raw | msgspec.UnsetType
+
+
+class _Top(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """The top-level keys of vLLM's chat and completions responses, in its order; absent ones stay absent."""
+
+    id: _Field = msgspec.UNSET
+    object: _Field = msgspec.UNSET
+    created: _Field = msgspec.UNSET
+    model: _Field = msgspec.UNSET
+    choices: list[dict[str, msgspec.Raw]] | msgspec.UnsetType = msgspec.UNSET
+    service_tier: _Field = msgspec.UNSET
+    system_fingerprint: _Field = msgspec.UNSET
+    usage: _Field = msgspec.UNSET
+    prompt_logprobs: _Field = msgspec.UNSET
+    prompt_token_ids: _Field = msgspec.UNSET
+    prompt_text: _Field = msgspec.UNSET
+    kv_transfer_params: _Field = msgspec.UNSET
+    ec_transfer_params: _Field = msgspec.UNSET
+    metrics: _Field = msgspec.UNSET
+
+
+_KNOWN_TOP = msgspec.json.Decoder(_Top)
+_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_CHOICES = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
+_IDS = msgspec.json.Decoder(list[int] | None)
+_CHAT_LP = msgspec.json.Decoder(_ChatLogprobs | None)
+_COMPLETION_LP = msgspec.json.Decoder(_CompletionLogprobs | None)
+_ANY = msgspec.json.Decoder()
+_ENCODER = msgspec.json.Encoder()
+NULL = msgspec.Raw(b"null")
+
+
+@dataclass(slots=True)
+class RawChoice:
+    """One choice of a non-streamed body, its parts still as undecoded JSON (``msgspec.Raw``)."""
+
+    fields: dict[str, msgspec.Raw]
+    prompt_token_ids: msgspec.Raw | None
+
+
+def split_body(raw: bytes, endpoint: str, strip_ids: bool, strip_logprobs: bool) -> tuple[bytes, list[RawChoice]]:
+    """One shallow pass over a non-streamed body: the per-choice parts the record needs, kept undecoded
+    (decoding 1,000 logprobs is the producer thread's job), and the body for the client with what the
+    gateway asked for on its own behalf set back to ``null``. Unchanged bytes when nothing is stripped."""
     chat = endpoint == "chat"
-    top_prompt = data.get("prompt_token_ids") if chat else None
-    out = []
-    for choice in data.get("choices") or ():
-        lp = choice.get("logprobs")
-        if chat:
-            message = choice.get("message") or {}
-            text = message.get("content") or ""
-            entries = (lp or {}).get("content") or []
-            tool_calls = message.get("tool_calls") or None
+    try:  # one pass when every top-level key is one vLLM is known to send
+        known = _KNOWN_TOP.decode(raw)
+        choices = known.choices if known.choices is not msgspec.UNSET else []
+        top_prompt = known.prompt_token_ids if chat and known.prompt_token_ids is not msgspec.UNSET else None
+        top: _Top | dict[str, msgspec.Raw] = known
+    except msgspec.ValidationError:  # a key this code does not know: keep it, at the cost of two passes
+        top = _TOP.decode(raw)
+        choices = _CHOICES.decode(top["choices"]) if "choices" in top else []
+        top_prompt = top.get("prompt_token_ids") if chat else None
+    captured = [RawChoice(dict(c), top_prompt if chat else c.get("prompt_token_ids")) for c in choices]
+    if not (strip_ids or strip_logprobs):
+        return raw, captured
+    if strip_ids and chat and top_prompt is not None:
+        if isinstance(top, dict):
+            top["prompt_token_ids"] = NULL
         else:
-            text = choice.get("text") or ""
-            entries = (lp or {}).get("token_logprobs") or []
-            tool_calls = None
-        token_ids = choice.get("token_ids") or []
-        if len(entries) > len(token_ids):  # completions with echo: prompt logprobs come first
-            entries = entries[len(entries) - len(token_ids):]
-        out.append(ChoiceCapture(
-            index=choice.get("index", 0),
-            prompt_token_ids=top_prompt if chat else choice.get("prompt_token_ids"),
-            token_ids=token_ids, logprobs=entries, text=[text], tool_calls=tool_calls,
-            finish_reason=choice.get("finish_reason"),
-        ))
-    return out
+            top.prompt_token_ids = NULL
+    for c in choices:
+        if strip_ids:
+            if "token_ids" in c:
+                c["token_ids"] = NULL
+            if not chat and "prompt_token_ids" in c:
+                c["prompt_token_ids"] = NULL
+        if strip_logprobs and "logprobs" in c:
+            c["logprobs"] = NULL
+    if isinstance(top, dict):
+        top["choices"] = choices  # type: ignore[assignment]
+    return _ENCODER.encode(top), captured
+
+
+def decode_choice(choice: RawChoice, endpoint: str) -> ChoiceCapture:
+    """The producer thread's half of ``split_body``: decode what the record needs, typed and lean."""
+    f = choice.fields
+    token_ids = _IDS.decode(f["token_ids"]) if "token_ids" in f else None
+    if endpoint == "chat":
+        lp = _CHAT_LP.decode(f["logprobs"]) if "logprobs" in f else None
+        logprobs = [e.logprob for e in lp.content] if lp is not None and lp.content else []
+        message = _ANY.decode(f["message"]) if "message" in f else {}
+        text = (message or {}).get("content") or ""
+        tool_calls = (message or {}).get("tool_calls") or None
+    else:
+        lp = _COMPLETION_LP.decode(f["logprobs"]) if "logprobs" in f else None
+        logprobs = list(lp.token_logprobs or []) if lp is not None else []
+        text = _ANY.decode(f["text"]) if "text" in f else ""
+        tool_calls = None
+    token_ids = token_ids or []
+    if len(logprobs) > len(token_ids):  # completions with echo: the prompt's logprobs come first
+        logprobs = logprobs[len(logprobs) - len(token_ids):]
+    return ChoiceCapture(
+        index=_ANY.decode(f["index"]) if "index" in f else 0,
+        prompt_token_ids=_IDS.decode(choice.prompt_token_ids) if choice.prompt_token_ids is not None else None,
+        token_ids=token_ids, logprobs=logprobs, text=[text or ""], tool_calls=tool_calls,
+        finish_reason=_ANY.decode(f["finish_reason"]) if "finish_reason" in f else None,
+    )
 
 
 class StreamCapture:
@@ -161,6 +249,8 @@ def build_records(ctx: CallContext, captures: list[ChoiceCapture], total_s: floa
             raise CaptureError(f"choice {c.index}: no prompt token ids")
         logprobs = [e["logprob"] for e in c.logprobs] if c.logprobs and isinstance(c.logprobs[0], dict) \
             else c.logprobs
+        if any(x is None for x in logprobs):
+            raise CaptureError(f"choice {c.index}: a sampled token has no logprob")
         if len(logprobs) != len(c.token_ids):
             raise CaptureError(f"choice {c.index}: {len(c.token_ids)} token ids but {len(logprobs)} logprobs")
         records.append(CompletionRecord(

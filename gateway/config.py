@@ -20,6 +20,8 @@ class GatewayConfig:
     """At most this many policy versions stay loaded in each upstream."""
     follow_policy: bool = True
     """Follow the policy topic and hot-swap published versions (needs ``bootstrap_servers``)."""
+    policy_catch_up_s: float = 10.0
+    """At start, wait at most this long to route the latest published version before serving."""
     max_body_bytes: int = 16 << 20
     upstream_timeout_s: float = 600.0
     """A request that gets no (further) bytes from its upstream for this long ends in 504."""

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -22,7 +23,15 @@ from starlette.types import Receive, Scope, Send
 from streamrl.broker.clients import LogProducer
 from streamrl.broker.schema import RecordError, check_id, encode
 
-from .capture import CallContext, ChoiceCapture, StreamCapture, build_records, capture_body
+from .capture import (
+    CallContext,
+    ChoiceCapture,
+    RawChoice,
+    StreamCapture,
+    build_records,
+    decode_choice,
+    split_body,
+)
 from .config import GatewayConfig
 from .metrics import GatewayMetrics
 from .policy import Lease, PolicyRouter
@@ -292,29 +301,32 @@ class Proxy:
         content_type = resp.headers.get("Content-Type", JSON)
         if resp.status != 200 or not (call.record or call.strip_ids or call.strip_logprobs):
             return Response(raw, resp.status, headers=call.headers, media_type=content_type)
-        data = orjson.loads(raw)
-        captures = capture_body(data, call.ctx.endpoint)
-        if call.strip_ids or call.strip_logprobs:
-            _strip(data, call.chat, call.strip_ids, call.strip_logprobs)
-            raw = orjson.dumps(data)
-        self._emit(call, captures)
+        try:
+            raw, choices = split_body(raw, call.ctx.endpoint, call.strip_ids, call.strip_logprobs)
+        except msgspec.MsgspecError as exc:  # not the JSON vLLM sends: pass it on, record nothing
+            log.warning("unexpected upstream body from %s: %s", call.ctx.upstream, exc)
+            return Response(raw, 200, headers=call.headers, media_type=content_type)
+        self._emit(call, choices)
         return Response(raw, 200, headers=call.headers, media_type=content_type)
 
-    def _emit(self, call: _Call, captures: list[ChoiceCapture]) -> None:
-        """Hand the call's records to the producer thread (built and encoded there)."""
-        if self.producer is None or not captures:
+    def _emit(self, call: _Call, choices: list[ChoiceCapture] | list[RawChoice]) -> None:
+        """Hand the call's records to the producer thread (decoded, built and encoded there)."""
+        if self.producer is None or not choices:
             return
         ctx = call.ctx
         total_s = time.perf_counter() - ctx.started
         key = ctx.trajectory_id.encode()
-        n_completion = sum(len(c.token_ids) for c in captures)
-        self.metrics.tokens.labels("completion").inc(n_completion)
-        self.metrics.tokens.labels("prompt").inc(sum(len(c.prompt_token_ids or ()) for c in captures))
+        tokens = self.metrics.tokens
 
         def build() -> list[tuple[bytes | None, bytes]]:
-            return [(key, encode(r)) for r in build_records(ctx, captures, total_s)]
+            captures = [c if isinstance(c, ChoiceCapture) else decode_choice(c, ctx.endpoint) for c in choices]
+            records = build_records(ctx, captures, total_s)
+            for r in records:
+                tokens.labels("prompt").inc(r.prompt_token_ids.size)
+                tokens.labels("completion").inc(r.completion_token_ids.size)
+            return [(key, encode(r)) for r in records]
 
-        self.producer.offer_deferred(self.topic, build, len(captures))
+        self.producer.offer_deferred(self.topic, build, len(choices))
 
     def _stream(self, call: _Call, resp: aiohttp.ClientResponse) -> Response:
         capture = StreamCapture(call.ctx.endpoint) if call.record else None

@@ -1,0 +1,350 @@
+"""Gateway overhead: added latency and sustained throughput, direct vs through the gateway (logging off/on).
+
+One command runs everything on this machine, each part in its own process so they do not share an
+event loop: a stub upstream that answers instantly with realistic vLLM bodies (1,000-token completions
+with token ids and logprobs when asked), the embedded broker, the gateway (``streamrl gateway``), and
+this load generator. Modes, all in the same run:
+
+  direct   client -> stub
+  off      client -> gateway (logging off: forwards bytes) -> stub
+  on       client -> gateway (logging on: asks for ids + logprobs, strips them, records to Kafka) -> stub
+
+For each mode: an open-loop run at a fixed rate (latency p50/p99 measured from each request's scheduled
+start, so a stall is not hidden) and a closed-loop run at fixed concurrency (highest sustained req/s).
+Added latency = percentile through the gateway minus the same percentile direct.
+
+    .venv/bin/python bench/gateway_bench.py [--rate 500] [--seconds 10] [--concurrency 32] [--stream-rate 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_TOKENS = 200
+COMPLETION_TOKENS = 1000
+MODEL = "stub-model"
+
+
+# -- the stub upstream ------------------------------------------------------------------------------
+
+def _tokens(seed: int) -> tuple[list[int], list[float], list[str]]:
+    rng = random.Random(seed)
+    ids = [rng.randrange(100, 150_000) for _ in range(COMPLETION_TOKENS)]
+    logprobs = [-rng.random() * 5 for _ in range(COMPLETION_TOKENS)]
+    words = [" " + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(2, 7)))
+             for _ in range(COMPLETION_TOKENS)]
+    return ids, logprobs, words
+
+
+def stub_bodies(endpoint: str) -> dict[tuple[bool, bool], bytes]:
+    """Pre-serialized vLLM-shaped responses for (logprobs asked, token ids asked)."""
+    ids, lps, words = _tokens(1)
+    prompt = list(range(1000, 1000 + PROMPT_TOKENS))
+    usage = {"prompt_tokens": PROMPT_TOKENS, "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS,
+             "completion_tokens": COMPLETION_TOKENS, "prompt_tokens_details": None}
+    out = {}
+    for want_lp in (False, True):
+        for want_ids in (False, True):
+            if endpoint == "chat":
+                lp = {"content": [{"token": w, "logprob": x, "bytes": list(w.encode()), "top_logprobs": []}
+                                  for w, x in zip(words, lps, strict=True)]} if want_lp else None
+                body = {"id": "chatcmpl-stub", "object": "chat.completion", "created": 1, "model": MODEL,
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(words),
+                                                             "refusal": None, "tool_calls": []},
+                                     "logprobs": lp, "finish_reason": "length", "stop_reason": None,
+                                     "token_ids": ids if want_ids else None}],
+                        "usage": usage, "prompt_logprobs": None,
+                        "prompt_token_ids": prompt if want_ids else None, "kv_transfer_params": None}
+            else:
+                raise ValueError(endpoint)
+            out[(want_lp, want_ids)] = orjson.dumps(body)
+    return out
+
+
+def stub_stream_events(want_lp: bool, want_ids: bool) -> list[bytes]:
+    ids, lps, words = _tokens(2)
+    events = []
+    for i, (t, x, w) in enumerate(zip(ids, lps, words, strict=True)):
+        choice = {"index": 0, "delta": {"content": w}, "logprobs":
+                  {"content": [{"token": w, "logprob": x, "bytes": list(w.encode()), "top_logprobs": []}]}
+                  if want_lp else None, "finish_reason": "length" if i == len(ids) - 1 else None,
+                  "token_ids": [t] if want_ids else None}
+        chunk = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+                 "choices": [choice]}
+        if i == 0:
+            chunk["prompt_token_ids"] = list(range(1000, 1000 + PROMPT_TOKENS)) if want_ids else None
+        events.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+def serve_stub(port: int) -> None:
+    import uvloop
+    from aiohttp import web
+
+    bodies = stub_bodies("chat")
+    streams = {(a, b): b"".join(stub_stream_events(a, b)) for a in (False, True) for b in (False, True)}
+    models = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "parent": None}]})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        req = orjson.loads(await request.read())
+        key = (bool(req.get("logprobs")), bool(req.get("return_token_ids")))
+        if req.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(streams[key])  # instant: every token at once, the gateway still parses each event
+            await resp.write_eof()
+            return resp
+        return web.Response(body=bodies[key], content_type="application/json")
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def list_models(_request: web.Request) -> web.Response:
+        return web.Response(body=models, content_type="application/json")
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", list_models)
+    uvloop.install()
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# -- the load generator -----------------------------------------------------------------------------
+
+REQUEST = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
+                        "max_tokens": COMPLETION_TOKENS, "temperature": 1.0})
+STREAM_REQUEST = orjson.dumps({**orjson.loads(REQUEST), "stream": True})
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: bytes) -> int:
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+        await r.read()
+        return r.status
+
+
+async def open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict[str, float]:
+    """Requests started on a fixed schedule; latency counted from the scheduled start."""
+    connector = aiohttp.TCPConnector(limit=0)
+    latencies: list[float] = []
+    failures = 0
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(20):  # warm connections and code paths
+            await _one(session, url, body)
+        n = int(rate * seconds)
+        start = time.perf_counter() + 0.05
+
+        async def fire(i: int) -> None:
+            nonlocal failures
+            scheduled = start + i / rate
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            try:
+                status = await _one(session, url, body)
+            except aiohttp.ClientError:
+                status = 0
+            if status != 200:
+                failures += 1
+            latencies.append(time.perf_counter() - scheduled)
+
+        await asyncio.gather(*(fire(i) for i in range(n)))
+        elapsed = time.perf_counter() - start
+    lat = np.asarray(latencies) * 1000
+    return {"rate": rate, "achieved_rps": n / elapsed, "p50_ms": float(np.percentile(lat, 50)),
+            "p90_ms": float(np.percentile(lat, 90)), "p99_ms": float(np.percentile(lat, 99)),
+            "failures": failures, "requests": n}
+
+
+async def closed_loop(url: str, concurrency: int, seconds: float, body: bytes) -> dict[str, float]:
+    connector = aiohttp.TCPConnector(limit=0)
+    done = failures = 0
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(20):
+            await _one(session, url, body)
+        stop = time.perf_counter() + seconds
+
+        async def loop() -> None:
+            nonlocal done, failures
+            while time.perf_counter() < stop:
+                try:
+                    ok = await _one(session, url, body) == 200
+                except aiohttp.ClientError:
+                    ok = False
+                done += 1
+                failures += not ok
+
+        started = time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return {"concurrency": concurrency, "rps": done / elapsed, "failures": failures, "requests": done}
+
+
+# -- orchestration ----------------------------------------------------------------------------------
+
+def _wait_http(url: str, timeout: float = 30) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(url)
+
+
+def _spawn(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def gateway_cmd(stub_url: str, port: int, bootstrap: str, logging_on: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "streamrl.cli", "--log-level", "WARNING", "gateway", "--upstream", stub_url,
+           "--bootstrap-servers", bootstrap, "--port", str(port), "--topic-prefix", "bench"]
+    return cmd if logging_on else [*cmd, "--no-logging"]
+
+
+def record_sizes(bootstrap: str) -> dict[str, float]:
+    """Read back a sample of the records the gateway wrote: bytes per token, encoded and compressed."""
+    from kafka import TopicPartition
+    from streamrl.broker.clients import make_consumer
+    from streamrl.broker.schema import CompletionRecord, decode
+
+    consumer = make_consumer(bootstrap, group_id=None)
+    tps = [TopicPartition("bench.completions", p) for p in sorted(consumer.partitions_for_topic("bench.completions"))]
+    consumer.assign(tps)
+    consumer.seek_to_beginning(*tps)
+    sizes, tokens = [], []
+    deadline = time.monotonic() + 10
+    while len(sizes) < 200 and time.monotonic() < deadline:
+        for batch in consumer.poll(timeout_ms=500).values():
+            for m in batch:
+                rec = decode(m.value)
+                assert isinstance(rec, CompletionRecord)
+                sizes.append(len(m.value))
+                tokens.append(rec.prompt_token_ids.size + rec.completion_token_ids.size)
+    consumer.close()
+    import zstandard
+
+    return {"records": len(sizes), "bytes_per_record": float(np.mean(sizes)),
+            "tokens_per_record": float(np.mean(tokens)),
+            "bytes_per_token": float(np.sum(sizes) / np.sum(tokens)),
+            "zstd": zstandard.__version__}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", type=float, default=500)
+    p.add_argument("--seconds", type=float, default=10)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--stream-rate", type=float, default=20, help="open-loop rate for the streaming run (0: skip)")
+    p.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args()
+    if args.serve_stub:
+        serve_stub(args.serve_stub)
+        return
+
+    from streamrl.broker.embedded import EmbeddedBroker, free_port
+    from streamrl.broker.topics import Topics
+
+    results: dict[str, object] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+                                  "rate": args.rate, "seconds": args.seconds}
+    stub_port, gw_port = free_port(), free_port()
+    stub = _spawn([sys.executable, __file__, "--serve-stub", str(stub_port)])
+    broker = EmbeddedBroker(topics=Topics("bench")).start()
+    procs = [stub]
+    try:
+        stub_url = f"http://127.0.0.1:{stub_port}"
+        _wait_http(f"{stub_url}/health")
+        targets = {"direct": None, "off": False, "on": True}
+        for mode, logging_on in targets.items():
+            if logging_on is None:
+                url = f"{stub_url}/v1/chat/completions"
+                gw = None
+            else:
+                gw = _spawn(gateway_cmd(stub_url, gw_port, broker.bootstrap_servers, logging_on))
+                procs.append(gw)
+                _wait_http(f"http://127.0.0.1:{gw_port}/health")
+                url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
+            print(f"[{mode}] open loop at {args.rate:.0f} req/s for {args.seconds:.0f}s ...", flush=True)
+            lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
+            print(f"[{mode}] closed loop, concurrency {args.concurrency} ...", flush=True)
+            pid = (gw or stub).pid
+            cpu0 = cpu_seconds(pid)
+            thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
+            thr["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu0) * 1000 / max(1, thr["requests"])
+            thr["cpu_of"] = "stub" if gw is None else "gateway"
+            entry: dict[str, object] = {"latency": lat, "throughput": thr}
+            if args.stream_rate:
+                entry["stream_latency"] = asyncio.run(open_loop(url, args.stream_rate, args.seconds, STREAM_REQUEST))
+            if gw is not None:
+                import httpx
+
+                health = httpx.get(f"http://127.0.0.1:{gw_port}/health").json()
+                entry["producer"] = health["producer"]
+                _stop(gw)
+                procs.remove(gw)
+            results[mode] = entry
+            print(f"[{mode}] {json.dumps(entry)}", flush=True)
+        results["records"] = record_sizes(broker.bootstrap_servers)
+    finally:
+        for proc in procs:
+            _stop(proc)
+        broker.stop()
+
+    d, off, on = results["direct"], results["off"], results["on"]  # type: ignore[index]
+    summary = {}
+    for mode, entry in (("off", off), ("on", on)):
+        summary[mode] = {
+            "added_p50_ms": entry["latency"]["p50_ms"] - d["latency"]["p50_ms"],
+            "added_p99_ms": entry["latency"]["p99_ms"] - d["latency"]["p99_ms"],
+            "max_rps": entry["throughput"]["rps"],
+            "gateway_cpu_ms_per_request": entry["throughput"]["cpu_ms_per_request"],
+        }
+        if "stream_latency" in entry:
+            summary[mode]["stream_added_p50_ms"] = entry["stream_latency"]["p50_ms"] - d["stream_latency"]["p50_ms"]
+            summary[mode]["stream_added_p99_ms"] = entry["stream_latency"]["p99_ms"] - d["stream_latency"]["p99_ms"]
+    summary["direct_max_rps"] = d["throughput"]["rps"]
+    summary["on_over_off_throughput"] = on["throughput"]["rps"] / off["throughput"]["rps"]
+    results["summary"] = summary
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
