@@ -39,16 +39,18 @@ from streamrl.producers.demo_cli import DemoConfig, run_demo
 from streamrl.producers.demo_model import build_demo_model, default_cache_dir
 from streamrl.trainer.config import TrainerConfig
 
-DEMO_TRAINER: dict[str, Any] = {
-    "learning_rate": 3e-2,
-    "groups_per_step": 2,
-    "group_size": 8,
-    "lora_rank": 8,
-    "max_lag": 4,
-    "group_timeout_s": 20.0,
-}
-"""Trainer settings under which the demo model learns the demo task within minutes on 2 CPU cores (see
-docs/loop.md). Applied with ``--demo`` below whatever the config file's ``[trainer]`` table says."""
+
+@dataclass(frozen=True)
+class DemoTrainer:
+    """Trainer settings under which the demo model learns the demo task within minutes on 2 CPU cores
+    (measured: docs/loop.md). Applied with ``--demo`` below whatever the ``[trainer]`` table says."""
+
+    learning_rate: float = 3e-2
+    groups_per_step: int = 2
+    group_size: int = 8
+    lora_rank: int = 8
+    max_lag: int = 4
+    group_timeout_s: float = 20.0
 
 
 @dataclass
@@ -109,7 +111,7 @@ class UpConfig:
 
     def trainer_config(self, model: str, bootstrap_servers: str) -> TrainerConfig:
         """Demo defaults (with --demo) < the [trainer] table < what ``up`` owns (model, broker, paths)."""
-        values = dict(DEMO_TRAINER) if self.demo is not None else {}
+        values = dataclasses.asdict(DemoTrainer()) if self.demo is not None else {}
         values.update(self.trainer_table)
         if self.trainer_device is not None:
             values["device"] = self.trainer_device

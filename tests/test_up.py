@@ -16,7 +16,7 @@ import pytest
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 
 from streamrl.engine import Engine
-from streamrl.up import DEMO_TRAINER, Shutdown, SignalGate, console_worthy, load_config
+from streamrl.up import DemoTrainer, Shutdown, SignalGate, console_worthy, load_config
 
 CONFIG = """
 [up]
@@ -48,7 +48,7 @@ def test_config_file_then_flags(tmp_path: Path) -> None:
     assert c.demo is not None and c.demo.group_size == 4  # a [demo] table turns the demo on
     t = c.trainer_config("m", "127.0.0.1:1")
     assert t.learning_rate == 0.01 and t.lora_rank == 4  # the file beats the demo's defaults...
-    assert t.groups_per_step == DEMO_TRAINER["groups_per_step"]  # ...which fill the rest
+    assert t.groups_per_step == DemoTrainer().groups_per_step  # ...which fill the rest
     assert t.device == "cpu" and t.name == "agent" and t.model == "m" and t.bootstrap_servers == "127.0.0.1:1"
     assert t.adapters == str(tmp_path / "adapters") and t.history == str(tmp_path / "history.jsonl")
 
