@@ -9,6 +9,7 @@ re-announces the version on restart if the policy topic does not have it yet.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from dataclasses import asdict
@@ -48,8 +49,9 @@ def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
             signal.signal(sig, lambda *_: stop.set())
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = pick_device(c.device) if world == 1 or c.device != "auto" else torch.device(
-        f"cuda:{rank % max(torch.cuda.device_count(), 1)}" if torch.cuda.is_available() else "cpu")
+        f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(c.seed)
     model = load_policy(c, device)
     learner = Learner(model, c, device)
@@ -115,7 +117,10 @@ def _publish(c, model, learner, source, announcer, metrics, state, batches, stat
     state.optimizer = learner.optimizer.state_dict()
     save_state(c.state_path, state)
     if announcer is not None:
-        announcer.announce(record)
+        try:
+            announcer.announce(record)
+        except Exception as exc:  # broker away: the next version supersedes this one; a restart re-announces
+            log.error("could not announce %s: %s", record.served_name, exc)
     source.commit(offsets)
     prune(c.policy_dir, c.keep_versions)
     if c.save_batches:
