@@ -98,8 +98,9 @@ class PolicyFollower:
         consumer = None
         while consumer is None and not self._stopping.is_set():
             try:
+                # a short fetch wait: a published version should not sit in the broker for 500 ms
                 consumer = make_consumer(self.config.bootstrap_servers, group_id=None,  # type: ignore[arg-type]
-                                         client_id="streamrl-gateway-policy")
+                                         client_id="streamrl-gateway-policy", fetch_max_wait_ms=20)
             except Exception as exc:
                 log.warning("policy follower cannot reach Kafka (%s); retrying", exc)
                 self._stopping.wait(1.0)
@@ -149,6 +150,7 @@ class PolicyFollower:
                 self.caught_up.set()
 
     async def _swap_to(self, record: PolicyRecord) -> None:
+        t0 = time.time()
         name = record.served_name
         weights = Path(record.path) / WEIGHTS_FILE
         try:
@@ -164,6 +166,7 @@ class PolicyFollower:
             log.info("%s waits for an older version to drain (%d loaded)", name, len(self.router.versions))
             self._room.clear()
             await self._room.wait()
+        t1 = time.time()
         state = VersionState(record)
         self.router.versions[record.version] = state
         while not await self._load_everywhere(state):
@@ -175,8 +178,9 @@ class PolicyFollower:
         old = self.router.route(state)
         self.metrics.swaps.inc()
         self.metrics.publish_to_route.observe(max(0.0, state.loaded_at - record.created))
-        log.info("policy %r now served by %s (was %s)", self.router.name, name,
-                 old.served_name if old else "the base model")
+        log.info("policy %r now served by %s (was %s): received %.0f ms after publication, verified in %.0f ms, "
+                 "loaded in %.0f ms", self.router.name, name, old.served_name if old else "the base model",
+                 (t0 - record.created) * 1000, (t1 - t0) * 1000, (state.loaded_at - t1) * 1000)
 
     async def _load_everywhere(self, state: VersionState) -> bool:
         """Load into every healthy upstream; True when at least one has it."""

@@ -6,8 +6,10 @@ tests and benchmark. ``random_adapter`` writes a LoRA adapter with random weight
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+from kafka import KafkaProducer
 from streamrl.broker.clients import make_producer
 from streamrl.broker.schema import PolicyRecord, encode
 from streamrl.broker.topics import Topics
@@ -16,14 +18,20 @@ from .hotswap import WEIGHTS_FILE, sha256_file
 
 
 def publish_version(bootstrap_servers: str, topics: Topics, name: str, version: int, path: Path,
-                    base_model: str, *, step: int = 0, metrics: dict[str, float] | None = None) -> PolicyRecord:
+                    base_model: str, *, step: int = 0, metrics: dict[str, float] | None = None,
+                    producer: KafkaProducer | None = None) -> PolicyRecord:
+    """Write the policy record of ``path`` (sha256 of its weights file computed here) and wait for the
+    broker's acknowledgement. Pass a long-lived ``producer`` when publishing often."""
     record = PolicyRecord(name=name, version=version, path=str(path), base_model=base_model, step=step,
                           sha256=sha256_file(Path(path) / WEIGHTS_FILE), metrics=metrics or {})
-    producer = make_producer(bootstrap_servers)
+    own = producer is None
+    producer = producer or make_producer(bootstrap_servers)
     try:
+        record.created = time.time()
         producer.send(topics.policy, key=name.encode(), value=encode(record)).get(timeout=30)
     finally:
-        producer.close()
+        if own:
+            producer.close()
     return record
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -39,6 +40,15 @@ def topics(broker: EmbeddedBroker) -> Topics:
 @pytest.fixture(scope="module")
 def base_model(engine: Engine) -> str:
     return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(autouse=True)
+def unload_afterwards(engine: Engine) -> Iterator[None]:
+    """Leave the shared engine without this module's adapters (their files go when pytest cleans up)."""
+    yield
+    for card in httpx.get(f"{engine.url}/v1/models").json()["data"]:
+        if card.get("parent") and card["id"].split("@")[0] in ("loadtest", "inflight", "catchup"):
+            httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": card["id"]})
 
 
 def gateway_config(broker: EmbeddedBroker, engine: Engine, name: str, **kw) -> GatewayConfig:

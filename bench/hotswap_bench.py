@@ -1,0 +1,257 @@
+"""Hot-swap under load: LoRA versions published while clients keep sending requests, in two modes.
+
+  pipeline  the streamrl way: serving never stops; every ``--train-s`` seconds a new version is published
+            (training runs elsewhere meanwhile) and the gateway swaps it in under load.
+  blocking  imitates the synchronous loop of tools like ART: stop accepting requests, let the running
+            ones finish, train (``--train-s``), load the new version, resume.
+
+Training is imitated by waiting ``--train-s`` seconds in both modes; what is measured is serving. Real
+parts otherwise: the embedded broker, a vLLM server on the tiny model (started here unless
+``--upstream`` is given), the gateway (``streamrl gateway``, its own process) and real peft adapters.
+Reported per mode: failed requests, requests that waited for a swap, latency p50/p99 in steady state
+and around swaps, delay from publish to the first request served by the new version (p50/p99), and
+serving time lost per training step.
+
+    .venv/bin/python bench/hotswap_bench.py [--versions 10] [--train-s 2] [--clients 4] [--max-tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import httpx
+import numpy as np
+
+NAME = "policy"
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@dataclass
+class Sample:
+    start: float
+    end: float
+    status: int
+    version: int
+    waited: float
+    """Seconds the request was held before it could be sent (blocking mode's pause)."""
+
+
+async def client_loop(session: aiohttp.ClientSession, url: str, gate: asyncio.Event, stop: asyncio.Event,
+                      samples: list[Sample], in_flight: list[int], max_tokens: int) -> None:
+    body = {"model": NAME, "messages": CHAT, "max_tokens": max_tokens, "temperature": 1.0}
+    while not stop.is_set():
+        ready = time.perf_counter()
+        await gate.wait()
+        start = time.perf_counter()
+        in_flight[0] += 1
+        try:
+            async with session.post(url, json=body) as r:
+                await r.read()
+                status, version = r.status, int(r.headers.get("x-policy-version", -1))
+        except aiohttp.ClientError:
+            status, version = 0, -1
+        finally:
+            in_flight[0] -= 1
+        samples.append(Sample(start, time.perf_counter(), status, version, start - ready))
+
+
+def gateway_version(gw: str) -> int:
+    return httpx.get(f"{gw}/health", timeout=5).json()["policy"]["version"]
+
+
+async def wait_version(gw: str, version: int, timeout: float = 60) -> float:
+    deadline = time.perf_counter() + timeout
+    async with httpx.AsyncClient() as http:
+        while time.perf_counter() < deadline:
+            if (await http.get(f"{gw}/health")).json()["policy"]["version"] >= version:
+                return time.perf_counter()
+            await asyncio.sleep(0.005)
+    raise TimeoutError(f"version {version} not routed")
+
+
+async def run_mode(mode: str, gw: str, publish, first_version: int, args: argparse.Namespace) -> dict[str, object]:
+    samples: list[Sample] = []
+    in_flight = [0]
+    gate, stop = asyncio.Event(), asyncio.Event()
+    gate.set()
+    published: dict[int, float] = {}
+    pauses: list[float] = []
+    routed: dict[int, float] = {}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        url = f"{gw}/v1/chat/completions"
+        clients = [asyncio.create_task(client_loop(session, url, gate, stop, samples, in_flight, args.max_tokens))
+                   for _ in range(args.clients)]
+        await asyncio.sleep(args.warmup_s)
+        t_begin = time.perf_counter()
+        for i in range(args.versions):
+            version = first_version + i
+            if mode == "pipeline":
+                await asyncio.sleep(args.train_s)  # the trainer works elsewhere; serving goes on
+                published[version] = await asyncio.to_thread(publish, version)
+                routed[version] = await wait_version(gw, version) - published[version]
+            else:
+                paused = time.perf_counter()
+                gate.clear()  # stop serving
+                while in_flight[0]:  # let the running requests finish
+                    await asyncio.sleep(0.001)
+                await asyncio.sleep(args.train_s)  # train
+                published[version] = await asyncio.to_thread(publish, version)  # swap
+                routed[version] = await wait_version(gw, version) - published[version]
+                gate.set()  # resume
+                pauses.append(time.perf_counter() - paused)
+        await asyncio.sleep(args.train_s / 2)
+        t_end = time.perf_counter()
+        stop.set()
+        gate.set()
+        await asyncio.gather(*clients)
+
+    samples = [s for s in samples if s.start >= t_begin - args.warmup_s / 2]
+    failed = sum(s.status != 200 for s in samples)
+    waited = [s for s in samples if s.waited > 0.001]
+    first_served = {}
+    for v, t_pub in published.items():
+        starts = [s.start for s in samples if s.version == v and s.status == 200]
+        if starts:
+            first_served[v] = min(starts) - t_pub
+    windows = [(published[v], published[v] + first_served.get(v, 0) + 0.5) for v in published]
+
+    def in_window(s: Sample) -> bool:
+        return any(s.start < b and s.end > a for a, b in windows)
+
+    lat = lambda xs: np.asarray([(s.end - s.start) * 1000 for s in xs])  # noqa: E731
+    steady = lat([s for s in samples if not in_window(s) and s.status == 200])
+    around = lat([s for s in samples if in_window(s) and s.status == 200])
+    delays = np.asarray(list(first_served.values())) * 1000
+    span = t_end - t_begin
+    ok = [s for s in samples if s.status == 200 and t_begin <= s.start <= t_end]
+
+    def pct(a: np.ndarray, q: float) -> float | None:
+        return float(np.percentile(a, q)) if a.size else None
+
+    print("per version (publish->routed, publish->first served) ms:",
+          {v: (round(routed[v] * 1000), round(first_served[v] * 1000) if v in first_served else None) for v in published})
+    return {
+        "mode": mode, "versions": len(published), "requests": len(samples), "failed": failed,
+        "waited_for_swap": len(waited), "mean_wait_ms": float(np.mean([s.waited for s in waited]) * 1000) if waited else 0.0,
+        "versions_seen": sorted({s.version for s in samples}),
+        "latency_steady_p50_ms": pct(steady, 50), "latency_steady_p99_ms": pct(steady, 99),
+        "latency_around_swap_p50_ms": pct(around, 50), "latency_around_swap_p99_ms": pct(around, 99),
+        "publish_to_routed_p50_ms": pct(np.asarray(list(routed.values())) * 1000, 50),
+        "publish_to_routed_p99_ms": pct(np.asarray(list(routed.values())) * 1000, 99),
+        "publish_to_first_served_p50_ms": pct(delays, 50), "publish_to_first_served_p99_ms": pct(delays, 99),
+        "serving_time_lost_per_step_s": float(np.mean(pauses)) if pauses else 0.0,
+        "throughput_rps": len(ok) / span,
+    }
+
+
+def unload_all(upstream: str, name: str) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        for card in httpx.get(f"{upstream}/v1/models").json()["data"]:
+            if card["id"].startswith(f"{name}@v"):
+                httpx.post(f"{upstream}/v1/unload_lora_adapter", json={"lora_name": card["id"]})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--versions", type=int, default=10)
+    p.add_argument("--train-s", type=float, default=2.0)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--warmup-s", type=float, default=3.0)
+    p.add_argument("--upstream", help="use this running vLLM server (started with streamrl engine) instead")
+    p.add_argument("--model", help="its model directory (default: build the tiny model)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--gateway-log-level", default="WARNING")
+    args = p.parse_args()
+
+    from streamrl.broker.clients import make_producer
+    from streamrl.broker.embedded import EmbeddedBroker, free_port
+    from streamrl.broker.topics import Topics
+    from streamrl.gateway.publish import publish_version, random_adapter
+
+    from streamrl.engine import Engine, EngineConfig
+    from streamrl.tiny_model import build_model
+
+    work = Path(tempfile.mkdtemp(prefix="hotswap-bench-"))
+    engine = gateway = upstream = None
+    broker = EmbeddedBroker(topics=Topics("hsbench")).start()
+    try:
+        model = Path(args.model) if args.model else build_model(work / "model", "tiny", seed=0)
+        if args.upstream:
+            upstream = args.upstream.rstrip("/")
+        else:
+            print("starting vLLM ...", flush=True)
+            engine = Engine(EngineConfig(model=str(model), max_loras=4, max_cpu_loras=8, max_model_len=1024),
+                            log_file=work / "engine.log").start()
+            upstream = engine.url
+        base_model = httpx.get(f"{upstream}/v1/models").json()["data"][0]["id"]
+        print("writing adapters ...", flush=True)
+        distinct = [random_adapter(model, work / "distinct" / str(i), seed=i) for i in range(3)]
+
+        producer = make_producer(broker.bootstrap_servers, linger_ms=0)
+
+        def publish(version: int) -> float:
+            """Write the version's directory, publish it; returns when the record was sent."""
+            path = work / "adapters" / f"v{version}"
+            shutil.copytree(distinct[version % len(distinct)], path)  # every version its own directory
+            record = publish_version(broker.bootstrap_servers, Topics("hsbench"), NAME, version, path, base_model,
+                                     producer=producer)
+            return time.perf_counter() - (time.time() - record.created)
+
+        port = free_port()
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "streamrl.cli", "--log-level", args.gateway_log_level, "gateway", "--upstream", upstream,
+             "--bootstrap-servers", broker.bootstrap_servers, "--port", str(port), "--topic-prefix", "hsbench",
+             "--policy-name", NAME, "--max-loaded-versions", "3"], start_new_session=True)
+        gw = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{gw}/health").status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("gateway did not start")
+            time.sleep(0.1)
+
+        results = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+                   "args": {k: v for k, v in vars(args).items() if k != "json"}}
+        next_version = 1
+        for mode in ("pipeline", "blocking"):
+            print(f"[{mode}] {args.versions} versions, {args.clients} clients ...", flush=True)
+            r = asyncio.run(run_mode(mode, gw, publish, next_version, args))
+            next_version += args.versions
+            results[mode] = r
+            print(json.dumps(r), flush=True)
+        print(json.dumps(results, indent=2))
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+    finally:
+        if gateway is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(gateway.pid, signal.SIGTERM)
+            gateway.wait(30)
+        if engine is None and upstream is not None:  # an engine must never outlive the files of its adapters
+            unload_all(upstream, NAME)
+        if engine is not None:
+            engine.stop()
+        broker.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
