@@ -45,7 +45,7 @@ class DemoTrainer:
     """Trainer settings under which the demo model learns the demo task within minutes on 2 CPU cores
     (measured: docs/loop.md). Applied with ``--demo`` below whatever the ``[trainer]`` table says."""
 
-    learning_rate: float = 3e-2
+    learning_rate: float = 2e-2
     groups_per_step: int = 2
     group_size: int = 8
     lora_rank: int = 8
@@ -305,8 +305,11 @@ class Stack:
         return self
 
     def _model(self) -> str:
-        if self.config.model is not None:
-            return self.config.model
+        model = self.config.model
+        if model is not None:
+            if model.startswith((".", "/", "~")) and not Path(model).expanduser().exists():
+                raise FileNotFoundError(f"--model {model}: no such directory (omit --model for the demo model)")
+            return str(Path(model).expanduser()) if model.startswith("~") else model
         path = default_cache_dir() / "models" / "tiny-demo"
         self.log.line("up", f"no --model given: using the demo model at {path} (built on first use)")
         return str(build_demo_model(path))
