@@ -231,23 +231,32 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+    return out
+
+
 def gateway_cmd(stub_url: str, port: int, bootstrap: str, logging_on: bool) -> list[str]:
     cmd = [sys.executable, "-m", "streamrl.cli", "--log-level", "WARNING", "gateway", "--upstream", stub_url,
            "--bootstrap-servers", bootstrap, "--port", str(port), "--topic-prefix", "bench"]
     return cmd if logging_on else [*cmd, "--no-logging"]
 
 
-def record_sizes(bootstrap: str) -> dict[str, float]:
+def record_sizes(bootstrap: str, topic: str = "bench.completions", compress: bool = False) -> dict[str, float]:
     """Read back a sample of the records the gateway wrote: bytes per token, encoded and compressed."""
     from kafka import TopicPartition
     from streamrl.broker.clients import make_consumer
     from streamrl.broker.schema import CompletionRecord, decode
 
     consumer = make_consumer(bootstrap, group_id=None)
-    tps = [TopicPartition("bench.completions", p) for p in sorted(consumer.partitions_for_topic("bench.completions"))]
+    tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
     consumer.assign(tps)
     consumer.seek_to_beginning(*tps)
-    sizes, tokens = [], []
+    sizes, tokens, values = [], [], []
     deadline = time.monotonic() + 10
     while len(sizes) < 200 and time.monotonic() < deadline:
         for batch in consumer.poll(timeout_ms=500).values():
@@ -255,14 +264,42 @@ def record_sizes(bootstrap: str) -> dict[str, float]:
                 rec = decode(m.value)
                 assert isinstance(rec, CompletionRecord)
                 sizes.append(len(m.value))
+                values.append(m.value)
                 tokens.append(rec.prompt_token_ids.size + rec.completion_token_ids.size)
     consumer.close()
     import zstandard
 
+    batch = b"".join(values[:50])  # what a producer batch compresses (zstd, as the gateway's producer)
+    compressed = len(zstandard.ZstdCompressor(level=3).compress(batch))
+    n_tokens = float(np.sum(tokens[:50]))
     return {"records": len(sizes), "bytes_per_record": float(np.mean(sizes)),
             "tokens_per_record": float(np.mean(tokens)),
             "bytes_per_token": float(np.sum(sizes) / np.sum(tokens)),
-            "zstd": zstandard.__version__}
+            # the stub sends the same body every time, so only distinct (vLLM) records say anything here
+            "zstd_bytes_per_token": compressed / n_tokens if compress and n_tokens else None}
+
+
+def vllm_record_sizes(upstream: str, requests: int = 20, max_tokens: int = 256) -> dict[str, float]:
+    """Bytes per token of records of real vLLM completions (real logprobs), through a gateway."""
+    import httpx
+    from streamrl.broker.embedded import EmbeddedBroker, free_port
+    from streamrl.broker.topics import Topics
+    from streamrl.gateway.config import GatewayConfig
+    from streamrl.gateway.server import GatewayServer
+
+    with EmbeddedBroker(topics=Topics("sizes")) as broker:
+        config = GatewayConfig(upstreams=(upstream,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
+                               topic_prefix="sizes", follow_policy=False)
+        with GatewayServer(config) as gw:
+            model = httpx.get(f"{upstream}/v1/models").json()["data"][0]["id"]
+            for i in range(requests):
+                httpx.post(f"{gw.url}/v1/chat/completions", timeout=120, json={
+                    "model": model, "max_tokens": max_tokens, "seed": i,
+                    "messages": [{"role": "user", "content": f"Question {i}: tell me a long story about the sea."}]})
+            deadline = time.monotonic() + 30
+            while gw.gateway.producer.stats.delivered < requests and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return record_sizes(broker.bootstrap_servers, "sizes.completions", compress=True)
 
 
 def main() -> None:
@@ -273,6 +310,7 @@ def main() -> None:
     p.add_argument("--stream-rate", type=float, default=20, help="open-loop rate for the streaming run (0: skip)")
     p.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--vllm", help="also measure record bytes per token on real completions of this vLLM server")
     args = p.parse_args()
     if args.serve_stub:
         serve_stub(args.serve_stub)
@@ -304,9 +342,12 @@ def main() -> None:
             lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
             print(f"[{mode}] closed loop, concurrency {args.concurrency} ...", flush=True)
             pid = (gw or stub).pid
-            cpu0 = cpu_seconds(pid)
+            helpers = children(pid)  # the gateway's record-producer process, when logging is on
+            cpu0, helper0 = cpu_seconds(pid), sum(cpu_seconds(c) for c in helpers)
             thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
-            thr["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu0) * 1000 / max(1, thr["requests"])
+            n = max(1, thr["requests"])
+            thr["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu0) * 1000 / n
+            thr["producer_process_cpu_ms_per_request"] = (sum(cpu_seconds(c) for c in helpers) - helper0) * 1000 / n
             thr["cpu_of"] = "stub" if gw is None else "gateway"
             entry: dict[str, object] = {"latency": lat, "throughput": thr}
             if args.stream_rate:
@@ -326,6 +367,8 @@ def main() -> None:
             _stop(proc)
         broker.stop()
 
+    if args.vllm:
+        results["vllm_records"] = vllm_record_sizes(args.vllm)
     d, off, on = results["direct"], results["off"], results["on"]  # type: ignore[index]
     summary = {}
     for mode, entry in (("off", off), ("on", on)):
@@ -334,6 +377,7 @@ def main() -> None:
             "added_p99_ms": entry["latency"]["p99_ms"] - d["latency"]["p99_ms"],
             "max_rps": entry["throughput"]["rps"],
             "gateway_cpu_ms_per_request": entry["throughput"]["cpu_ms_per_request"],
+            "producer_process_cpu_ms_per_request": entry["throughput"]["producer_process_cpu_ms_per_request"],
         }
         if "stream_latency" in entry:
             summary[mode]["stream_added_p50_ms"] = entry["stream_latency"]["p50_ms"] - d["stream_latency"]["p50_ms"]

@@ -8,8 +8,12 @@ dropped / failed instead of slowing a response.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing
+import pickle
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -75,43 +79,159 @@ class ProducerStats:
 
 
 Build = Callable[[], list[tuple[bytes | None, bytes]]]
-"""Makes (key, value) pairs on the producer thread, so encoding stays off the caller's thread."""
+"""Makes (key, value) pairs on the producer's side, so encoding stays off the caller's thread. With
+``LogProducer(process=True)`` it must be picklable (e.g. a ``functools.partial`` of a module-level function)."""
+
+_DELIVERED, _FAILED, _INVALID, _BYTES = range(4)
+Item = tuple[str, bytes | None, bytes | Build, int]
+
+
+class _Sender:
+    """Owns the KafkaProducer: builds deferred records, sends, counts outcomes into ``counts``
+    (a plain list in a thread, shared memory in a child process)."""
+
+    def __init__(self, bootstrap_servers: str, compression: str | None, send_timeout_ms: int, client_id: str,
+                 counts: Any) -> None:
+        self.bootstrap_servers, self.compression = bootstrap_servers, compression
+        self.send_timeout_ms, self.client_id, self.counts = send_timeout_ms, client_id, counts
+        self.lock = threading.Lock()
+        self.producer: KafkaProducer | None = None
+
+    def _count(self, index: int, n: int = 1) -> None:
+        with self.lock:
+            self.counts[index] += n
+
+    def _connect(self) -> KafkaProducer | None:
+        try:
+            return make_producer(self.bootstrap_servers, compression=self.compression,
+                                 max_block_ms=self.send_timeout_ms, request_timeout_ms=self.send_timeout_ms,
+                                 delivery_timeout_ms=self.send_timeout_ms + 5_000, client_id=self.client_id,
+                                 linger_ms=20)
+        except Exception as exc:  # broker down at start: keep serving, retry on the next record
+            log.warning("cannot connect producer to %s: %s", self.bootstrap_servers, exc)
+            return None
+
+    def _on_ok(self, nbytes: int) -> Callable[[Any], None]:
+        def ok(_meta: Any) -> None:
+            with self.lock:
+                self.counts[_DELIVERED] += 1
+                self.counts[_BYTES] += nbytes
+        return ok
+
+    def _on_err(self, exc: BaseException) -> None:
+        self._count(_FAILED)
+        log.debug("record not delivered: %s", exc)
+
+    def handle(self, item: Item) -> None:
+        topic, key, value, count = item
+        if callable(value):
+            try:
+                pairs = value()
+            except Exception as exc:
+                self._count(_INVALID, count)
+                log.warning("record not built: %s", exc)
+                return
+        else:
+            pairs = [(key, value)]
+        if self.producer is None:
+            self.producer = self._connect()
+            if self.producer is None:
+                self._count(_FAILED, len(pairs))
+                time.sleep(0.2)
+                return
+        for k, v in pairs:
+            try:
+                fut = self.producer.send(topic, key=k, value=v)
+                fut.add_callback(self._on_ok(len(v))).add_errback(self._on_err)
+            except Exception as exc:  # metadata timeout, buffer exhausted in the client
+                self._on_err(exc)
+
+    def close(self) -> None:
+        if self.producer is None:
+            return
+        try:
+            self.producer.flush(timeout=self.send_timeout_ms / 1000)
+        except Exception as exc:  # broker gone: what is left is counted by the errbacks
+            log.warning("records left undelivered at close: %s", exc)
+        try:
+            self.producer.close(timeout=0)
+        except Exception as exc:
+            log.debug("producer close: %s", exc)
+
+
+def _child_main(conn: Any, bootstrap_servers: str, compression: str | None, send_timeout_ms: int,
+                client_id: str, counts: Any) -> None:
+    """The producer process: receives pickled items until an empty message, then flushes and exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop (Ctrl-C reaches both)
+    sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, counts)
+    try:
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except (EOFError, OSError):
+                break
+            if not data:
+                break
+            sender.handle(pickle.loads(data))
+    finally:
+        sender.close()
 
 
 class LogProducer:
-    """Fire-and-forget producer for servers: bounded buffer, background thread, counters."""
+    """Fire-and-forget producer for servers: bounded buffer, background thread, counters.
+
+    With ``process=True`` the KafkaProducer and the building of deferred records run in a child process
+    (fed through a pipe by the background thread), so that neither holds the server's GIL: kafka-python
+    batches records in Python, and a server's event loop should not wait for that."""
 
     def __init__(self, bootstrap_servers: str, *, max_buffered: int = 100_000,
                  compression: str | None = DEFAULT_COMPRESSION, send_timeout_ms: int = 10_000,
-                 client_id: str = "streamrl-gateway") -> None:
+                 client_id: str = "streamrl-gateway", process: bool = False) -> None:
         self.bootstrap_servers = bootstrap_servers
-        self.stats = ProducerStats()
-        self._queue: queue.Queue[tuple[str, bytes | None, bytes | Build, int] | None] = queue.Queue(max_buffered)
-        self._compression = compression
+        self._offered = self._dropped = self._lost = 0
+        self._queue: queue.Queue[Item | None] = queue.Queue(max_buffered)
         self._send_timeout_ms = send_timeout_ms
-        self._client_id = client_id
-        self._lock = threading.Lock()
-        self._producer: KafkaProducer | None = None
-        self._thread = threading.Thread(target=self._run, name="streamrl-log-producer", daemon=True)
+        self._process = None
+        if process:
+            ctx = multiprocessing.get_context("spawn")
+            self._counts: Any = ctx.Array("q", 4, lock=False)
+            reader, self._conn = ctx.Pipe(duplex=False)
+            self._process = ctx.Process(target=_child_main, name="streamrl-log-producer", daemon=True,
+                                        args=(reader, bootstrap_servers, compression, send_timeout_ms, client_id,
+                                              self._counts))
+            self._process.start()
+            reader.close()
+            target = self._pump
+        else:
+            self._counts = [0, 0, 0, 0]
+            self._sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, self._counts)
+            target = self._run
+        self._thread = threading.Thread(target=target, name="streamrl-log-producer", daemon=True)
         self._thread.start()
+
+    @property
+    def stats(self) -> ProducerStats:
+        c = self._counts
+        return ProducerStats(offered=self._offered, delivered=c[_DELIVERED], failed=c[_FAILED] + self._lost,
+                             dropped=self._dropped, invalid=c[_INVALID], bytes_delivered=c[_BYTES])
 
     def offer(self, topic: str, key: bytes | None, value: bytes) -> bool:
         """Queue a record; False (and counted as dropped) when the buffer is full. Never blocks."""
         return self._put((topic, key, value, 1))
 
     def offer_deferred(self, topic: str, build: Build, count: int) -> bool:
-        """Queue ``count`` records whose bytes ``build()`` makes later, on the producer thread.
+        """Queue ``count`` records whose bytes ``build()`` makes later, off the caller's thread.
         If ``build`` raises, none of them is sent and all are counted as invalid."""
         return self._put((topic, None, build, count))
 
-    def _put(self, item: tuple[str, bytes | None, bytes | Build, int]) -> bool:
+    def _put(self, item: Item) -> bool:
         n = item[3]
-        self.stats.offered += n
+        self._offered += n
         try:
             self._queue.put_nowait(item)
             return True
         except queue.Full:
-            self.stats.dropped += n
+            self._dropped += n
             return False
 
     @property
@@ -122,66 +242,28 @@ class LogProducer:
     def capacity(self) -> int:
         return self._queue.maxsize
 
-    def _connect(self) -> KafkaProducer | None:
-        try:
-            return make_producer(self.bootstrap_servers, compression=self._compression,
-                                 max_block_ms=self._send_timeout_ms, request_timeout_ms=self._send_timeout_ms,
-                                 delivery_timeout_ms=self._send_timeout_ms + 5_000, client_id=self._client_id)
-        except Exception as exc:  # broker down at start: keep serving, retry on the next record
-            log.warning("cannot connect producer to %s: %s", self.bootstrap_servers, exc)
-            return None
-
-    def _on_ok(self, nbytes: int):
-        def ok(_meta: Any) -> None:
-            with self._lock:
-                self.stats.delivered += 1
-                self.stats.bytes_delivered += nbytes
-        return ok
-
-    def _on_err(self, exc: BaseException, n: int = 1) -> None:
-        with self._lock:
-            self.stats.failed += n
-        log.debug("record not delivered: %s", exc)
-
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            topic, key, value, count = item
-            if callable(value):
-                try:
-                    pairs = value()
-                except Exception as exc:
-                    with self._lock:
-                        self.stats.invalid += count
-                    log.warning("record not built: %s", exc)
-                    continue
-            else:
-                pairs = [(key, value)]
-            if self._producer is None:
-                self._producer = self._connect()
-                if self._producer is None:
-                    self._on_err(ConnectionError("broker unreachable"), len(pairs))
-                    time.sleep(0.2)
-                    continue
-            for k, v in pairs:
-                try:
-                    fut = self._producer.send(topic, key=k, value=v)
-                    fut.add_callback(self._on_ok(len(v))).add_errback(self._on_err)
-                except Exception as exc:  # metadata timeout, buffer exhausted in the client
-                    self._on_err(exc)
-        if self._producer is not None:
+        while (item := self._queue.get()) is not None:
+            self._sender.handle(item)
+        self._sender.close()
+
+    def _pump(self) -> None:
+        while (item := self._queue.get()) is not None:
             try:
-                self._producer.flush(timeout=self._send_timeout_ms / 1000)
-            except Exception as exc:  # broker gone: what is left is counted by the errbacks
-                log.warning("records left undelivered at close: %s", exc)
-            try:
-                self._producer.close(timeout=0)
-            except Exception as exc:
-                log.debug("producer close: %s", exc)
+                self._conn.send_bytes(pickle.dumps(item, protocol=5))
+            except (OSError, ValueError, pickle.PicklingError) as exc:  # the child died, or not picklable
+                self._lost += item[3]
+                log.warning("record not handed to the producer process: %s", exc)
+        with contextlib.suppress(OSError):
+            self._conn.send_bytes(b"")
+            self._conn.close()
 
     def close(self) -> None:
-        """Deliver what is buffered (bounded by the send timeout), then stop the thread."""
+        """Deliver what is buffered (bounded by the send timeout), then stop the thread (and process)."""
         self._queue.put(None)
         self._thread.join(timeout=self._send_timeout_ms / 1000 + 5)
+        if self._process is not None:
+            self._process.join(timeout=self._send_timeout_ms / 1000 + 5)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()

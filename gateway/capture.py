@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from streamrl.broker.schema import CompletionRecord
+from streamrl.broker.schema import CompletionRecord, encode
 
 
 @dataclass(slots=True)
@@ -104,7 +104,8 @@ class RawChoice:
     prompt_token_ids: msgspec.Raw | None
 
 
-def split_body(raw: bytes, endpoint: str, strip_ids: bool, strip_logprobs: bool) -> tuple[bytes, list[RawChoice]]:
+def split_body(raw: bytes, endpoint: str, strip_ids: bool,
+               strip_logprobs: bool) -> tuple[bytes, list[RawChoice], msgspec.Raw | None]:
     """One shallow pass over a non-streamed body: the per-choice parts the record needs, kept undecoded
     (decoding 1,000 logprobs is the producer thread's job), and the body for the client with what the
     gateway asked for on its own behalf set back to ``null``. Unchanged bytes when nothing is stripped."""
@@ -113,14 +114,16 @@ def split_body(raw: bytes, endpoint: str, strip_ids: bool, strip_logprobs: bool)
         known = _KNOWN_TOP.decode(raw)
         choices = known.choices if known.choices is not msgspec.UNSET else []
         top_prompt = known.prompt_token_ids if chat and known.prompt_token_ids is not msgspec.UNSET else None
+        usage = known.usage if known.usage is not msgspec.UNSET else None
         top: _Top | dict[str, msgspec.Raw] = known
     except msgspec.ValidationError:  # a key this code does not know: keep it, at the cost of two passes
         top = _TOP.decode(raw)
         choices = _CHOICES.decode(top["choices"]) if "choices" in top else []
         top_prompt = top.get("prompt_token_ids") if chat else None
+        usage = top.get("usage")
     captured = [RawChoice(dict(c), top_prompt if chat else c.get("prompt_token_ids")) for c in choices]
     if not (strip_ids or strip_logprobs):
-        return raw, captured
+        return raw, captured, usage
     if strip_ids and chat and top_prompt is not None:
         if isinstance(top, dict):
             top["prompt_token_ids"] = NULL
@@ -136,7 +139,24 @@ def split_body(raw: bytes, endpoint: str, strip_ids: bool, strip_logprobs: bool)
             c["logprobs"] = NULL
     if isinstance(top, dict):
         top["choices"] = choices  # type: ignore[assignment]
-    return _ENCODER.encode(top), captured
+    return _ENCODER.encode(top), captured, usage
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+_USAGE = msgspec.json.Decoder(_Usage | None)
+
+
+def usage_tokens(usage: msgspec.Raw | None) -> tuple[int, int]:
+    """(prompt, completion) token counts of a response's usage, for metrics."""
+    try:
+        u = _USAGE.decode(usage) if usage is not None else None
+    except msgspec.MsgspecError:
+        return 0, 0
+    return (u.prompt_tokens, u.completion_tokens) if u is not None else (0, 0)
 
 
 def decode_choice(choice: RawChoice, endpoint: str) -> ChoiceCapture:
@@ -266,3 +286,12 @@ def build_records(ctx: CallContext, captures: list[ChoiceCapture], total_s: floa
             created=ctx.created,
         ))
     return records
+
+
+def encode_call_records(ctx: CallContext, choices: list[ChoiceCapture] | list[RawChoice],
+                        total_s: float) -> list[tuple[bytes | None, bytes]]:
+    """The producer's job for one call (module-level, so it can be sent to a producer process):
+    decode, build and encode every choice's record, keyed by trajectory id."""
+    captures = [c if isinstance(c, ChoiceCapture) else decode_choice(c, ctx.endpoint) for c in choices]
+    key = ctx.trajectory_id.encode()
+    return [(key, encode(r)) for r in build_records(ctx, captures, total_s)]

@@ -30,6 +30,8 @@ class GatewayConfig:
     health_timeout_s: float = 2.0
     max_buffered_records: int = 100_000
     producer_send_timeout_ms: int = 10_000
+    producer_process: bool = True
+    """Run the Kafka client and record encoding in a child process, off the event loop's GIL."""
     record_request: bool = True
     """Keep the request (messages/prompt, tools, sampling params) in each record for inspection."""
     load_retry_s: float = 1.0

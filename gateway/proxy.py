@@ -8,6 +8,7 @@ built and encoded on the producer thread; a failed or cut-off response produces 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -21,16 +22,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 from streamrl.broker.clients import LogProducer
-from streamrl.broker.schema import RecordError, check_id, encode
+from streamrl.broker.schema import RecordError, check_id
 
 from .capture import (
     CallContext,
     ChoiceCapture,
     RawChoice,
     StreamCapture,
-    build_records,
-    decode_choice,
+    encode_call_records,
     split_body,
+    usage_tokens,
 )
 from .config import GatewayConfig
 from .metrics import GatewayMetrics
@@ -302,30 +303,25 @@ class Proxy:
         if resp.status != 200 or not (call.record or call.strip_ids or call.strip_logprobs):
             return Response(raw, resp.status, headers=call.headers, media_type=content_type)
         try:
-            raw, choices = split_body(raw, call.ctx.endpoint, call.strip_ids, call.strip_logprobs)
+            raw, choices, usage = split_body(raw, call.ctx.endpoint, call.strip_ids, call.strip_logprobs)
         except msgspec.MsgspecError as exc:  # not the JSON vLLM sends: pass it on, record nothing
             log.warning("unexpected upstream body from %s: %s", call.ctx.upstream, exc)
             return Response(raw, 200, headers=call.headers, media_type=content_type)
-        self._emit(call, choices)
+        self._emit(call, choices, usage_tokens(usage))
         return Response(raw, 200, headers=call.headers, media_type=content_type)
 
-    def _emit(self, call: _Call, choices: list[ChoiceCapture] | list[RawChoice]) -> None:
-        """Hand the call's records to the producer thread (decoded, built and encoded there)."""
+    def _emit(self, call: _Call, choices: list[ChoiceCapture] | list[RawChoice],
+              tokens: tuple[int, int] | None = None) -> None:
+        """Hand the call's records to the producer (decoded, built and encoded there)."""
         if self.producer is None or not choices:
             return
-        ctx = call.ctx
-        total_s = time.perf_counter() - ctx.started
-        key = ctx.trajectory_id.encode()
-        tokens = self.metrics.tokens
-
-        def build() -> list[tuple[bytes | None, bytes]]:
-            captures = [c if isinstance(c, ChoiceCapture) else decode_choice(c, ctx.endpoint) for c in choices]
-            records = build_records(ctx, captures, total_s)
-            for r in records:
-                tokens.labels("prompt").inc(r.prompt_token_ids.size)
-                tokens.labels("completion").inc(r.completion_token_ids.size)
-            return [(key, encode(r)) for r in records]
-
+        if tokens is None:
+            tokens = (sum(len(c.prompt_token_ids or ()) for c in choices),  # type: ignore[union-attr]
+                      sum(len(c.token_ids) for c in choices))  # type: ignore[union-attr]
+        self.metrics.tokens.labels("prompt").inc(tokens[0])
+        self.metrics.tokens.labels("completion").inc(tokens[1])
+        total_s = time.perf_counter() - call.ctx.started
+        build = functools.partial(encode_call_records, call.ctx, choices, total_s)
         self.producer.offer_deferred(self.topic, build, len(choices))
 
     def _stream(self, call: _Call, resp: aiohttp.ClientResponse) -> Response:

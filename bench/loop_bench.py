@@ -1,0 +1,252 @@
+"""The whole loop, pipeline against synchronous: `streamrl up --demo` run once per mode, same model,
+task, seed and hyper-parameters; reports time to a fixed mean reward and the steady-state figures.
+
+* ``pipeline``: generation runs up to ``--max-ahead`` training steps ahead of the trainer; vLLM never
+  waits for training and the trainer never waits for a whole batch to be generated from scratch.
+* ``sync``: the loop of ART-like tools: generate one step's groups with the current version, then
+  nothing is served while the trainer trains and the new version is swapped in, then the next batch
+  (the demo producer's pacer with ``max_ahead = 0``).
+
+For each mode it polls the gateway's and trainer's ``/metrics`` and samples ``nvidia-smi`` while the
+stack runs, then reads the trainer's JSONL history and the demo's summary. Output: one JSON file with
+everything, the reward-against-wall-clock series of both modes, and a Markdown table on stdout.
+
+    python bench/loop_bench.py --layout two-gpu --shape qwen2.5-1.5b --out runs/loop-bench     # H200 x2
+    python bench/loop_bench.py --layout one-gpu  --shape qwen2.5-1.5b --out runs/loop-bench-1  # shared GPU
+    python bench/loop_bench.py --layout cpu --shape tiny --out runs/loop-bench-cpu             # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+LAYOUTS = {
+    # engine device, vLLM memory fraction, trainer device
+    "two-gpu": ("0", 0.85, "cuda:1"),
+    "one-gpu": ("0", 0.35, "cuda:0"),
+    "cpu": (None, None, "cpu"),
+}
+PEAK_FLOPS = 989e12  # H200 dense bf16
+METRIC_LINE = re.compile(r'^([a-zA-Z_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN|\+Inf)$')
+
+
+def scrape(client: httpx.Client, url: str) -> dict[str, float]:
+    """Prometheus text -> {name{labels}: value}; empty on any error (the part may be starting or gone)."""
+    try:
+        text = client.get(url, timeout=2).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        m = METRIC_LINE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def histogram_quantile(samples: dict[str, float], name: str, q: float) -> float | None:
+    """Upper bound of the bucket holding quantile q of a Prometheus histogram."""
+    buckets = sorted((float(k.split('le="')[1].rstrip('"}')), v) for k, v in samples.items()
+                     if k.startswith(f"{name}_bucket") and 'le="' in k and "+Inf" not in k)
+    total = samples.get(f"{name}_count", 0.0)
+    if not total:
+        return None
+    for le, count in buckets:
+        if count >= q * total:
+            return le
+    return float("inf")
+
+
+def matmul_params(model_dir: Path) -> tuple[float, int, int]:
+    """(N matmul weights incl. lm_head, layers, hidden) from the config, for FLOPs per token."""
+    c = json.loads((model_dir / "config.json").read_text())
+    h, layers, inter, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter
+    return float(layers * per_layer + h * vocab), layers, h
+
+
+class GpuSampler(threading.Thread):
+    """Samples utilization.gpu of every GPU twice a second with nvidia-smi (absent on CPU machines)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.samples: list[list[float]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        if shutil.which("nvidia-smi") is None:
+            return
+        while not self.stop.wait(0.5):
+            out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True).stdout
+            self.samples.append([float(x) for x in out.split()])
+
+    def summary(self) -> list[dict[str, float]]:
+        if not self.samples:
+            return []
+        per_gpu = list(zip(*self.samples, strict=False))
+        return [{"gpu": i, "busy_frac": sum(s > 0 for s in xs) / len(xs), "util_mean": sum(xs) / len(xs) / 100}
+                for i, xs in enumerate(per_gpu)]
+
+
+def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path) -> dict:
+    engine_device, mem_frac, trainer_device = LAYOUTS[args.layout]
+    run_dir = out / mode
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    port, trainer_port = args.port, args.port + 1
+    config = {
+        "up": {"model": str(model), "port": port, "work_dir": str(run_dir), "trainer_device": trainer_device},
+        "engine": {"device": engine_device, "gpu_memory_utilization": mem_frac, "max_model_len": 1024,
+                   "extra_args": args.engine_args.split() if args.engine_args else []},
+        "trainer": {"learning_rate": args.learning_rate, "group_size": args.group_size,
+                    "groups_per_step": args.groups_per_step, "lora_rank": args.lora_rank, "max_lag": args.max_lag,
+                    "metrics_port": trainer_port, "seed": args.seed, "group_timeout_s": 30.0},
+        "demo": {"group_size": args.group_size, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                 "groups_per_step": args.groups_per_step, "max_ahead": 0 if mode == "sync" else args.max_ahead,
+                 "until_reward": args.until_reward, "stop_groups": args.stop_groups,
+                 "max_seconds": args.max_seconds, "seed": args.seed, "summary": str(run_dir / "demo.json")},
+    }
+    if engine_device is None:
+        del config["engine"]["device"], config["engine"]["gpu_memory_utilization"]
+    cfg = run_dir / "config.json"
+    cfg.write_text(json.dumps(config, indent=2))
+    gpus = GpuSampler()
+    log = open(run_dir / "up.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "up", "--config", str(cfg)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    scrapes: list[tuple[float, dict[str, float], dict[str, float]]] = []
+    t_ready = None
+    deadline = time.monotonic() + args.max_seconds + 900
+    with httpx.Client() as client:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if t_ready is None:
+                try:
+                    if client.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        t_ready = time.time()
+                        gpus.start()
+                except httpx.HTTPError:
+                    pass
+            else:
+                g = scrape(client, f"http://127.0.0.1:{port}/metrics")
+                if g:
+                    scrapes.append((time.time(), g, scrape(client, f"http://127.0.0.1:{trainer_port}/metrics")))
+            time.sleep(1.0)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(60)
+    gpus.stop.set()
+    return summarise(mode, run_dir, t_ready, scrapes, gpus, model, proc.returncode)
+
+
+def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gpus: GpuSampler, model: Path,
+              rc: int | None) -> dict:
+    demo = json.loads((run_dir / "demo.json").read_text()) if (run_dir / "demo.json").exists() else {}
+    history = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()] \
+        if (run_dir / "history.jsonl").exists() else []
+    t0 = t_ready or (history[0]["time"] if history else 0.0)
+    n_params, layers, hidden = matmul_params(model)
+    trained_tokens = sum(h["tokens"] for h in history)
+    train_time = sum(h["tokens"] / h["tokens_per_s"] for h in history if h.get("tokens_per_s"))
+    result: dict = {"mode": mode, "exit_code": rc, "demo": demo, "steps": len(history)}
+    result["reward_curve"] = [(round(h["time"] - t0, 2), h["reward_mean"], h["version"]) for h in history]
+    result["time_to_target_s"] = demo.get("seconds") if demo.get("reached") or demo.get("stopped") == "reward" \
+        else None
+    result["demo_seconds"] = demo.get("seconds")
+    if train_time:
+        tps = trained_tokens / train_time
+        result["trainer_tokens_per_s"] = tps
+        attn = 3 * 2 * hidden * layers * 512  # attention at the mean trained length is negligible here
+        result["trainer_mfu_4n"] = tps * (4 * n_params + attn) / PEAK_FLOPS
+        result["trainer_mfu_6n"] = tps * (6 * n_params + attn) / PEAK_FLOPS
+    stale = [h["staleness_mean"] for h in history]
+    result["staleness_mean_per_step"] = {"mean": sum(stale) / len(stale) if stale else None,
+                                         "max": max((h["staleness_max"] for h in history), default=None)}
+    if len(scrapes) >= 2:
+        (ta, ga, _), (tb, gb, trb) = scrapes[0], scrapes[-1]
+        key = 'streamrl_gateway_tokens_total{kind="completion"}'
+        result["rollout_tokens_per_s"] = (gb.get(key, 0) - ga.get(key, 0)) / max(tb - ta, 1e-9)
+        result["publish_to_route_p50_s"] = histogram_quantile(gb, "streamrl_gateway_publish_to_route_seconds", 0.5)
+        result["publish_to_route_p99_s"] = histogram_quantile(gb, "streamrl_gateway_publish_to_route_seconds", 0.99)
+        produced = gb.get('streamrl_gateway_records_total{outcome="produced"}', 0)
+        consumed = trb.get('streamrl_trainer_records_total{outcome="completions"}', 0)
+        result["kafka_lag_records_at_end"] = produced - consumed
+        result["requests_failed"] = sum(v for k, v in gb.items()
+                                        if k.startswith("streamrl_gateway_requests_total") and 'status="5' in k)
+    result["gpus"] = gpus.summary()
+    return result
+
+
+def build_model(args: argparse.Namespace, out: Path) -> Path:
+    from streamrl.producers.demo_model import build_demo_model
+
+    return build_demo_model(out / "model", shape=args.shape, vocab_size=args.vocab_size,
+                            dtype="bfloat16" if args.layout != "cpu" else "float32")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="two-gpu")
+    p.add_argument("--shape", default="qwen2.5-1.5b")
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--modes", default="pipeline,sync")
+    p.add_argument("--until-reward", type=float, default=0.8)
+    p.add_argument("--stop-groups", type=int, default=6)
+    p.add_argument("--max-seconds", type=float, default=240.0, help="per mode, after the stack is up")
+    p.add_argument("--learning-rate", type=float, default=2e-3)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--groups-per-step", type=int, default=4)
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--max-lag", type=int, default=4)
+    p.add_argument("--max-ahead", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=18080)
+    p.add_argument("--engine-args", default="", help="extra vLLM flags, e.g. --enforce-eager")
+    p.add_argument("--out", default="runs/loop-bench")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model(args, out)
+    results = {"args": vars(args), "modes": {}}
+    for mode in args.modes.split(","):
+        results["modes"][mode] = run_mode(mode, args, model, out)
+        (out / "loop_bench.json").write_text(json.dumps(results, indent=2))
+    print_table(results)
+    return 0
+
+
+def print_table(results: dict) -> None:
+    modes = results["modes"]
+    print("| mode | time to reward (s) | steps | rollout tok/s | trainer tok/s | MFU 4N | publish->routed p50/p99 s "
+          "| staleness mean/max | GPU busy | failed |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | ---: |")
+    for mode, r in modes.items():
+        gpus = ", ".join(f"gpu{g['gpu']} {g['busy_frac']:.0%}" for g in r.get("gpus", [])) or "-"
+        print(f"| {mode} | {r.get('time_to_target_s')} | {r['steps']} | {r.get('rollout_tokens_per_s', 0):.0f} "
+              f"| {r.get('trainer_tokens_per_s', 0):.0f} | {r.get('trainer_mfu_4n', 0):.1%} "
+              f"| {r.get('publish_to_route_p50_s')}/{r.get('publish_to_route_p99_s')} "
+              f"| {r['staleness_mean_per_step']['mean']}/{r['staleness_mean_per_step']['max']} | {gpus} "
+              f"| {r.get('requests_failed')} |")
+    if "pipeline" in modes and "sync" in modes:
+        a, b = modes["pipeline"].get("time_to_target_s"), modes["sync"].get("time_to_target_s")
+        if a and b:
+            print(f"\npipeline reached the reward {b / a:.2f}x sooner than sync")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
