@@ -139,7 +139,8 @@ def test_request_started_before_swap_finishes_on_old_version(broker, engine, top
     publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
     with GatewayServer(gateway_config(broker, engine, name)) as gw:
         wait_routed(gw, 1)  # caught up on start
-        body = {"model": name, "prompt": "a", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        # long enough (seconds on this CPU) to still be running while the swap below happens
+        body = {"model": name, "prompt": "a", "max_tokens": 900, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=120) as http, http.stream("POST", f"{gw.url}/v1/completions", json=body) as old:
             assert old.headers["x-policy-version"] == "1"
             lines = old.iter_lines()
@@ -147,11 +148,11 @@ def test_request_started_before_swap_finishes_on_old_version(broker, engine, top
             assert f'"model":"{name}@v1"' in first
             publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
             wait_routed(gw, 2)
+            assert gw.gateway.router.versions[1].in_flight == 1  # v1 held by the running stream
+            assert f"{name}@v1" in engine_adapters(engine)  # so it stays loaded
             new = http.post(f"{gw.url}/v1/completions", json={**body, "stream": False, "max_tokens": 4})
             assert new.status_code == 200 and new.headers["x-policy-version"] == "2"
             assert new.json()["model"] == f"{name}@v2"
-            assert gw.gateway.router.versions[1].in_flight == 1  # v1 held by the running stream
-            assert f"{name}@v1" in engine_adapters(engine)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
         assert all(f'"model":"{name}@v1"' in line for line in rest if line.startswith("data: {"))
