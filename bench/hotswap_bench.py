@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -159,6 +160,23 @@ async def run_mode(mode: str, gw: str, publish, first_version: int, args: argpar
     }
 
 
+SWAP_LINE = re.compile(r"now served by \S+@v(\d+) .*received (\d+) ms after publication, verified in (\d+) ms, "
+                       r"loaded in (\d+) ms")
+
+
+def gateway_swap_timings(log_file: Path, versions: range) -> dict[str, float | None]:
+    """The gateway's own account of each swap (from its log): publication -> routed, and the load alone."""
+    totals, loads = [], []
+    for m in SWAP_LINE.finditer(log_file.read_text(errors="replace")):
+        if int(m.group(1)) in versions:
+            received, verified, loaded = (int(m.group(i)) for i in (2, 3, 4))
+            totals.append(received + verified + loaded)
+            loads.append(loaded)
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
+    return {"gateway_publish_to_routed_p50_ms": pct(totals, 50), "gateway_publish_to_routed_p99_ms": pct(totals, 99),
+            "gateway_adapter_load_p50_ms": pct(loads, 50), "gateway_adapter_load_p99_ms": pct(loads, 99)}
+
+
 def unload_all(upstream: str, name: str) -> None:
     with contextlib.suppress(httpx.HTTPError):
         for card in httpx.get(f"{upstream}/v1/models").json()["data"]:
@@ -176,7 +194,6 @@ def main() -> None:
     p.add_argument("--upstream", help="use this running vLLM server (started with streamrl engine) instead")
     p.add_argument("--model", help="its model directory (default: build the tiny model)")
     p.add_argument("--json", type=Path)
-    p.add_argument("--gateway-log-level", default="WARNING")
     args = p.parse_args()
 
     from streamrl.broker.clients import make_producer
@@ -214,10 +231,12 @@ def main() -> None:
             return time.perf_counter() - (time.time() - record.created)
 
         port = free_port()
+        gateway_log = (work / "gateway.log").open("wb")
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "streamrl.cli", "--log-level", args.gateway_log_level, "gateway", "--upstream", upstream,
+            [sys.executable, "-m", "streamrl.cli", "--log-level", "INFO", "gateway", "--upstream", upstream,
              "--bootstrap-servers", broker.bootstrap_servers, "--port", str(port), "--topic-prefix", "hsbench",
-             "--policy-name", NAME, "--max-loaded-versions", "3"], start_new_session=True)
+             "--policy-name", NAME, "--max-loaded-versions", "3"], start_new_session=True,
+            stdout=gateway_log, stderr=subprocess.STDOUT)
         gw = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
@@ -230,10 +249,15 @@ def main() -> None:
 
         results = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
                    "args": {k: v for k, v in vars(args).items() if k != "json"}}
-        next_version = 1
+        # warm-up: the first adapter a fresh engine serves costs seconds once (LoRA set-up); not measured
+        publish(1)
+        asyncio.run(wait_version(gw, 1))
+        httpx.post(f"{gw}/v1/chat/completions", json={"model": NAME, "messages": CHAT, "max_tokens": 4}, timeout=120)
+        next_version = 2
         for mode in ("pipeline", "blocking"):
             print(f"[{mode}] {args.versions} versions, {args.clients} clients ...", flush=True)
             r = asyncio.run(run_mode(mode, gw, publish, next_version, args))
+            r.update(gateway_swap_timings(work / "gateway.log", range(next_version, next_version + args.versions)))
             next_version += args.versions
             results[mode] = r
             print(json.dumps(r), flush=True)

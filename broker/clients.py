@@ -162,7 +162,10 @@ class _Sender:
 def _child_main(conn: Any, bootstrap_servers: str, compression: str | None, send_timeout_ms: int,
                 client_id: str, counts: Any) -> None:
     """The producer process: receives pickled items until an empty message, then flushes and exits."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop (Ctrl-C reaches both)
+    # The parent decides when to stop: a Ctrl-C or a SIGTERM sent to the whole process group must not
+    # lose what is buffered here. The pipe closing (the parent gone) ends this loop too.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, counts)
     try:
         while True:

@@ -11,6 +11,7 @@ from streamrl.broker.clients import ProducerStats
 
 from .upstreams import UpstreamPool
 
+SWAP_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -73,7 +74,7 @@ class GatewayMetrics:
                                              registry=self.registry)
         self.publish_to_route = Histogram("streamrl_gateway_publish_to_route_seconds",
                                           "from a version's publication to the policy name routed to it",
-                                          buckets=LATENCY_BUCKETS, registry=self.registry)
+                                          buckets=SWAP_BUCKETS, registry=self.registry)
 
     def watch(self, pool: UpstreamPool, stats: Callable[[], ProducerStats | None], buffered: Callable[[], int],
               policy_version: Callable[[], int]) -> None:
