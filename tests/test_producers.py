@@ -4,11 +4,13 @@ gateway (embedded broker, vLLM on the tiny model, the official openai client).""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -248,3 +250,15 @@ def test_calculator_agent_runs_the_tool_loop(gateway: GatewayServer, completions
     first, second = sorted(calls, key=lambda r: r.created)[:2]
     assert first.tool_calls and first.tool_calls[0]["function"]["name"] == "calculator"
     assert [m["role"] for m in second.request["messages"]][-2:] == ["assistant", "tool"]
+
+
+def test_demo_command(gateway: GatewayServer, tmp_path: Path) -> None:
+    """`streamrl demo` end to end against the gateway: stops at its limit and writes the summary."""
+    from streamrl.cli import main
+
+    summary = tmp_path / "summary.json"
+    code = main(["demo", "--gateway", gateway.url, "--group-size", "2", "--concurrency", "1",
+                 "--until-version", "0", "--stop-groups", "2", "--groups-per-step", "1", "--summary", str(summary)])
+    result = json.loads(summary.read_text())
+    assert code == 0 and result["failed"] == 0 and result["groups"] >= 2
+    assert result["versions"]["0"]["n"] >= 4 and result["config"]["task"] == "numbers"
