@@ -437,13 +437,13 @@ class Stack:
                 self.log.line("up", f"stopping {part}")
                 if stop_group(proc, timeout):
                     self.log.line("up", f"{part} did not stop within {timeout:.0f} s of SIGTERM: killed")
+        self._following.set()  # vLLM's own shutdown messages stay in its log file, off the console
         if self.engine is not None:
             self.log.line("up", "stopping engine")
             self.engine.stop()
         if self.broker is not None:
             self.log.line("up", "stopping broker")
             self.broker.stop()
-        self._following.set()
         for t in self.log.threads:
             t.join(timeout=2)
 
