@@ -18,7 +18,7 @@ from kafka import TopicPartition
 from streamrl.broker.clients import make_consumer
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import CompletionRecord, RewardRecord, decode
-from streamrl.broker.topics import Topics
+from streamrl.broker.topics import Topics, create_topics
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 from streamrl.producers.calculator import CalculatorTask, calculate, final_number, run_tool, score
@@ -29,7 +29,7 @@ from streamrl.producers.runner import Board, RunLimits, run_groups
 
 from streamrl.engine import Engine
 
-TOPICS = Topics("test")  # the prefix of the session's broker fixture
+TOPICS = Topics("producers")  # own topics on the session broker: other tests' consumers never see these
 
 
 # ------------------------------------------------------------------------------ reward functions
@@ -149,6 +149,7 @@ class TopicReader:
 
 @pytest.fixture(scope="module")
 def gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
+    create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
     config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
                            topic_prefix=TOPICS.prefix, health_interval_s=0.5, follow_policy=False)
     with GatewayServer(config) as gw:
