@@ -145,6 +145,7 @@ async def open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict[
     connector = aiohttp.TCPConnector(limit=0)
     latencies: list[float] = []
     failures = 0
+    kinds: dict[str, int] = {}
     async with aiohttp.ClientSession(connector=connector) as session:
         for _ in range(20):  # warm connections and code paths
             await _one(session, url, body)
@@ -158,11 +159,12 @@ async def open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict[
             if delay > 0:
                 await asyncio.sleep(delay)
             try:
-                status = await _one(session, url, body)
-            except aiohttp.ClientError:
-                status = 0
+                status: int | str = await _one(session, url, body)
+            except aiohttp.ClientError as exc:
+                status = type(exc).__name__
             if status != 200:
                 failures += 1
+                kinds[str(status)] = kinds.get(str(status), 0) + 1
             latencies.append(time.perf_counter() - scheduled)
 
         await asyncio.gather(*(fire(i) for i in range(n)))
@@ -170,7 +172,7 @@ async def open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict[
     lat = np.asarray(latencies) * 1000
     return {"rate": rate, "achieved_rps": n / elapsed, "p50_ms": float(np.percentile(lat, 50)),
             "p90_ms": float(np.percentile(lat, 90)), "p99_ms": float(np.percentile(lat, 99)),
-            "failures": failures, "requests": n}
+            "failures": failures, "failure_kinds": kinds, "requests": n}
 
 
 async def closed_loop(url: str, concurrency: int, seconds: float, body: bytes) -> dict[str, float]:

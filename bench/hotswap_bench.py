@@ -2,8 +2,9 @@
 
   pipeline  the streamrl way: serving never stops; every ``--train-s`` seconds a new version is published
             (training runs elsewhere meanwhile) and the gateway swaps it in under load.
-  blocking  imitates the synchronous loop of tools like ART: stop accepting requests, let the running
-            ones finish, train (``--train-s``), load the new version, resume.
+  blocking  imitates the synchronous loop of tools like ART: serve (roll out) for ``--train-s`` seconds,
+            then stop accepting requests, let the running ones finish, train (``--train-s``), load the
+            new version, resume.
 
 Training is imitated by waiting ``--train-s`` seconds in both modes; what is measured is serving. Real
 parts otherwise: the embedded broker, a vLLM server on the tiny model (started here unless
@@ -106,6 +107,7 @@ async def run_mode(mode: str, gw: str, publish, first_version: int, args: argpar
                 published[version] = await asyncio.to_thread(publish, version)
                 routed[version] = await wait_version(gw, version) - published[version]
             else:
+                await asyncio.sleep(args.train_s)  # roll out (serve) as long as a training step takes
                 paused = time.perf_counter()
                 gate.clear()  # stop serving
                 while in_flight[0]:  # let the running requests finish

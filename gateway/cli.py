@@ -6,6 +6,10 @@ import argparse
 
 from .config import GatewayConfig
 
+KEEP_ALIVE_S = 75
+"""Idle keep-alive connections stay open this long (uvicorn's 5 s default makes agents that pause
+between calls race the server's close more often)."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream", action="append", required=True,
@@ -41,5 +45,5 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning",
-                access_log=False, loop="uvloop", http="httptools")
+                access_log=False, loop="uvloop", http="httptools", timeout_keep_alive=KEEP_ALIVE_S)
     return 0

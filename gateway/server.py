@@ -8,6 +8,7 @@ import time
 import uvicorn
 
 from .app import create_app
+from .cli import KEEP_ALIVE_S
 from .config import GatewayConfig
 
 
@@ -20,7 +21,8 @@ class GatewayServer:
         self.gateway = self.app.state.gateway
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port,
                                                      log_level="warning", access_log=False,
-                                                     loop="uvloop", http="httptools"))
+                                                     loop="uvloop", http="httptools",
+                                                     timeout_keep_alive=KEEP_ALIVE_S))
         self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
 
     @property
