@@ -1,0 +1,143 @@
+"""Upstreams leaving and rejoining the rotation, and an adapter load retried on an upstream that missed it.
+
+The second upstream is the session's real vLLM server reached through a TCP relay that the test can
+close and reopen on the same port: the gateway sees an upstream go down and come back without the
+minute a second vLLM start would take. (The relay only moves bytes; everything behind it is real.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.schema import CompletionRecord
+from streamrl.broker.topics import Topics, create_topics
+from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.publish import publish_version, random_adapter
+from streamrl.gateway.server import GatewayServer
+from test_gateway import TopicReader
+
+from streamrl.engine import Engine
+
+TOPICS = Topics("upstreams")
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+class Relay:
+    """A TCP relay on its own event loop thread: ``open()`` listens on a fixed port, ``close()`` stops
+    listening and drops every connection, as a server that went away."""
+
+    def __init__(self, target_port: int) -> None:
+        self.port, self.target_port = free_port(), target_port
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server: asyncio.base_events.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers |= {writer, up_writer}
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    async def _open(self) -> None:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
+
+    async def _close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for w in self.writers:
+            w.close()
+        self.writers.clear()
+        await self.server.wait_closed()
+
+    def open(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._open(), self.loop).result(10)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(10)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def relay(engine: Engine) -> Iterator[Relay]:
+    r = Relay(engine.port)
+    r.open()
+    yield r
+    with contextlib.suppress(Exception):
+        r.close()
+    r.stop()
+
+
+def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_upstream_leaves_and_rejoins_and_gets_the_missed_version(broker: EmbeddedBroker, engine: Engine,
+                                                                 relay: Relay, tiny_model: Path,
+                                                                 tmp_path: Path) -> None:
+    create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
+    name = "rejoin"
+    base_model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
+    adapter = random_adapter(tiny_model, tmp_path / "v1", seed=11)
+    config = GatewayConfig(upstreams=(engine.url, relay.url), bootstrap_servers=broker.bootstrap_servers,
+                           port=free_port(), topic_prefix=TOPICS.prefix, policy_name=name,
+                           health_interval_s=0.2, load_retry_s=0.2)
+    reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
+    try:
+        with GatewayServer(config) as gw:
+            direct, relayed = gw.gateway.pool.upstreams
+            assert direct.healthy and relayed.healthy
+
+            relay.close()  # the second upstream goes away ...
+            wait_until(lambda: not relayed.healthy, "the closed upstream stayed in rotation")
+            # ... and misses a version published meanwhile; the policy is served by the other one
+            publish_version(broker.bootstrap_servers, TOPICS, name, 1, adapter, base_model)
+            wait_until(lambda: gw.gateway.router.version == 1, "version 1 not routed")
+            served = f"{name}@v1"
+            assert served in direct.adapters and served not in relayed.adapters
+            for _ in range(3):
+                r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": name, "messages": CHAT,
+                                                                       "max_tokens": 3})
+                assert r.status_code == 200 and r.headers["x-policy-version"] == "1"
+
+            relay.open()  # back: it rejoins the rotation and is given the routed version
+            wait_until(lambda: relayed.healthy, "the reopened upstream did not rejoin")
+            wait_until(lambda: served in relayed.adapters, "the missed version was not loaded on return")
+            ids = []
+            for _ in range(6):
+                r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": name, "messages": CHAT,
+                                                                       "max_tokens": 3})
+                assert r.status_code == 200 and r.headers["x-policy-version"] == "1"
+                ids.append(r.headers["x-request-id"])
+            recs = reader.wait_for(lambda x: isinstance(x, CompletionRecord) and x.request_id in ids, count=6)
+            assert {x.upstream for x in recs} == {engine.url, relay.url}  # both serve the policy again
+            assert all(x.policy_version == 1 for x in recs)
+    finally:
+        reader.close()
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": f"{name}@v1"})
