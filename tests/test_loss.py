@@ -68,9 +68,28 @@ def test_kl_penalty_to_reference() -> None:
 
 
 def test_kl_to_behaviour_statistic() -> None:
-    # k3 with d = behaviour - logp = -ln r: [1/3 + ln 3 - 1, 2 - ln 2 - 1, 0]
+    # k3 of KL(behaviour || current) on behaviour samples: (r - 1) - ln r = [2 - ln 3, -0.5 + ln 2, 0]
     _, _, stats = run()
-    assert stats.kl_behaviour_sum == pytest.approx(1 / 3 + math.log(3) - 1 + 1 - math.log(2))
+    assert stats.kl_behaviour_sum == pytest.approx(2 - math.log(3) - 0.5 + math.log(2))
+
+
+def test_kl_to_behaviour_stays_bounded_where_the_current_policy_is_much_less_likely() -> None:
+    # the sampler gave the token probability e^-1, the current policy e^-15: r = e^-14, so
+    # (r - 1) - ln r = e^-14 - 1 + 14 (about 13); the mirrored estimator 1/r - 1 + ln r is about 1.2e6
+    logp = torch.tensor([-15.0])
+    _, stats = grpo_loss(logp, torch.tensor([-1.0]), torch.tensor([1.0]), torch.tensor([0]))
+    assert stats.kl_behaviour_sum == pytest.approx(math.exp(-14.0) - 1.0 + 14.0)
+
+
+def test_kl_to_behaviour_estimates_the_true_kl_on_behaviour_samples() -> None:
+    # tokens drawn from b: the mean of the k3 terms converges to KL(b || pi) = sum_y b(y) ln(b(y) / pi(y))
+    b, pi = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.2, 0.3, 0.5])
+    exact = float((b * (b / pi).log()).sum())  # 0.6349...
+    y = torch.multinomial(b, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    n = len(y)
+    _, stats = grpo_loss(pi.log()[y], b.log()[y], torch.zeros(n), torch.zeros(n, dtype=torch.long))
+    assert stats.kl_behaviour_sum / n == pytest.approx(exact, rel=0.01)
+    assert exact == pytest.approx(0.6349, abs=1e-3)
 
 
 def test_group_advantages() -> None:

@@ -12,6 +12,8 @@ Notation, per sampled token t of sequence s (prompt tokens never enter: they are
     exceeds C, but a token whose ratio is above C still gets a gradient, unlike clipping).
   - ``ppo_clip``: ``l_t = -min(r_t * A_s, clip(r_t, 1 - eps, 1 + eps) * A_s)`` (PPO's clipped surrogate).
 
+* diagnostic KL(behaviour || current) per token, on the behaviour's own samples: ``(r_t - 1) - log r_t``
+  (k3; unbiased because E_b[r] = 1, non-negative, small variance; see ``kl_behaviour_k3``);
 * optional KL penalty to the base model (adapter disabled), the non-negative "k3" estimator
   ``kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1``, added as ``kl_coef * kl_t``.
 
@@ -40,7 +42,8 @@ class LossStats:
     """Tokens whose ratio exceeded C (truncated_is) or fell outside [1-eps, 1+eps] (ppo_clip)."""
     kl_ref_sum: float
     kl_behaviour_sum: float
-    """Sum of k3(behaviour || current), how far the trained policy has moved from the sampler."""
+    """Sum of k3 estimates of KL(behaviour || current) (``kl_behaviour_k3``): how far the trained
+    policy is from the sampler, on the tokens the sampler drew."""
 
 
 def grpo_loss(
@@ -100,15 +103,25 @@ def grpo_loss(
         raise ValueError(f"unknown normalize {normalize!r}")
 
     with torch.no_grad():
-        back = -log_ratio  # behaviour - current
         stats = LossStats(
             tokens=n_tokens,
             ratio_sum=float(ratio.sum()),
             truncated=int(truncated.sum()),
             kl_ref_sum=kl_ref_sum,
-            kl_behaviour_sum=float((torch.exp(back) - back - 1.0).sum()),
+            kl_behaviour_sum=float(kl_behaviour_k3(log_ratio).sum()),
         )
     return loss, stats
+
+
+def kl_behaviour_k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(behaviour || current) from tokens sampled by the behaviour policy.
+
+    With ``r = pi_theta / pi_behaviour = exp(log_ratio)``: ``(r - 1) - log r``, non-negative and unbiased
+    (``E_b[r] = 1``, so its mean is ``E_b[log b - log pi]``). Its mirror ``1/r - 1 + log r`` estimates
+    KL(current || behaviour) only for samples from the current policy; on behaviour samples it blows up
+    as ``1/r`` wherever the current policy gives a sampled token much less probability than the sampler.
+    """
+    return torch.expm1(log_ratio) - log_ratio
 
 
 def group_advantages(rewards: list[float], *, std_norm: bool = True, eps: float = 1e-6) -> list[float]:
