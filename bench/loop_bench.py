@@ -163,8 +163,7 @@ def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gp
     train_time = sum(h["tokens"] / h["tokens_per_s"] for h in history if h.get("tokens_per_s"))
     result: dict = {"mode": mode, "exit_code": rc, "demo": demo, "steps": len(history)}
     result["reward_curve"] = [(round(h["time"] - t0, 2), h["reward_mean"], h["version"]) for h in history]
-    result["time_to_target_s"] = demo.get("seconds") if demo.get("reached") or demo.get("stopped") == "reward" \
-        else None
+    result["time_to_target_s"] = demo.get("target_reached_s")
     result["demo_seconds"] = demo.get("seconds")
     if train_time:
         tps = trained_tokens / train_time

@@ -19,23 +19,32 @@ DEFAULT_SHARPNESS = 6.0
 MARKER = "streamrl-demo-model.json"
 
 
-def build_demo_model(out_dir: str | Path, *, sharpness: float = DEFAULT_SHARPNESS, seed: int = 0) -> Path:
+def build_demo_model(out_dir: str | Path, *, sharpness: float = DEFAULT_SHARPNESS, seed: int = 0,
+                     shape: str = "tiny", vocab_size: int | None = None, dtype: str = "float32") -> Path:
     """Write the demo model to ``out_dir`` (built in a sibling temp dir, then renamed: never half-written).
-    Reuses an existing build with the same settings."""
+    Reuses an existing build with the same settings.
+
+    ``shape`` picks the layer sizes (``streamrl.tiny_model.SHAPES``; real shapes for the GPU runs, with
+    ``vocab_size`` usually cut to the local tokenizer's 2048). The logit range of a random model grows
+    with sqrt(hidden), so ``sharpness`` is given for the tiny shape's hidden size (128) and scaled by
+    sqrt(128 / hidden) for the others: every shape starts from about the same output distribution."""
     from safetensors.torch import load_file, save_file
 
-    from streamrl.tiny_model import build_model
+    from streamrl.tiny_model import SHAPES, build_model
 
     out = Path(out_dir)
-    settings = {"shape": "tiny", "sharpness": sharpness, "seed": seed}
+    settings = {"shape": shape, "sharpness": sharpness, "seed": seed, "vocab_size": vocab_size, "dtype": dtype}
     marker = out / MARKER
     if marker.exists() and json.loads(marker.read_text()) == settings:
         return out
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    build_model(tmp, "tiny", seed=seed)
-    weights = tmp / "model.safetensors"
+    build_model(tmp, shape, seed=seed, vocab_size=vocab_size, dtype=dtype)
+    scale = sharpness * (128 / int(SHAPES[shape]["hidden_size"])) ** 0.5
+    index = tmp / "model.safetensors.index.json"
+    weights = tmp / (json.loads(index.read_text())["weight_map"]["model.norm.weight"] if index.exists()
+                     else "model.safetensors")
     tensors = load_file(weights)
-    tensors["model.norm.weight"] = tensors["model.norm.weight"] * sharpness
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * scale
     save_file(tensors, weights, metadata={"format": "pt"})
     (tmp / MARKER).write_text(json.dumps(settings))
     if out.exists():

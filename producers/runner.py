@@ -72,6 +72,8 @@ class Board:
     failed: int = 0
     groups: int = 0
     printed: set[int] = field(default_factory=set)
+    target_reached_s: float | None = None
+    """Seconds from the start until the reward target was reached (None: it was not)."""
 
     def add(self, outcome: Outcome) -> None:
         version = -1 if outcome.version is None else outcome.version
@@ -105,6 +107,7 @@ class Board:
             "groups": self.groups,
             "trajectories": sum(s.n for s in self.versions.values()),
             "seconds": time.monotonic() - self.started,
+            "target_reached_s": self.target_reached_s,
         }
 
 
@@ -207,6 +210,7 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
                 and sum(m for _, m in recent) / len(recent) >= limits.until_reward:
             emit(f"reward target {limits.until_reward} reached: the last {len(recent)} groups "
                  f"(policy v{min(versions)}) averaged {sum(m for _, m in recent) / len(recent):.3f}")
+            board.target_reached_s = time.monotonic() - board.started
             done.set()
 
     async def worker() -> None:
