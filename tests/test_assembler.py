@@ -10,11 +10,13 @@ import uuid
 from collections import Counter
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from streamrl.broker.clients import make_producer
-from streamrl.broker.schema import CompletionRecord, PolicyRecord, RewardRecord, encode
+from streamrl.broker.schema import CompletionRecord, PolicyRecord, RewardRecord, decode, encode
 from streamrl.broker.topics import Topics, create_topics
-from streamrl.trainer.assembler import Assembler, merge_calls
+from streamrl.trainer.assembler import Assembler, merge_calls, sampling_temperature
 from streamrl.trainer.batch import BATCH_SCHEMA, build_batch, load_batches, save_batch
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.feed import StreamGroups
@@ -22,11 +24,11 @@ from streamrl.trainer.source import KafkaRecordSource
 
 
 def call(tid: str, prompt: list[int], completion: list[int], *, gid: str | None = "g", version: int = 0,
-         req: str | None = None) -> CompletionRecord:
+         req: str | None = None, request: dict | None = None) -> CompletionRecord:
     lp = -np.arange(1, len(completion) + 1, dtype=np.float32) / 10
     return CompletionRecord(request_id=req or uuid.uuid4().hex, trajectory_id=tid, group_id=gid,
                             prompt_token_ids=np.array(prompt), completion_token_ids=np.array(completion),
-                            logprobs=lp, policy_version=version)
+                            logprobs=lp, policy_version=version, request=request or {})
 
 
 def produce(bootstrap: str, topics: Topics, records: list, raw: list[tuple[str, bytes]] = ()) -> None:
@@ -201,6 +203,65 @@ def test_stale_and_signal_free_groups_are_skipped_and_counted() -> None:
     [flat] = a.poll(now=0)
     assert build_batch(flat, current_version=0, max_lag=2, std_norm=True, counts=counts) is None
     assert counts["groups_no_signal"] == 1
+
+
+def test_sampling_temperature_from_the_logged_request_goes_into_the_batch() -> None:
+    # the gateway logs the request body (record.request); vLLM's default temperature is 1.0
+    rec = decode(encode(call("t", [1], [2], request={"model": "m", "temperature": 0.7, "max_tokens": 4})))
+    assert sampling_temperature(rec) == pytest.approx(0.7)
+    assert sampling_temperature(call("t", [1], [2])) == 1.0
+    assert math.isnan(sampling_temperature(call("t", [1], [2], request={"temperature": "hot"})))
+    a = asm(group_size=5)
+    specs = [("a", 1.0, {"temperature": 0.7}), ("b", 0.0, {}), ("c", 1.0, {"temperature": 0}),
+             ("d", 0.0, {"temperature": 1.3, "top_p": 0.9}), ("e", 1.0, {"temperature": -1})]
+    for t, r, req in specs:
+        a.add(call(t, [1], [2], request=req), b"", now=0)
+        a.add(RewardRecord(t, r, group_id="g"), b"", now=0)
+    [g] = a.poll(now=0)
+    counts: Counter[str] = Counter()
+    batch = build_batch(g, current_version=0, max_lag=2, std_norm=False, counts=counts)
+    assert batch is not None
+    got = dict(zip(batch.column("trajectory_id").to_pylist(), batch.column("temperature").to_pylist(), strict=True))
+    assert got == pytest.approx({"a": 0.7, "b": 1.0, "d": 1.3})  # greedy c and invalid e skipped
+    assert counts["greedy_trajectories"] == 1 and counts["bad_temperature_trajectories"] == 1
+    assert counts["filtered_sampling"] == 1  # d: top_p < 1, its ratios are approximate
+    # advantages over the kept three only: rewards 1, 0, 0 -> mean 1/3
+    adv = dict(zip(batch.column("trajectory_id").to_pylist(), batch.column("advantage").to_pylist(), strict=True))
+    assert adv == pytest.approx({"a": 2 / 3, "b": -1 / 3, "d": -1 / 3})
+
+
+def test_a_change_of_temperature_starts_a_new_sequence() -> None:
+    a = call("t", [1, 2], [3], request={"temperature": 0.5})
+    b = call("t", [1, 2, 3, 4], [5], request={"temperature": 0.5})  # extends a
+    c = call("t", [1, 2, 3, 4, 5, 6], [7])                           # would extend, but sampled at 1.0
+    seqs = merge_calls([a, b, c])
+    assert [(s.token_ids.tolist(), s.temperature) for s in seqs] == [([1, 2, 3, 4, 5], 0.5),
+                                                                     ([1, 2, 3, 4, 5, 6, 7], 1.0)]
+
+
+def test_all_greedy_group_is_dropped_and_counted() -> None:
+    a = asm(group_size=2)
+    for t, r in [("a", 1.0), ("b", 0.0)]:
+        a.add(call(t, [1], [2], request={"temperature": 0.0}), b"", now=0)
+        a.add(RewardRecord(t, r, group_id="g"), b"", now=0)
+    [g] = a.poll(now=0)
+    counts: Counter[str] = Counter()
+    assert build_batch(g, current_version=0, max_lag=2, std_norm=True, counts=counts) is None
+    assert counts["greedy_trajectories"] == 2 and counts["groups_dropped_unusable"] == 1
+
+
+def test_version_1_batch_files_load_at_temperature_one(tmp_path) -> None:
+    a = asm()
+    for t, r in [("a", 1.0), ("b", 0.0)]:
+        a.add(call(t, [1, 2], [3, 4]), b"", now=0)
+        a.add(RewardRecord(t, r, group_id="g"), b"", now=0)
+    [g] = a.poll(now=0)
+    batch = build_batch(g, current_version=0, max_lag=2, std_norm=False, counts=Counter())
+    old = pa.Table.from_batches([batch]).drop_columns(["temperature"])
+    pq.write_table(old, tmp_path / "00000001-000.parquet")
+    [back] = load_batches(tmp_path)
+    assert back.column("temperature").to_pylist() == [1.0, 1.0]
+    assert back.drop_columns(["temperature"]).equals(batch.drop_columns(["temperature"]))
 
 
 def test_parquet_round_trip(tmp_path) -> None:

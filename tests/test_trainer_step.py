@@ -86,3 +86,45 @@ def test_a_step_moves_logprobs_in_the_direction_of_the_advantage(policy) -> None
     delta = total_logprob() - before
     assert (delta[[0, 2]] > 0).all() and (delta[[1, 3]] < 0).all(), delta
     assert stats.sampled_tokens == 40 and stats.sequences == 4 and stats.grad_norm > 0
+
+
+def test_packed_logprobs_at_each_sequence_sampling_temperature(policy) -> None:
+    # vLLM's processed logprobs are those of softmax(logits / T): each sequence at its own T, in one row
+    _, model = policy
+    rng = np.random.default_rng(3)
+    seqs = [{**seq(9, 3, 1.0, rng), "temperature": 0.5}, {**seq(6, 2, 1.0, rng), "temperature": 1.7}]
+    [mb] = pack(seqs, 100)
+    assert sorted(set(mb.temperatures.tolist())) == pytest.approx([0.5, 1.7])
+    with torch.no_grad():
+        got = packed_logprobs(model, mb.input_ids, mb.position_ids, mb.target_positions,
+                              temperatures=mb.temperatures, chunk=4)
+        expected = []
+        for s in sorted(seqs, key=lambda s: -len(s["token_ids"])):
+            ids = torch.as_tensor(s["token_ids"])[None]
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / s["temperature"], -1)
+            pos = np.flatnonzero(s["loss_mask"])
+            expected.append(logp[pos - 1, ids[0, pos]])
+    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_on_policy_samples_at_temperature_have_ratio_one(tiny_model) -> None:
+    # behaviour logprobs computed as vLLM reports them at T = 0.5 from the very weights being trained:
+    # the first step's importance ratios must all be 1 and KL(behaviour || current) 0
+    torch.manual_seed(0)
+    config = TrainerConfig(model=str(tiny_model), device="cpu", learning_rate=1e-3, lora_dropout=0.0)
+    model = load_policy(config, torch.device("cpu"))
+    model.eval()
+    rng = np.random.default_rng(4)
+    seqs = []
+    for adv in (1.0, -1.0):
+        s = {**seq(16, 6, adv, rng), "temperature": 0.5}
+        ids = torch.as_tensor(s["token_ids"])[None]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / 0.5, -1)
+        pos = np.flatnonzero(s["loss_mask"])
+        s["behaviour_logprobs"] = np.zeros(16, np.float32)
+        s["behaviour_logprobs"][pos] = logp[pos - 1, ids[0, pos]].numpy()
+        seqs.append(s)
+    stats = Learner(model, config, torch.device("cpu")).step(seqs)
+    assert stats.ratio_mean == pytest.approx(1.0, abs=1e-4)
+    assert stats.kl_behaviour == pytest.approx(0.0, abs=1e-6) and stats.truncated_frac == 0.0

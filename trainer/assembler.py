@@ -21,6 +21,7 @@ but not yet trained (see trainer/state.py) and rebuild the assembler after a res
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -85,14 +86,48 @@ class Sequence:
     request_ids: list[str]
     policy_version: int
     """The oldest version among the calls merged into this sequence (staleness is judged by it)."""
+    temperature: float = 1.0
+    """The sampling temperature of its calls (all equal: a change of temperature starts a new sequence)."""
+
+
+GREEDY_BELOW = 1e-5
+"""vLLM samples greedily (argmax) at temperatures below this (its ``_SAMPLING_EPS``)."""
+
+
+def sampling_temperature(record: CompletionRecord) -> float:
+    """The temperature the call was sampled at: the request's ``temperature``, else 1.0.
+
+    1.0 is vLLM's default when a request omits it, unless the served model's ``generation_config``
+    sets another default (vLLM's ``--generation-config auto``); the trainer assumes it does not. A
+    gateway with ``record_request = false`` keeps no request body, so every call then counts as 1.0.
+    NaN when the value is unusable (not a finite number >= 0), so that the trajectory is skipped.
+    """
+    t = record.request.get("temperature") if isinstance(record.request, dict) else None
+    if t is None:
+        return 1.0
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+        return math.nan
+    return float(t)
+
+
+def filtered_sampling(record: CompletionRecord) -> bool:
+    """Whether the call was sampled from a truncated distribution (top_p < 1, top_k > 0 or min_p > 0)."""
+    r = record.request if isinstance(record.request, dict) else {}
+
+    def num(key: str, default: float) -> float:
+        v = r.get(key)
+        return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else default
+
+    return num("top_p", 1.0) < 1.0 or num("top_k", -1) > 0 or num("min_p", 0.0) > 0.0
 
 
 def merge_calls(completions: list[CompletionRecord]) -> list[Sequence]:
     """Turn a trajectory's calls (in log order) into training sequences.
 
-    A call whose prompt starts with the previous sequence's tokens (its prompt plus completion)
-    continues that sequence: the new prompt tokens (tool results, the next user turn) join unmasked,
-    the sampled tokens masked in. Otherwise the call starts a new sequence.
+    A call whose prompt starts with the previous sequence's tokens (its prompt plus completion), and
+    that was sampled at the same temperature, continues that sequence: the new prompt tokens (tool
+    results, the next user turn) join unmasked, the sampled tokens masked in. Otherwise the call starts
+    a new sequence.
     """
     out: list[Sequence] = []
     tokens: list[np.ndarray] = []
@@ -101,21 +136,24 @@ def merge_calls(completions: list[CompletionRecord]) -> list[Sequence]:
     current = np.empty(0, np.int32)
     req: list[str] = []
     version = 0
+    temperature = 1.0
 
     def flush() -> None:
         if tokens:
-            out.append(Sequence(np.concatenate(tokens), np.concatenate(masks), np.concatenate(lps), req, version))
+            out.append(Sequence(np.concatenate(tokens), np.concatenate(masks), np.concatenate(lps), req, version,
+                                temperature))
 
     for c in completions:
         p, s, lp = c.prompt_token_ids, c.completion_token_ids, c.logprobs
-        if tokens and len(p) >= len(current) and np.array_equal(p[: len(current)], current):
+        temp = sampling_temperature(c)
+        if tokens and temp == temperature and len(p) >= len(current) and np.array_equal(p[: len(current)], current):
             extra = p[len(current):]
             req = [*req, c.request_id]
             version = min(version, c.policy_version)
         else:
             flush()
             tokens, masks, lps, current = [], [], [], np.empty(0, np.int32)
-            extra, req, version = p, [c.request_id], c.policy_version
+            extra, req, version, temperature = p, [c.request_id], c.policy_version, temp
         tokens += [extra, s]
         masks += [np.zeros(len(extra), np.int8), np.ones(len(s), np.int8)]
         lps += [np.zeros(len(extra), np.float32), lp.astype(np.float32)]

@@ -1,6 +1,6 @@
 """The trainer's unit of work: one reward-tagged group as a pyarrow RecordBatch, one row per sequence.
 
-Schema (``BATCH_SCHEMA``; metadata ``streamrl.batch_version = 1``):
+Schema (``BATCH_SCHEMA``; metadata ``streamrl.batch_version = 2``):
 
 =====================  ==================  =====================================================
 column                 type                meaning
@@ -14,13 +14,19 @@ behaviour_logprobs     list<float32>       logprob of each sampled token under t
 advantage              float32             the trajectory's GRPO advantage
 reward                 float32             the trajectory's reward
 policy_version         int32               the oldest policy version among the merged calls
+temperature            float32             the sampling temperature of the sequence's calls (the
+                                           request's ``temperature``, 1.0 when absent); the trainer
+                                           divides its logits by it, as vLLM did before sampling
 =====================  ==================  =====================================================
+
+Version 1 files (no ``temperature``) load with temperature 1.0.
 
 Parquet files of these batches (``--save-batches``) are what ``--replay`` trains from.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -28,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .assembler import ReadyGroup, Sequence, merge_calls
+from .assembler import GREEDY_BELOW, ReadyGroup, Trajectory, filtered_sampling, merge_calls
 from .loss import group_advantages
 
 BATCH_SCHEMA = pa.schema(
@@ -42,37 +48,63 @@ BATCH_SCHEMA = pa.schema(
         ("advantage", pa.float32()),
         ("reward", pa.float32()),
         ("policy_version", pa.int32()),
+        ("temperature", pa.float32()),
     ],
-    metadata={"streamrl.batch_version": "1"},
+    metadata={"streamrl.batch_version": "2"},
 )
 
 
-def build_batch(group: ReadyGroup, *, current_version: int, max_lag: int, std_norm: bool,
-                counts: Counter[str]) -> pa.RecordBatch | None:
-    """Merge each trajectory's calls, drop stale trajectories, compute advantages. None (counted) when
-    the group ends up with fewer than two trajectories or all-equal rewards (no learning signal)."""
-    kept: list[tuple[str, float, list[Sequence]]] = []
+def usable_group(group: ReadyGroup, *, current_version: int, max_lag: int,
+                 counts: Counter[str]) -> ReadyGroup | None:
+    """The group with only its trainable trajectories, judged against ``current_version``.
+
+    Dropped and counted: trajectories more than ``max_lag`` versions behind (``stale_trajectories``),
+    sampled greedily (temperature below ``GREEDY_BELOW``: no sampling distribution to correct against;
+    ``greedy_trajectories``) or at an unusable temperature (``bad_temperature_trajectories``). None
+    (counted) when fewer than two remain or their rewards are all equal (no learning signal).
+    Trajectories sampled with top_p/top_k/min_p filtering are kept and counted (``filtered_sampling``):
+    their importance ratios are approximate (see docs/trainer.md).
+    """
+    kept: list[Trajectory] = []
+    stale = 0
     for t in group.trajectories:
         seqs = merge_calls(t.completions)
-        lag = current_version - min(s.policy_version for s in seqs)
-        if lag > max_lag:
-            counts["stale_trajectories"] += 1
+        temps = [s.temperature for s in seqs]
+        if any(math.isnan(x) for x in temps):
+            counts["bad_temperature_trajectories"] += 1
             continue
-        assert t.reward is not None
-        kept.append((t.trajectory_id, t.reward.reward, seqs))
+        if min(temps) < GREEDY_BELOW:
+            counts["greedy_trajectories"] += 1
+            continue
+        if current_version - min(s.policy_version for s in seqs) > max_lag:
+            counts["stale_trajectories"] += 1
+            stale += 1
+            continue
+        if any(filtered_sampling(c) for c in t.completions):
+            counts["filtered_sampling"] += 1
+        kept.append(t)
     if len(kept) < 2:
-        counts["groups_dropped_stale"] += 1
+        counts["groups_dropped_stale" if stale else "groups_dropped_unusable"] += 1
         return None
-    rewards = [r for _, r, _ in kept]
+    rewards = [t.reward.reward for t in kept if t.reward is not None]
     if max(rewards) == min(rewards):
         counts["groups_no_signal"] += 1
         return None
+    return ReadyGroup(group.group_id, kept, group.complete)
+
+
+def group_batch(group: ReadyGroup, *, std_norm: bool) -> pa.RecordBatch:
+    """The batch of a group ``usable_group`` returned: merged sequences, GRPO advantages."""
+    rewards = []
+    for t in group.trajectories:
+        assert t.reward is not None
+        rewards.append(t.reward.reward)
     adv = group_advantages(rewards, std_norm=std_norm)
     rows: dict[str, list] = {name: [] for name in BATCH_SCHEMA.names}
-    for (tid, reward, seqs), a in zip(kept, adv, strict=True):
-        for s in seqs:
+    for t, reward, a in zip(group.trajectories, rewards, adv, strict=True):
+        for s in merge_calls(t.completions):
             rows["group_id"].append(group.group_id)
-            rows["trajectory_id"].append(tid)
+            rows["trajectory_id"].append(t.trajectory_id)
             rows["request_ids"].append(s.request_ids)
             rows["token_ids"].append(s.token_ids)
             rows["loss_mask"].append(s.loss_mask)
@@ -80,7 +112,15 @@ def build_batch(group: ReadyGroup, *, current_version: int, max_lag: int, std_no
             rows["advantage"].append(a)
             rows["reward"].append(reward)
             rows["policy_version"].append(s.policy_version)
+            rows["temperature"].append(s.temperature)
     return pa.RecordBatch.from_pydict(rows, schema=BATCH_SCHEMA)
+
+
+def build_batch(group: ReadyGroup, *, current_version: int, max_lag: int, std_norm: bool,
+                counts: Counter[str]) -> pa.RecordBatch | None:
+    """``usable_group`` then ``group_batch``: the group's batch, or None (counted) when unusable."""
+    g = usable_group(group, current_version=current_version, max_lag=max_lag, counts=counts)
+    return None if g is None else group_batch(g, std_norm=std_norm)
 
 
 def rows(batch: pa.RecordBatch) -> list[dict]:
@@ -96,6 +136,7 @@ def rows(batch: pa.RecordBatch) -> list[dict]:
             "behaviour_logprobs": cols["behaviour_logprobs"][i].values.to_numpy(zero_copy_only=False),
             "advantage": float(cols["advantage"][i].as_py()),
             "policy_version": int(cols["policy_version"][i].as_py()),
+            "temperature": float(cols["temperature"][i].as_py()),
         })
     return out
 
@@ -114,6 +155,9 @@ def load_batches(directory: str | Path) -> list[pa.RecordBatch]:
     """Every saved batch under ``directory``, in file-name order (one batch per group)."""
     out = []
     for path in sorted(Path(directory).glob("*.parquet")):
-        table = pq.read_table(path, schema=BATCH_SCHEMA)
+        table = pq.read_table(path)
+        if "temperature" not in table.column_names:  # batch_version 1: sampled at temperature 1
+            table = table.append_column("temperature", pa.array(np.ones(table.num_rows, np.float32)))
+        table = table.select(BATCH_SCHEMA.names).cast(BATCH_SCHEMA)
         out.append(table.combine_chunks().to_batches()[0])
     return out

@@ -61,14 +61,18 @@ class Learner:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
         sums = torch.zeros(7, dtype=torch.float64)  # loss, sampled, ratio, truncated, kl_b, kl_ref, tokens
         for mb in mine:
+            scaled = bool((mb.temperatures != 1.0).any())  # all at temperature 1: no extra logits pass
             mb = mb.to(self.device)
+            temps = mb.temperatures if scaled else None
+            # at each sequence's sampling temperature: the ratio compares the distributions vLLM sampled
             logp = packed_logprobs(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
-                                   chunk=c.logit_chunk_tokens, recompute=c.recompute_logits)
+                                   temperatures=temps, chunk=c.logit_chunk_tokens,
+                                   recompute=c.recompute_logits)
             ref = None
             if c.kl_coef:
                 with torch.no_grad(), self.model.disable_adapter():
                     ref = packed_logprobs(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
-                                          chunk=c.logit_chunk_tokens)
+                                          temperatures=temps, chunk=c.logit_chunk_tokens)
             loss, st = grpo_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.sequence_index, mode=c.is_mode,
                                  is_cap=c.is_cap, clip_eps=c.clip_eps, normalize=c.normalize, ref_logprobs=ref,
                                  kl_coef=c.kl_coef, total_tokens=total_tokens, total_sequences=len(sequences))

@@ -62,7 +62,8 @@ class Metrics:
 
     def report(self, step: dict[str, Any], counts: Counter[str]) -> None:
         skipped = counts["groups_no_signal"]
-        dropped = counts["groups_dropped_stale"] + counts["incomplete_dropped"]
+        dropped = sum(counts[k] for k in ("groups_dropped_stale", "groups_dropped_unusable", "groups_dropped_overflow",
+                                          "incomplete_dropped"))
         bad = sum(v for k, v in counts.items() if k.startswith("bad_"))
         log.info(
             "v%d step %d | reward %.3f±%.3f | groups %d (total skipped %d dropped %d, bad records %d) | "

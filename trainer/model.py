@@ -56,15 +56,20 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                     temperatures: torch.Tensor | None = None) -> torch.Tensor:
     # one fused log-softmax with fp32 output, then the targets' entries (no logsumexp composite)
     logits = torch.nn.functional.linear(hidden, weight)
+    if temperatures is not None:  # the distribution vLLM sampled from: logits / T (in fp32)
+        logits = logits.float() / temperatures.to(device=logits.device, dtype=torch.float32)[:, None]
     return torch.log_softmax(logits, -1, dtype=torch.float32).gather(-1, targets[:, None]).squeeze(-1)
 
 
 def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                    target_positions: torch.Tensor, *, chunk: int = 1024, recompute: bool = True) -> torch.Tensor:
-    """Logprob of each target token given the tokens before it within its own sequence.
+                    target_positions: torch.Tensor, *, temperatures: torch.Tensor | None = None,
+                    chunk: int = 1024, recompute: bool = True) -> torch.Tensor:
+    """Logprob of each target token given the tokens before it within its own sequence, under the
+    distribution softmax(logits / temperature) (``temperatures``: one per target; None = 1).
 
     ``input_ids`` and ``position_ids`` are (R, T) packed rows; ``target_positions`` are flat indices
     ``row * T + column`` (never column 0 of a sequence: a sampled token always has a prompt before it).
@@ -84,8 +89,9 @@ def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: tor
     parts = []
     for i in range(0, h.shape[0], chunk):
         hs, ts = h[i:i + chunk], targets[i:i + chunk]
+        temps = None if temperatures is None else temperatures[i:i + chunk]
         if recompute and torch.is_grad_enabled():
-            parts.append(checkpoint(_target_logprobs, hs, weight, ts, use_reentrant=False))
+            parts.append(checkpoint(_target_logprobs, hs, weight, ts, temps, use_reentrant=False))
         else:
-            parts.append(_target_logprobs(hs, weight, ts))
+            parts.append(_target_logprobs(hs, weight, ts, temps))
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)

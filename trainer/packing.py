@@ -31,6 +31,7 @@ class MicroBatch:
     sequence_index: torch.Tensor      # (K,) 0..n-1 within this micro-batch
     n_sequences: int
     real_tokens: int                  # tokens excluding padding
+    temperatures: torch.Tensor        # (K,) sampling temperature of each target's sequence
 
     @property
     def tokens(self) -> int:
@@ -39,7 +40,8 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.target_positions.to(device),
                           self.behaviour_logprobs.to(device), self.advantages.to(device),
-                          self.sequence_index.to(device), self.n_sequences, self.real_tokens)
+                          self.sequence_index.to(device), self.n_sequences, self.real_tokens,
+                          self.temperatures.to(device))
 
 
 def _first_fit(items: list, size, capacity: int) -> list[list]:
@@ -66,7 +68,7 @@ def _make(rows: list[list[dict]]) -> MicroBatch:
     width = max(_row_length(r) for r in rows)
     ids = np.zeros((len(rows), width), np.int64)
     pos = np.zeros((len(rows), width), np.int64)
-    tgt, beh, adv, sidx = [], [], [], []
+    tgt, beh, adv, sidx, temp = [], [], [], [], []
     k = 0
     for r, row in enumerate(rows):
         col = 0
@@ -80,6 +82,7 @@ def _make(rows: list[list[dict]]) -> MicroBatch:
             beh.append(np.asarray(s["behaviour_logprobs"], np.float32)[where])
             adv.append(np.full(len(where), s["advantage"], np.float32))
             sidx.append(np.full(len(where), k))
+            temp.append(np.full(len(where), s.get("temperature", 1.0), np.float32))
             col += n
             k += 1
         pos[r, col:] = np.arange(width - col) + (pos[r, col - 1] + 1 if col else 0)  # padding continues
@@ -87,7 +90,7 @@ def _make(rows: list[list[dict]]) -> MicroBatch:
                       torch.from_numpy(np.concatenate(tgt).astype(np.int64)),
                       torch.from_numpy(np.concatenate(beh)), torch.from_numpy(np.concatenate(adv)),
                       torch.from_numpy(np.concatenate(sidx).astype(np.int64)), k,
-                      sum(_row_length(r) for r in rows))
+                      sum(_row_length(r) for r in rows), torch.from_numpy(np.concatenate(temp)))
 
 
 def pack(sequences: list[dict], budget: int, row_tokens: int | None = None) -> list[MicroBatch]:
