@@ -274,3 +274,54 @@ def test_parquet_round_trip(tmp_path) -> None:
     save_batch(batch, tmp_path, "00000001-000")
     [back] = load_batches(tmp_path)
     assert back.equals(batch)
+
+
+def test_staleness_is_judged_again_when_taken_and_the_ready_queue_is_bounded(broker) -> None:
+    # four groups ready at once on one partition (so in log order): g0, g1 served by version 0, g2, g3
+    # by version 2. Queue bound 3: g0 is dropped (overflow). Taken at version 2 with max_lag 1: g1 (lag
+    # 2) must be dropped then, though it was fresh when it became ready; g2 is trained, g3 stays queued.
+    bootstrap = broker.bootstrap_servers
+    topics = Topics(f"asm{uuid.uuid4().hex[:8]}")
+    create_topics(bootstrap, topics, partitions=1)
+    recs = []
+    for i, version in enumerate([0, 0, 2, 2]):
+        for t, r in [("a", 1.0), ("b", 0.0)]:
+            recs += [call(f"g{i}{t}", [1], [2], gid=f"g{i}", version=version),
+                     RewardRecord(f"g{i}{t}", r, group_id=f"g{i}", group_size=2)]
+    produce(bootstrap, topics, recs)
+    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, groups_per_step=1, max_lag=1,
+                           max_ready_groups=3)
+    s = StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}"), config)
+    try:
+        deadline = time.monotonic() + 30
+        while s.counts["rewards"] < 8 or s.counts["completions"] < 8:  # everything consumed, nothing taken
+            assert s.next_groups(100, 0, 0.5) == [] and time.monotonic() < deadline, dict(s.counts)
+        assert s.counts["groups_ready"] == 4 and s.counts["groups_dropped_overflow"] == 1
+        assert [g.group_id for g, _ in s.ready] == ["g1", "g2", "g3"]
+        [batch] = s.next_groups(1, 2, 0.5)
+        assert batch.column("group_id").to_pylist() == ["g2", "g2"]
+        assert max(2 - v for v in batch.column("policy_version").to_pylist()) <= 1
+        assert s.counts["stale_trajectories"] == 2 and s.counts["groups_dropped_stale"] == 1
+        # the checkpoint holds only g3's records; every group is closed (dropped ones too)
+        pending = s.pending_raw()
+        assert len(pending) == 4
+        assert {"g0", "g1", "g2", "g3"} <= set(s.done_ids())
+        offsets, done = s.offsets(), s.done_ids()
+    finally:
+        s.close()
+    # restart from that state: g3 comes back, the dropped g0 and g1 are neither retrained nor lost again
+    again = StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", offsets), config,
+                         restore=pending, done=done)
+    try:
+        [batch] = again.next_groups(1, 2, 5.0)
+        assert batch.column("group_id").to_pylist() == ["g3", "g3"]
+        assert again.next_groups(1, 2, 1.0) == []
+        assert again.counts["late"] == 0 and again.counts["groups_ready"] == 1
+    finally:
+        again.close()
+
+
+def test_max_ready_groups_defaults_to_what_could_still_be_trained_in_time() -> None:
+    assert TrainerConfig(model="m", groups_per_step=2, max_lag=4).max_ready_groups == 10
+    with pytest.raises(ValueError, match="max_ready_groups"):
+        TrainerConfig(model="m", groups_per_step=4, max_ready_groups=3)

@@ -181,9 +181,10 @@ def test_replay_trains_from_saved_batches(trained, tmp_path) -> None:
 
 
 def trainer_process(tiny_model: Path, bootstrap: str, topics: Topics, adapters: Path, log: Path) -> subprocess.Popen:
+    # every sample here claims version 0 (no gateway): --max-lag 8 keeps all six groups fresh enough
     cmd = [sys.executable, "-m", "streamrl.cli", "trainer", "--model", str(tiny_model), "--bootstrap-servers",
            bootstrap, "--adapters", str(adapters), "--topic-prefix", topics.prefix, "--groups-per-step", "1",
-           "--max-steps", "6", "--keep-versions", "100", "--device", "cpu",
+           "--max-steps", "6", "--keep-versions", "100", "--device", "cpu", "--max-lag", "8",
            "--history", str(adapters / "history.jsonl")]
     return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -62,8 +62,7 @@ def usable_group(group: ReadyGroup, *, current_version: int, max_lag: int,
     sampled greedily (temperature below ``GREEDY_BELOW``: no sampling distribution to correct against;
     ``greedy_trajectories``) or at an unusable temperature (``bad_temperature_trajectories``). None
     (counted) when fewer than two remain or their rewards are all equal (no learning signal).
-    Trajectories sampled with top_p/top_k/min_p filtering are kept and counted (``filtered_sampling``):
-    their importance ratios are approximate (see docs/trainer.md).
+    Trajectories sampled with top_p/top_k/min_p filtering are kept (see ``group_batch``).
     """
     kept: list[Trajectory] = []
     stale = 0
@@ -80,8 +79,6 @@ def usable_group(group: ReadyGroup, *, current_version: int, max_lag: int,
             counts["stale_trajectories"] += 1
             stale += 1
             continue
-        if any(filtered_sampling(c) for c in t.completions):
-            counts["filtered_sampling"] += 1
         kept.append(t)
     if len(kept) < 2:
         counts["groups_dropped_stale" if stale else "groups_dropped_unusable"] += 1
@@ -93,12 +90,18 @@ def usable_group(group: ReadyGroup, *, current_version: int, max_lag: int,
     return ReadyGroup(group.group_id, kept, group.complete)
 
 
-def group_batch(group: ReadyGroup, *, std_norm: bool) -> pa.RecordBatch:
-    """The batch of a group ``usable_group`` returned: merged sequences, GRPO advantages."""
+def group_batch(group: ReadyGroup, *, std_norm: bool, counts: Counter[str] | None = None) -> pa.RecordBatch:
+    """The batch of a group ``usable_group`` returned: merged sequences, GRPO advantages.
+
+    Trajectories sampled with top_p/top_k/min_p filtering are counted ``filtered_sampling``: their
+    importance ratios are approximate (the trainer does not re-apply the filter; see docs/trainer.md).
+    """
     rewards = []
     for t in group.trajectories:
         assert t.reward is not None
         rewards.append(t.reward.reward)
+        if counts is not None and any(filtered_sampling(c) for c in t.completions):
+            counts["filtered_sampling"] += 1
     adv = group_advantages(rewards, std_norm=std_norm)
     rows: dict[str, list] = {name: [] for name in BATCH_SCHEMA.names}
     for t, reward, a in zip(group.trajectories, rewards, adv, strict=True):
@@ -120,7 +123,7 @@ def build_batch(group: ReadyGroup, *, current_version: int, max_lag: int, std_no
                 counts: Counter[str]) -> pa.RecordBatch | None:
     """``usable_group`` then ``group_batch``: the group's batch, or None (counted) when unusable."""
     g = usable_group(group, current_version=current_version, max_lag=max_lag, counts=counts)
-    return None if g is None else group_batch(g, std_norm=std_norm)
+    return None if g is None else group_batch(g, std_norm=std_norm, counts=counts)
 
 
 def rows(batch: pa.RecordBatch) -> list[dict]:

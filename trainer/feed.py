@@ -1,9 +1,12 @@
 """What the daemon trains on: ready groups as Arrow batches, from the live log or from saved Parquet.
 
 ``StreamGroups`` decodes raw records (bad ones counted as ``bad_<reason>`` and skipped), feeds the
-assembler, turns each group that becomes ready into a batch (staleness judged then, against the version
-being trained), and hands batches out ``groups_per_step`` at a time. Batches not yet handed out stay
-here with their raw records, which are part of ``pending_raw()`` so that a checkpoint loses nothing.
+assembler and queues each group that becomes ready. Staleness is judged when a group becomes ready and
+again, against the version about to be trained, before it is handed out, so no trained sample is more
+than ``max_lag`` versions behind. The queue holds at most ``max_ready_groups``; beyond that the oldest
+group is dropped (``groups_dropped_overflow``). Groups still queued keep their raw records, which are
+part of ``pending_raw()`` so that a checkpoint loses nothing; a dropped group's records leave with it
+(its id stays among the closed groups), so a restart neither retrains nor resurrects it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from collections import Counter
 import pyarrow as pa
 from streamrl.broker.schema import CompletionRecord, RecordError, RewardRecord, decode
 
-from .assembler import COMPLETION, Assembler
-from .batch import build_batch, load_batches
+from .assembler import COMPLETION, Assembler, ReadyGroup
+from .batch import group_batch, load_batches, usable_group
 from .config import TrainerConfig
 from .source import RecordSource
 
@@ -56,7 +59,8 @@ class StreamGroups(GroupSource):
         self.assembler = Assembler(group_size=config.group_size, group_timeout_s=config.group_timeout_s,
                                    ttl_s=config.trajectory_ttl_s, max_trajectories=config.max_pending_trajectories)
         self.counts = self.assembler.counts
-        self.ready: list[tuple[pa.RecordBatch, list[tuple[str, bytes]]]] = []
+        self.ready: list[tuple[ReadyGroup, int]] = []
+        """Usable groups in the order they became ready, each with the version it was last judged against."""
         for stream, value in restore:  # before mark_done: groups ready but untrained were closed already
             self._feed(stream, value)
         self.assembler.mark_done(list(done))
@@ -79,22 +83,38 @@ class StreamGroups(GroupSource):
             for r in self.records.poll(max(deadline - time.monotonic(), 0.0)):
                 self._feed(r.stream, r.value)
             for g in self.assembler.poll():
-                # judged once, against the version being trained now (unusable groups counted, gone)
-                b = build_batch(g, current_version=current_version, max_lag=self.config.max_lag,
-                                std_norm=self.config.advantage_std_norm, counts=self.counts)
-                if b is not None:
-                    self.ready.append((b, g.raw))
+                self._enqueue(g, current_version)
+            self._rejudge(current_version)
+            while len(self.ready) > self.config.max_ready_groups:
+                self.ready.pop(0)
+                self.counts["groups_dropped_overflow"] += 1
             if len(self.ready) >= n:
                 out, self.ready = self.ready[:n], self.ready[n:]
-                return [b for b, _ in out]
+                return [group_batch(g, std_norm=self.config.advantage_std_norm, counts=self.counts) for g, _ in out]
             if time.monotonic() >= deadline:
                 return []
+
+    def _enqueue(self, group: ReadyGroup, version: int) -> None:
+        g = usable_group(group, current_version=version, max_lag=self.config.max_lag, counts=self.counts)
+        if g is not None:
+            self.ready.append((g, version))
+
+    def _rejudge(self, version: int) -> None:
+        """Judge again, against ``version``, the queued groups judged against an older one."""
+        if all(v == version for _, v in self.ready):
+            return
+        queued, self.ready = self.ready, []
+        for g, v in queued:
+            if v == version:
+                self.ready.append((g, v))
+            else:
+                self._enqueue(g, version)
 
     def offsets(self) -> dict[str, int]:
         return self.records.offsets()
 
     def pending_raw(self) -> list[tuple[str, bytes]]:
-        return [r for _, raw in self.ready for r in raw] + self.assembler.pending_raw()
+        return [r for g, _ in self.ready for r in g.raw] + self.assembler.pending_raw()
 
     def done_ids(self, limit: int = 20_000) -> list[str]:
         return list(self.assembler.done)[-limit:]

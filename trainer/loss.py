@@ -4,7 +4,8 @@ Notation, per sampled token t of sequence s (prompt tokens never enter: they are
 
 * ``A_s``      advantage of the sequence's trajectory (reward minus group mean, optionally / (std + eps));
 * ``r_t``      importance ratio pi_theta(y_t) / pi_behaviour(y_t) = exp(logp_t - behaviour_logp_t), where
-               the behaviour logprob is the one logged by the gateway (the distribution vLLM sampled);
+               the behaviour logprob is the one logged by the gateway (the distribution vLLM sampled)
+               and logp_t is computed at the same sampling temperature (logits / T, see model.py);
 * per-token objective ``l_t`` (to minimise):
 
   - ``truncated_is`` (default): ``l_t = -min(r_t, C) * A_s`` with the truncated weight held constant:
