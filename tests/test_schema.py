@@ -14,7 +14,7 @@ def completion(n_prompt: int = 5, n_completion: int = 3, **kw) -> CompletionReco
     return CompletionRecord(
         request_id="req-1", trajectory_id="traj-1", group_id="g",
         prompt_token_ids=np.arange(n_prompt), completion_token_ids=np.arange(100, 100 + n_completion),
-        logprobs=-np.linspace(0.1, 1.0, n_completion), policy_version=3, **kw,
+        logprobs=-np.linspace(0.1, 1.0, n_completion), policy_version=3, created=0.0, **kw,
     )
 
 

@@ -17,4 +17,6 @@ rm -rf "$site/streamrl"; mkdir -p "$site/streamrl" "$site/bin"
 for f in "$repo"/streamrl/*.py; do ln -s "$f" "$site/streamrl/"; done
 for part in gateway broker trainer producers; do ln -s "$repo/$part" "$site/streamrl/$part"; done
 printf '#!/bin/sh\nexec python3 -m streamrl.cli "$@"\n' > "$site/bin/streamrl"; chmod +x "$site/bin/streamrl"
-PYTHONPATH=$site python3 -c "import vllm, torch, kafka, streamrl.broker.schema; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
+# (checked from / : in the repository root, its streamrl/ folder would shadow the laid-out package;
+# run streamrl from outside the checkout for the same reason)
+cd / && PYTHONPATH=$site python3 -c "import vllm, torch, kafka, streamrl.broker.schema; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
