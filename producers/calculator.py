@@ -115,6 +115,8 @@ class CalculatorTask:
     force_tool_first: bool = False
     """Force a calculator call on the first turn (vLLM's named tool choice, guided decoding), so that even
     an untrained model goes through the whole tool loop."""
+    seed: int | None = None
+    """Sampling seed of the episode's first request (the next turns use seed + turn): reproducible episodes."""
 
     def sample(self, rng: random.Random) -> Problem:
         a, b = rng.randint(2, 999), rng.randint(2, 99)
@@ -134,7 +136,8 @@ class CalculatorTask:
                 raw = await t.client.chat.completions.with_raw_response.create(
                     model=self.model, messages=messages, tools=TOOLS,
                     tool_choice={"type": "function", "function": {"name": "calculator"}} if forced else "auto",
-                    max_tokens=self.max_tokens, temperature=self.temperature)
+                    max_tokens=self.max_tokens, temperature=self.temperature,
+                    seed=None if self.seed is None else self.seed + turns - 1)
                 version = newest(version, served_version(raw.headers))
                 message = raw.parse().choices[0].message
                 if not message.tool_calls:

@@ -226,16 +226,17 @@ def test_calculator_agent_runs_the_tool_loop(gateway: GatewayServer, completions
     """The tiny model cannot solve arithmetic; what is tested is the loop: a forced calculator call, its
     tool result sent back on the next turn of the same trajectory, and a reward posted at the end.
 
-    The forced call's arguments are whatever the random model samples, and some run past max_tokens
-    (then vLLM returns text, not a tool call), so a group of 8 is played and at least one must have gone
-    through the tool loop (each does with probability about 2/3)."""
-    task = CalculatorTask(max_tokens=64, force_tool_first=True, max_turns=3)
+    The forced call's arguments are whatever the random model samples, and about half run past
+    max_tokens (then vLLM returns text, not a tool call). The episodes are seeded so the test is
+    reproducible: with seeds 0..7 on the tiny model, seeds 2, 5 and 6 produce a well-formed call."""
     group = f"g-{uuid.uuid4().hex}"
 
     async def play() -> list[Any]:
         async with AsyncGateway(gateway.url) as gw:
-            problem = task.sample(random.Random(0))
-            return await asyncio.gather(*(task.episode(gw, problem, group, 8) for _ in range(8)))
+            problem = CalculatorTask().sample(random.Random(0))
+            return await asyncio.gather(*(
+                CalculatorTask(max_tokens=128, force_tool_first=True, max_turns=3, seed=seed).episode(
+                    gw, problem, group, 8) for seed in range(8)))
 
     outcomes = asyncio.run(play())
     assert all(o.version == 0 and o.reward in (0.0, 0.1, 1.0) for o in outcomes)
@@ -245,7 +246,7 @@ def test_calculator_agent_runs_the_tool_loop(gateway: GatewayServer, completions
     for o in outcomes:
         assert got[o.trajectory_id].reward == o.reward and got[o.trajectory_id].metrics == {"turns": float(o.turns)}
     looped = [o for o in outcomes if o.turns >= 2]
-    assert looped, "no episode got a well-formed forced tool call in 8 tries"
+    assert looped, "no seeded episode got a well-formed forced tool call"
     calls = completions.wait_for(lambda r: isinstance(r, CompletionRecord) and r.trajectory_id == looped[0].trajectory_id,
                                  count=looped[0].turns)
     first, second = sorted(calls, key=lambda r: r.created)[:2]
