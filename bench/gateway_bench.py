@@ -251,6 +251,7 @@ def gateway_cmd(stub_url: str, port: int, bootstrap: str, logging_on: bool) -> l
 def record_sizes(bootstrap: str, topic: str = "bench.completions", compress: bool = False) -> dict[str, float]:
     """Read back a sample of the records the gateway wrote: bytes per token, encoded and compressed."""
     from kafka import TopicPartition
+
     from streamrl.broker.clients import make_consumer
     from streamrl.broker.schema import CompletionRecord, decode
 
@@ -284,6 +285,7 @@ def record_sizes(bootstrap: str, topic: str = "bench.completions", compress: boo
 def vllm_record_sizes(upstream: str, requests: int = 20, max_tokens: int = 256) -> dict[str, float]:
     """Bytes per token of records of real vLLM completions (real logprobs), through a gateway."""
     import httpx
+
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
     from streamrl.gateway.config import GatewayConfig

@@ -201,9 +201,8 @@ def main() -> None:
     from streamrl.broker.clients import make_producer
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
-    from streamrl.gateway.publish import publish_version, random_adapter
-
     from streamrl.engine import Engine, EngineConfig
+    from streamrl.gateway.publish import publish_version, random_adapter
     from streamrl.tiny_model import build_model
 
     work = Path(tempfile.mkdtemp(prefix="hotswap-bench-"))

@@ -37,11 +37,11 @@ except ImportError:  # not installed: map the repository's folders (streamrl.tra
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from streamrl.tiny_model import SHAPES  # noqa: E402
 from streamrl.trainer.config import TrainerConfig  # noqa: E402
 from streamrl.trainer.learner import Learner  # noqa: E402
 from streamrl.trainer.model import attach_lora  # noqa: E402
-
-from streamrl.tiny_model import SHAPES  # noqa: E402
 
 PEAK = 989e12
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -18,6 +18,7 @@ import orjson
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
+
 from streamrl.broker.clients import LogProducer
 from streamrl.broker.topics import Topics
 

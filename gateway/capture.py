@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
 from streamrl.broker.schema import CompletionRecord, encode
 
 

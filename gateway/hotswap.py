@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 from kafka import TopicPartition
+
 from streamrl.broker.clients import make_consumer
 from streamrl.broker.schema import PolicyRecord, RecordError, decode
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from kafka import KafkaProducer
+
 from streamrl.broker.clients import make_producer
 from streamrl.broker.schema import PolicyRecord, encode
 from streamrl.broker.topics import Topics

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
+
 from streamrl.broker.clients import LogProducer
 from streamrl.broker.schema import RecordError, RewardRecord, check_group_size, check_id, check_reward, encode
 

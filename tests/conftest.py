@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.topics import Topics
-
 from streamrl.engine import Engine, EngineConfig
 from streamrl.tiny_model import build_model
 

@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from streamrl.broker.clients import make_producer
 from streamrl.broker.schema import CompletionRecord, PolicyRecord, RewardRecord, decode, encode
 from streamrl.broker.topics import Topics, create_topics

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from streamrl.producers.demo_model import build_demo_model
 
 TARGET = 0.8

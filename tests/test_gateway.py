@@ -11,51 +11,17 @@ import numpy as np
 import openai
 import orjson
 import pytest
-from kafka import TopicPartition
-from streamrl.broker.clients import make_consumer
+from kafka_reader import TopicReader
+
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import CompletionRecord, RecordError, RewardRecord, decode
 from streamrl.broker.topics import Topics
+from streamrl.engine import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 
-from streamrl.engine import Engine
-
 TOPICS = Topics("test")  # the prefix of the session's broker fixture
 CHAT = [{"role": "user", "content": "Say something about numbers."}]
-
-
-class TopicReader:
-    """Reads a topic from (about) its end at creation time; ``wait_for`` polls until a matching record
-    arrives. The embedded broker reports the base offset of the last batch as the end, so a few older
-    records may be read again: match on ids unique to the test, never on "the next record"."""
-
-    def __init__(self, bootstrap_servers: str, topic: str) -> None:
-        self.consumer = make_consumer(bootstrap_servers, group_id=None)
-        parts = self.consumer.partitions_for_topic(topic) or set()
-        deadline = time.monotonic() + 10
-        while not parts and time.monotonic() < deadline:
-            parts = self.consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
-        self.consumer.assign(tps)
-        self.consumer.seek_to_end(*tps)
-        for tp in tps:
-            self.consumer.position(tp)  # resolve "end" now, before the records under test are produced
-        self.seen: list[Any] = []
-
-    def wait_for(self, match: Callable[[Any], bool], count: int = 1, timeout: float = 30.0) -> list[Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = [r for r in self.seen if match(r)]
-            if len(found) >= count:
-                return found
-            for batch in self.consumer.poll(timeout_ms=200).values():
-                for message in batch:
-                    self.seen.append(decode(message.value))
-        raise AssertionError(f"{count} matching record(s) not seen within {timeout}s; saw {len(self.seen)}")
-
-    def close(self) -> None:
-        self.consumer.close()
 
 
 @pytest.fixture(scope="module")

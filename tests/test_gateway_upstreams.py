@@ -16,15 +16,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_gateway import TopicReader
+
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import CompletionRecord
 from streamrl.broker.topics import Topics, create_topics
+from streamrl.engine import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.publish import publish_version, random_adapter
 from streamrl.gateway.server import GatewayServer
-from test_gateway import TopicReader
-
-from streamrl.engine import Engine
 
 TOPICS = Topics("upstreams")
 CHAT = [{"role": "user", "content": "hello"}]

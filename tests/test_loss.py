@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+
 from streamrl.trainer.loss import group_advantages, grpo_loss
 
 BEHAVIOUR = torch.tensor([-1.0, -2.0, -0.5])

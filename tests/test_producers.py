@@ -7,18 +7,18 @@ import asyncio
 import json
 import math
 import random
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kafka import TopicPartition
-from streamrl.broker.clients import make_consumer
+from kafka_reader import TopicReader
+
 from streamrl.broker.embedded import EmbeddedBroker, free_port
-from streamrl.broker.schema import CompletionRecord, RewardRecord, decode
+from streamrl.broker.schema import CompletionRecord, RewardRecord
 from streamrl.broker.topics import Topics, create_topics
+from streamrl.engine import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 from streamrl.producers.calculator import CalculatorTask, calculate, final_number, run_tool, score
@@ -26,8 +26,6 @@ from streamrl.producers.client import AsyncGateway, Gateway, RewardError, Trajec
 from streamrl.producers.episode import newest, served_version
 from streamrl.producers.numbers import NumbersTask, digit_fraction
 from streamrl.producers.runner import Board, RunLimits, run_groups
-
-from streamrl.engine import Engine
 
 TOPICS = Topics("producers")  # own topics on the session broker: other tests' consumers never see these
 
@@ -114,37 +112,6 @@ def test_version_helpers_and_board() -> None:
 
 
 # ------------------------------------------------------------------------- through the gateway
-
-
-class TopicReader:
-    """Reads a topic from about its end; match on ids unique to the test (the embedded broker's "end"
-    may replay a few older records)."""
-
-    def __init__(self, bootstrap_servers: str, topic: str) -> None:
-        self.consumer = make_consumer(bootstrap_servers, group_id=None)
-        deadline = time.monotonic() + 10
-        parts = self.consumer.partitions_for_topic(topic) or set()
-        while not parts and time.monotonic() < deadline:
-            parts = self.consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
-        self.consumer.assign(tps)
-        self.consumer.seek_to_end(*tps)
-        for tp in tps:
-            self.consumer.position(tp)
-        self.seen: list[Any] = []
-
-    def wait_for(self, match: Callable[[Any], bool], count: int = 1, timeout: float = 30.0) -> list[Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = [r for r in self.seen if match(r)]
-            if len(found) >= count:
-                return found
-            for batch in self.consumer.poll(timeout_ms=200).values():
-                self.seen.extend(decode(m.value) for m in batch)
-        raise AssertionError(f"{count} matching record(s) not seen within {timeout}s")
-
-    def close(self) -> None:
-        self.consumer.close()
 
 
 @pytest.fixture(scope="module")

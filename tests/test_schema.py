@@ -6,6 +6,7 @@ import struct
 
 import numpy as np
 import pytest
+
 from streamrl.broker import schema
 from streamrl.broker.schema import CompletionRecord, PolicyRecord, RecordError, RewardRecord, decode, encode
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 from kafka import KafkaConsumer, TopicPartition
 from safetensors.torch import load_file
+
 from streamrl.broker.clients import make_producer
 from streamrl.broker.embedded import free_port
 from streamrl.broker.schema import CompletionRecord, PolicyRecord, RewardRecord, decode, encode

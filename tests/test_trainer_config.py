@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from streamrl.trainer.cli import config_from_args
-from streamrl.trainer.config import TrainerConfig
 
 from streamrl.cli import build_parser
+from streamrl.trainer.cli import config_from_args
+from streamrl.trainer.config import TrainerConfig
 
 
 def test_file_then_flags(tmp_path) -> None:

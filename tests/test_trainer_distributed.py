@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file
+
 from streamrl.broker.embedded import free_port
 from streamrl.broker.schema import CompletionRecord, RewardRecord
 from streamrl.trainer.assembler import Assembler

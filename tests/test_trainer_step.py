@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.learner import Learner
 from streamrl.trainer.model import load_policy, packed_logprobs

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from streamrl.broker.embedded import EmbeddedBroker, free_port
 
+from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.engine import Engine
 from streamrl.up import DemoTrainer, Shutdown, SignalGate, console_worthy, load_config
 

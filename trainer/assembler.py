@@ -27,6 +27,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from streamrl.broker.schema import CompletionRecord, RewardRecord
 
 COMPLETION, REWARD = "c", "r"

@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 
 import pyarrow as pa
+
 from streamrl.broker.schema import CompletionRecord, RecordError, RewardRecord, decode
 
 from .assembler import COMPLETION, Assembler, ReadyGroup

@@ -95,6 +95,7 @@ class PolicyAnnouncer:
     def last_version(self, name: str, timeout_s: float = 5.0) -> int:
         """The highest version already on the policy topic for ``name`` (0 when none)."""
         from kafka import KafkaConsumer, TopicPartition
+
         from streamrl.broker.schema import PolicyRecord, RecordError, decode
 
         consumer = KafkaConsumer(bootstrap_servers=self.producer.config["bootstrap_servers"],

@@ -49,6 +49,7 @@ class KafkaRecordSource(RecordSource):
     def __init__(self, bootstrap_servers: str, topics: Topics, group_id: str,
                  start: dict[str, int] | None = None, *, partition_timeout_s: float = 30.0) -> None:
         from kafka import TopicPartition
+
         from streamrl.broker.clients import make_consumer
 
         self._stream = {topics.completions: "c", topics.rewards: "r"}
