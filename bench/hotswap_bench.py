@@ -201,7 +201,7 @@ def main() -> None:
     from streamrl.broker.clients import make_producer
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
-    from streamrl.engine import Engine, EngineConfig
+    from streamrl.engine import Engine, EngineConfig, wait_healthy
     from streamrl.gateway.publish import publish_version, random_adapter
     from streamrl.tiny_model import build_model
 
@@ -239,14 +239,7 @@ def main() -> None:
              "--policy-name", NAME, "--max-loaded-versions", "3"], start_new_session=True,
             stdout=gateway_log, stderr=subprocess.STDOUT)
         gw = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{gw}/health").status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("gateway did not start")
-            time.sleep(0.1)
+        wait_healthy(gw, 60, what="gateway", interval=0.1)
 
         results = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
                    "args": {k: v for k, v in vars(args).items() if k != "json"}}

@@ -41,6 +41,21 @@ class EngineConfig:
     extra_args: list[str] = field(default_factory=list)
 
 
+def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = None, *,
+                 what: str = "server", interval: float = 0.2) -> None:
+    """Wait until ``GET base_url/health`` answers 200; raise early if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with code {proc.returncode} during start-up")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{base_url}/health").status_code == 200:
+                    return
+            time.sleep(interval)
+    raise TimeoutError(f"{what} not healthy after {timeout}s")
+
+
 class Engine:
     """A vLLM server subprocess. ``url`` is its OpenAI base (without ``/v1``)."""
 
@@ -86,17 +101,11 @@ class Engine:
         return self
 
     def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.proc is not None and self.proc.poll() is not None:
-                    raise RuntimeError(f"vLLM exited with code {self.proc.returncode} during start-up")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        return
-                time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"vLLM not healthy after {timeout}s")
+        try:
+            wait_healthy(self.url, timeout, self.proc, what="vLLM")
+        except (RuntimeError, TimeoutError):
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the whole process group (vLLM spawns workers), SIGKILL what is left after timeout."""

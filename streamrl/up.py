@@ -30,11 +30,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
-import httpx
-
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics, create_topics
-from streamrl.engine import Engine, EngineConfig
+from streamrl.engine import Engine, EngineConfig, wait_healthy
 from streamrl.producers.demo_cli import DemoConfig, run_demo
 from streamrl.producers.demo_model import build_demo_model, default_cache_dir
 from streamrl.trainer.config import TrainerConfig
@@ -378,17 +376,7 @@ class Stack:
             argv += ["--upstream", url]
         proc = self._spawn("gateway", argv)
         self.gateway_url = f"http://{c.host}:{port}"
-        deadline = time.monotonic() + 120
-        with httpx.Client(timeout=2.0) as client:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"gateway exited with code {proc.returncode} during start-up")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.gateway_url}/health").status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("gateway not healthy after 120 s")
-                time.sleep(0.2)
+        wait_healthy(self.gateway_url, 120, proc, what="gateway")
         self.log.line("gateway", f"ready at {self.gateway_url}/v1 (model {c.policy_name!r})")
 
     def _demo(self, demo: DemoConfig) -> None:
