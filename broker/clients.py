@@ -1,23 +1,29 @@
 """Kafka producer and consumer set-up shared by every part (kafka-python).
 
 ``LogProducer`` is what a latency-sensitive server (the gateway) uses: ``offer()`` never blocks and
-never raises. Records go into a bounded in-memory queue drained by one background thread that owns
-the KafkaProducer; when the queue is full or the broker is unreachable, records are counted as
-dropped / failed instead of slowing a response.
+never raises. Records go into a bounded buffer drained by a background thread, or through a pipe into
+a child process, that owns the KafkaProducer; when the buffer is full or the broker is unreachable,
+records are counted as dropped / failed instead of slowing a response.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import fcntl
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
+import select
 import signal
+import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer
@@ -25,6 +31,9 @@ from kafka import KafkaConsumer, KafkaProducer
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPRESSION = "zstd"
+PIPE_BYTES = 4 << 20
+"""Pipe capacity asked for between a server and its producer process (Linux caps it at
+``/proc/sys/fs/pipe-max-size``, 1 MiB by default for unprivileged processes)."""
 
 
 def make_producer(bootstrap_servers: str, *, compression: str | None = DEFAULT_COMPRESSION,
@@ -159,64 +168,168 @@ class _Sender:
             log.debug("producer close: %s", exc)
 
 
+_FRAME = struct.Struct("!I")
+"""Each item on the pipe to the producer process: its pickled length, then the pickle; length 0 ends."""
+
+
 def _child_main(conn: Any, bootstrap_servers: str, compression: str | None, send_timeout_ms: int,
                 client_id: str, counts: Any) -> None:
-    """The producer process: receives pickled items until an empty message, then flushes and exits."""
+    """The producer process: receives pickled items until an empty frame, then flushes and exits."""
     # The parent decides when to stop: a Ctrl-C or a SIGTERM sent to the whole process group must not
     # lose what is buffered here. The pipe closing (the parent gone) ends this loop too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, counts)
+    pipe = os.fdopen(conn.fileno(), "rb", buffering=1 << 20, closefd=False)
     try:
-        while True:
-            try:
-                data = conn.recv_bytes()
-            except (EOFError, OSError):
-                break
-            if not data:
+        while len(head := pipe.read(_FRAME.size)) == _FRAME.size:
+            (size,) = _FRAME.unpack(head)
+            data = pipe.read(size) if size else b""
+            if len(data) != size or not size:
                 break
             sender.handle(pickle.loads(data))
     finally:
         sender.close()
 
 
+def _enlarge_pipe(fd: int) -> None:
+    """Linux: ask for ``PIPE_BYTES`` of pipe buffer, or the most an unprivileged process may have, so
+    that a burst of records rarely finds the pipe full. Elsewhere the default size stays."""
+    if not hasattr(fcntl, "F_SETPIPE_SZ"):
+        return
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError:
+        with contextlib.suppress(OSError, ValueError):
+            limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, min(limit, PIPE_BYTES))
+
+
+class _PipeWriter:
+    """The parent's end of the pipe to the producer process, written from the caller's thread.
+
+    A frame goes straight into the (enlarged, non-blocking) pipe when it has room, so a server's event
+    loop pays one pickle and one ``write`` per call and no thread wakes up; only when the child falls
+    behind do frames wait in a bounded backlog that a background thread writes out."""
+
+    def __init__(self, conn: Any, max_buffered: int) -> None:
+        self.conn, self.fd, self.max_buffered = conn, conn.fileno(), max_buffered
+        os.set_blocking(self.fd, False)
+        _enlarge_pipe(self.fd)
+        self.backlog: collections.deque[tuple[memoryview, int]] = collections.deque()
+        self.backlog_items = 0
+        self.lost = 0
+        self.closing = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._drain, name="streamrl-log-pipe", daemon=True)
+        self.thread.start()
+
+    def put(self, item: Item) -> bool:
+        """False when the backlog is full (the caller counts the drop)."""
+        data = pickle.dumps(item, protocol=5)
+        frame = memoryview(_FRAME.pack(len(data)) + data)
+        with self.cond:
+            if self.closing:
+                return False
+            if not self.backlog:
+                try:
+                    frame = frame[os.write(self.fd, frame):]
+                except BlockingIOError:
+                    pass
+                except OSError as exc:  # the child died: nothing will read this
+                    self.lost += item[3]
+                    log.warning("record not handed to the producer process: %s", exc)
+                    return True
+                if not frame:
+                    return True
+            elif self.backlog_items >= self.max_buffered:
+                return False
+            self.backlog.append((frame, item[3]))
+            self.backlog_items += item[3]
+            self.cond.notify()
+        return True
+
+    @property
+    def buffered(self) -> int:
+        return self.backlog_items
+
+    def _drain(self) -> None:
+        while True:
+            with self.cond:
+                while not self.backlog and not self.closing:
+                    self.cond.wait()
+                if not self.backlog:
+                    break
+                frame, n = self.backlog[0]
+            select.select([], [self.fd], [])  # wait for room, the lock released
+            with self.cond:
+                try:
+                    rest = frame[os.write(self.fd, frame):]
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    self.lost += sum(n for _, n in self.backlog)
+                    self.backlog.clear()
+                    self.backlog_items = 0
+                    log.warning("records not handed to the producer process: %s", exc)
+                    break
+                if rest:
+                    self.backlog[0] = (rest, n)
+                else:
+                    self.backlog.popleft()
+                    self.backlog_items -= n
+        os.set_blocking(self.fd, True)
+        with contextlib.suppress(OSError):
+            os.write(self.fd, _FRAME.pack(0))
+        self.conn.close()
+
+    def close(self, timeout_s: float) -> None:
+        with self.cond:
+            self.closing = True
+            self.cond.notify()
+        self.thread.join(timeout_s)
+
+
 class LogProducer:
-    """Fire-and-forget producer for servers: bounded buffer, background thread, counters.
+    """Fire-and-forget producer for servers: bounded buffer, counters, never blocks the caller.
 
     With ``process=True`` the KafkaProducer and the building of deferred records run in a child process
-    (fed through a pipe by the background thread), so that neither holds the server's GIL: kafka-python
-    batches records in Python, and a server's event loop should not wait for that."""
+    fed through a pipe, so that neither holds the server's GIL: kafka-python batches records in Python,
+    and a server's event loop should not wait for that. Without it, one background thread owns the
+    KafkaProducer and drains a bounded queue."""
 
     def __init__(self, bootstrap_servers: str, *, max_buffered: int = 100_000,
                  compression: str | None = DEFAULT_COMPRESSION, send_timeout_ms: int = 10_000,
                  client_id: str = "streamrl-gateway", process: bool = False) -> None:
         self.bootstrap_servers = bootstrap_servers
-        self._offered = self._dropped = self._lost = 0
-        self._queue: queue.Queue[Item | None] = queue.Queue(max_buffered)
+        self.max_buffered = max_buffered
+        self._offered = self._dropped = self._unsendable = 0
         self._send_timeout_ms = send_timeout_ms
         self._process = None
+        self._pipe: _PipeWriter | None = None
+        self._queue: queue.Queue[Item | None] = queue.Queue(max_buffered)
         if process:
             ctx = multiprocessing.get_context("spawn")
             self._counts: Any = ctx.Array("q", 4, lock=False)
-            reader, self._conn = ctx.Pipe(duplex=False)
+            reader, writer = ctx.Pipe(duplex=False)
             self._process = ctx.Process(target=_child_main, name="streamrl-log-producer", daemon=True,
                                         args=(reader, bootstrap_servers, compression, send_timeout_ms, client_id,
                                               self._counts))
             self._process.start()
             reader.close()
-            target = self._pump
+            self._pipe = _PipeWriter(writer, max_buffered)
         else:
             self._counts = [0, 0, 0, 0]
             self._sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, self._counts)
-            target = self._run
-        self._thread = threading.Thread(target=target, name="streamrl-log-producer", daemon=True)
-        self._thread.start()
+            self._thread = threading.Thread(target=self._run, name="streamrl-log-producer", daemon=True)
+            self._thread.start()
 
     @property
     def stats(self) -> ProducerStats:
         c = self._counts
-        return ProducerStats(offered=self._offered, delivered=c[_DELIVERED], failed=c[_FAILED] + self._lost,
-                             dropped=self._dropped, invalid=c[_INVALID], bytes_delivered=c[_BYTES])
+        lost = self._pipe.lost if self._pipe is not None else 0
+        return ProducerStats(offered=self._offered, delivered=c[_DELIVERED], failed=c[_FAILED] + lost,
+                             dropped=self._dropped, invalid=c[_INVALID] + self._unsendable, bytes_delivered=c[_BYTES])
 
     def offer(self, topic: str, key: bytes | None, value: bytes) -> bool:
         """Queue a record; False (and counted as dropped) when the buffer is full. Never blocks."""
@@ -230,43 +343,47 @@ class LogProducer:
     def _put(self, item: Item) -> bool:
         n = item[3]
         self._offered += n
-        try:
-            self._queue.put_nowait(item)
-            return True
-        except queue.Full:
+        if self._pipe is not None:
+            try:
+                ok = self._pipe.put(item)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:  # a build that cannot travel
+                self._unsendable += n
+                log.warning("record not handed to the producer process: %s", exc)
+                return False
+        else:
+            try:
+                self._queue.put_nowait(item)
+                ok = True
+            except queue.Full:
+                ok = False
+        if not ok:
             self._dropped += n
-            return False
+        return ok
 
     @property
     def buffered(self) -> int:
-        return self._queue.qsize()
+        """Items waiting on this side (not yet in the pipe or the KafkaProducer)."""
+        return self._pipe.buffered if self._pipe is not None else self._queue.qsize()
 
     @property
     def capacity(self) -> int:
-        return self._queue.maxsize
+        return self.max_buffered
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             self._sender.handle(item)
         self._sender.close()
 
-    def _pump(self) -> None:
-        while (item := self._queue.get()) is not None:
-            try:
-                self._conn.send_bytes(pickle.dumps(item, protocol=5))
-            except (OSError, ValueError, pickle.PicklingError) as exc:  # the child died, or not picklable
-                self._lost += item[3]
-                log.warning("record not handed to the producer process: %s", exc)
-        with contextlib.suppress(OSError):
-            self._conn.send_bytes(b"")
-            self._conn.close()
-
     def close(self) -> None:
         """Deliver what is buffered (bounded by the send timeout), then stop the thread (and process)."""
-        self._queue.put(None)
-        self._thread.join(timeout=self._send_timeout_ms / 1000 + 5)
-        if self._process is not None:
-            self._process.join(timeout=self._send_timeout_ms / 1000 + 5)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join()
+        wait_s = self._send_timeout_ms / 1000 + 5
+        if self._pipe is None:
+            self._queue.put(None)
+            self._thread.join(timeout=wait_s)
+            return
+        self._pipe.close(wait_s)
+        assert self._process is not None
+        self._process.join(timeout=wait_s)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()

@@ -8,8 +8,8 @@ beyond what forwarding needs.
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ class CallContext:
     policy_version: int
     request: dict[str, Any]
     upstream: str = ""
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str = field(default_factory=lambda: os.urandom(16).hex())
     started: float = field(default_factory=time.perf_counter)
     created: float = field(default_factory=time.time)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -196,7 +196,7 @@ class Proxy:
         raw = await read_body(request, self.config.max_body_bytes)
         body = parse_request(raw, endpoint)
         metadata = body.get("metadata")
-        trajectory_id = _tag(request, metadata, "x-trajectory-id", "trajectory_id") or uuid.uuid4().hex
+        trajectory_id = _tag(request, metadata, "x-trajectory-id", "trajectory_id") or os.urandom(16).hex()
         group_id = _tag(request, metadata, "x-group-id", "group_id")
         lease = self.router.resolve(body["model"])
         if lease is None:

@@ -1,0 +1,91 @@
+"""The gateway's fire-and-forget producer: everything offered is delivered or counted, never blocks."""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import threading
+
+from kafka_reader import TopicReader
+
+from streamrl.broker.clients import _FRAME, LogProducer, _PipeWriter
+from streamrl.broker.embedded import EmbeddedBroker
+from streamrl.broker.schema import RewardRecord, decode, encode
+
+
+def _reward_records(tag: str, n: int) -> list[tuple[bytes | None, bytes]]:
+    """A deferred build: made in the producer process, so it must be a picklable module-level function."""
+    return [(f"{tag}-{i}".encode(), encode(RewardRecord(trajectory_id=f"{tag}-{i}", reward=float(i))))
+            for i in range(n)]
+
+
+def _fails() -> list[tuple[bytes | None, bytes]]:
+    raise ValueError("cannot build")
+
+
+def test_process_producer_delivers_plain_and_deferred_records(broker: EmbeddedBroker) -> None:
+    topic = broker.topics.rewards
+    reader = TopicReader(broker.bootstrap_servers, topic)
+    tag = os.urandom(4).hex()
+    producer = LogProducer(broker.bootstrap_servers, process=True)
+    try:
+        for i in range(50):
+            rec = RewardRecord(trajectory_id=f"{tag}-plain-{i}", reward=1.0)
+            assert producer.offer(topic, rec.trajectory_id.encode(), encode(rec))
+        assert producer.offer_deferred(topic, functools.partial(_reward_records, f"{tag}-built", 30), 30)
+        assert producer.offer_deferred(topic, _fails, 2)
+        assert not producer.offer_deferred(topic, lambda: [], 3)  # cannot travel to the process: invalid
+    finally:
+        producer.close()
+    stats = producer.stats
+    assert (stats.offered, stats.delivered, stats.invalid, stats.undelivered) == (85, 80, 5, 0)
+    got = reader.wait_for(lambda r: isinstance(r, RewardRecord) and r.trajectory_id.startswith(tag), count=80)
+    assert {r.trajectory_id for r in got} == {f"{tag}-plain-{i}" for i in range(50)} | {
+        f"{tag}-built-{i}" for i in range(30)}
+
+
+def test_pipe_backlog_is_bounded_and_keeps_order() -> None:
+    """A reader that stops reading fills the pipe, then the bounded backlog; offers beyond it are
+    refused at once (never block); once the reader resumes, every accepted frame arrives whole, in order."""
+    read_fd, write_fd = os.pipe()
+
+    class Conn:  # the two methods _PipeWriter uses of a multiprocessing Connection
+        def fileno(self) -> int:
+            return write_fd
+
+        def close(self) -> None:
+            os.close(write_fd)
+
+    writer = _PipeWriter(Conn(), max_buffered=5)
+    payload = b"x" * 200_000  # a few frames fill even an enlarged pipe
+    accepted = refused = 0
+    while refused < 3:
+        if writer.put(("t", None, payload + str(accepted).encode(), 1)):
+            accepted += 1
+        else:
+            refused += 1
+        assert accepted < 1000, "the backlog bound was never reached"
+    assert writer.buffered == 5
+    frames: list[bytes] = []
+
+    def read_all() -> None:
+        with os.fdopen(read_fd, "rb") as pipe:
+            while len(head := pipe.read(_FRAME.size)) == _FRAME.size:
+                (size,) = _FRAME.unpack(head)
+                if not size:
+                    return
+                frames.append(pipe.read(size))
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    writer.close(timeout_s=30)
+    reader.join(30)
+    assert not reader.is_alive() and writer.buffered == 0
+    values = [pickle.loads(f)[2] for f in frames]
+    assert values == [payload + str(i).encode() for i in range(accepted)]
+
+
+def test_decode_roundtrip_of_built_records() -> None:
+    (key, value), = _reward_records("k", 1)
+    assert key == b"k-0" and decode(value).trajectory_id == "k-0"
