@@ -26,7 +26,7 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--lora-rank": ("lora_rank", int, "LoRA rank"),
     "--lora-alpha": ("lora_alpha", float, "LoRA alpha"),
     "--max-lag": ("max_lag", int, "drop samples more than this many versions old"),
-    "--max-ready-groups": ("max_ready_groups", int, "ready groups queued at most (oldest dropped beyond)"),
+    "--max-ready-groups": ("max_ready_groups", int, "ready groups queued before reads from Kafka pause"),
     "--metrics-port": ("metrics_port", int, "serve Prometheus /metrics on this port"),
     "--history": ("history", str, "append one JSON line per step to this file"),
     "--save-batches": ("save_batches", str, "also write each group batch as Parquet here"),

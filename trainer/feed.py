@@ -3,10 +3,22 @@
 ``StreamGroups`` decodes raw records (bad ones counted as ``bad_<reason>`` and skipped), feeds the
 assembler and queues each group that becomes ready. Staleness is judged when a group becomes ready and
 again, against the version about to be trained, before it is handed out, so no trained sample is more
-than ``max_lag`` versions behind. The queue holds at most ``max_ready_groups``; beyond that the oldest
-group is dropped (``groups_dropped_overflow``). Groups still queued keep their raw records, which are
-part of ``pending_raw()`` so that a checkpoint loses nothing; a dropped group's records leave with it
-(its id stays among the closed groups), so a restart neither retrains nor resurrects it.
+than ``max_lag`` versions behind (stale groups are dropped and counted).
+
+Backpressure, not drops: while the queue holds ``max_ready_groups`` or more, reading is paused
+(``RecordSource.set_paused``: Kafka's ``pause()`` on every partition) and resumes once the queue has
+drained below the bound, so a producer faster than the trainer leaves its records waiting in Kafka
+(visible as consumer lag) instead of being thrown away. The bound is soft by what was already read: one
+poll's records, or groups completed by a timeout, may take the queue past it, never unread records.
+Counted: ``reads_paused`` (pauses begun) and ``reads_paused_s`` (seconds paused in all). Time paused
+does not count towards the assembler's group timeouts and TTLs (its clock stops with the reads), since
+a group's missing records may be waiting unread in the log: backpressure must not turn them into
+partial groups and ``late`` records.
+
+Groups still queued keep their raw records, which are part of ``pending_raw()`` so that a checkpoint
+loses nothing; a dropped (stale) group's records leave with it (its id stays among the closed groups),
+so a restart neither retrains nor resurrects it. Pausing never moves an offset: ``offsets()`` counts
+only records returned by ``poll``, all of which are fed.
 """
 
 from __future__ import annotations
@@ -62,6 +74,10 @@ class StreamGroups(GroupSource):
         self.counts = self.assembler.counts
         self.ready: list[tuple[ReadyGroup, int]] = []
         """Usable groups in the order they became ready, each with the version it was last judged against."""
+        self._paused_at: float | None = None
+        """When reads were last paused (monotonic clock); None while reading."""
+        self._paused_s = 0.0
+        """Seconds paused before the current pause."""
         for stream, value in restore:  # before mark_done: groups ready but untrained were closed already
             self._feed(stream, value)
         self.assembler.mark_done(list(done))
@@ -76,24 +92,54 @@ class StreamGroups(GroupSource):
         if not isinstance(record, want):
             self.counts["bad_wrong_kind"] += 1
             return
-        self.assembler.add(record, value)  # type: ignore[arg-type]
+        self.assembler.add(record, value, now=self._clock())  # type: ignore[arg-type]
 
     def next_groups(self, n: int, current_version: int, timeout_s: float) -> list[pa.RecordBatch]:
+        # A caller asking for more than the bound (the daemon never does: the config forbids
+        # max_ready_groups < groups_per_step) must not be starved by a pause it cannot drain.
+        bound = max(self.config.max_ready_groups, n)
         deadline = time.monotonic() + timeout_s
         while True:
-            for r in self.records.poll(max(deadline - time.monotonic(), 0.0)):
-                self._feed(r.stream, r.value)
-            for g in self.assembler.poll():
+            self._hold(len(self.ready) >= bound)
+            if not self.paused:  # read ahead without waiting when a step's worth is queued already
+                wait = 0.0 if len(self.ready) >= n else max(deadline - time.monotonic(), 0.0)
+                for r in self.records.poll(wait):
+                    self._feed(r.stream, r.value)
+            for g in self.assembler.poll(self._clock()):
                 self._enqueue(g, current_version)
             self._rejudge(current_version)
-            while len(self.ready) > self.config.max_ready_groups:
-                self.ready.pop(0)
-                self.counts["groups_dropped_overflow"] += 1
             if len(self.ready) >= n:
                 out, self.ready = self.ready[:n], self.ready[n:]
+                self._hold(len(self.ready) >= bound)
                 return [group_batch(g, std_norm=self.config.advantage_std_norm, counts=self.counts) for g, _ in out]
             if time.monotonic() >= deadline:
                 return []
+
+    @property
+    def paused(self) -> bool:
+        """Whether reads are paused because the ready queue is full."""
+        return self._paused_at is not None
+
+    def _paused_total(self, now: float) -> float:
+        return self._paused_s + (now - self._paused_at if self._paused_at is not None else 0.0)
+
+    def _clock(self) -> float:
+        """The assembler's clock: monotonic time spent reading (it stands still while reads are paused)."""
+        now = time.monotonic()
+        return now - self._paused_total(now)
+
+    def _hold(self, full: bool) -> None:
+        """Pause reads when the ready queue is full, resume them when it is not (and count both)."""
+        now = time.monotonic()
+        if full and self._paused_at is None:
+            self._paused_at = now
+            self.counts["reads_paused"] += 1
+            self.records.set_paused(True)
+        elif not full and self._paused_at is not None:
+            self._paused_s += now - self._paused_at
+            self._paused_at = None
+            self.records.set_paused(False)
+        self.counts["reads_paused_s"] = round(self._paused_total(now), 3)
 
     def _enqueue(self, group: ReadyGroup, version: int) -> None:
         g = usable_group(group, current_version=version, max_lag=self.config.max_lag, counts=self.counts)

@@ -14,6 +14,12 @@ import pyarrow as pa
 
 log = logging.getLogger("streamrl.trainer")
 
+FEED_COUNTERS = {
+    "reads_paused": ("streamrl_trainer_reads_paused", "times reading from Kafka paused (ready queue full)"),
+    "reads_paused_s": ("streamrl_trainer_reads_paused_seconds", "seconds reading from Kafka was paused"),
+}
+"""Counts that are not record outcomes get their own Prometheus counters (``<name>_total``)."""
+
 
 def batch_metrics(batches: list[pa.RecordBatch], version: int) -> dict[str, float]:
     """Reward and staleness statistics of a step's groups (one reward per trajectory)."""
@@ -49,6 +55,8 @@ class Metrics:
             self._counter = PromCounter("streamrl_trainer_records", "assembler and record outcomes",
                                         ["outcome"], registry=self.registry)
             self._counted: Counter[str] = Counter()
+            self._feed_counters = {k: PromCounter(name, doc, registry=self.registry)
+                                   for k, (name, doc) in FEED_COUNTERS.items()}
             server = start_http_server(port, registry=self.registry)
             self.port = server[0].server_port if isinstance(server, tuple) else port
 
@@ -62,8 +70,7 @@ class Metrics:
 
     def report(self, step: dict[str, Any], counts: Counter[str]) -> None:
         skipped = counts["groups_no_signal"]
-        dropped = sum(counts[k] for k in ("groups_dropped_stale", "groups_dropped_unusable", "groups_dropped_overflow",
-                                          "incomplete_dropped"))
+        dropped = sum(counts[k] for k in ("groups_dropped_stale", "groups_dropped_unusable", "incomplete_dropped"))
         bad = sum(v for k, v in counts.items() if k.startswith("bad_"))
         log.info(
             "v%d step %d | reward %.3f±%.3f | groups %d (total skipped %d dropped %d, bad records %d) | "
@@ -78,7 +85,8 @@ class Metrics:
                     self._gauge(k).set(v)
             for k, v in counts.items():
                 if v > self._counted[k]:
-                    self._counter.labels(k).inc(v - self._counted[k])
+                    counter = self._feed_counters[k] if k in FEED_COUNTERS else self._counter.labels(k)
+                    counter.inc(v - self._counted[k])
                     self._counted[k] = v
         if self.history is not None:
             self.history.parent.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,14 @@ class RecordSource(ABC):
     def offsets(self) -> dict[str, int]:
         """Next offset to read per ``"<topic>:<partition>"`` (everything before it has been returned)."""
 
+    def set_paused(self, paused: bool) -> None:  # noqa: B027 - optional for backends
+        """Stop (``True``) or restart (``False``) fetching: backpressure from a full ready queue.
+
+        While paused, ``poll`` returns nothing new; records it already returned stay returned and
+        ``offsets()`` does not move, so pausing never skips or repeats a record. A backend that cannot
+        pause may ignore this: the feed does not poll while its queue is full.
+        """
+
     def commit(self, offsets: dict[str, int]) -> None:  # noqa: B027 - optional for backends
         """Record progress where monitoring can see it (Kafka group offsets)."""
 
@@ -105,6 +113,16 @@ class KafkaRecordSource(RecordSource):
 
     def offsets(self) -> dict[str, int]:
         return dict(self._next)
+
+    def set_paused(self, paused: bool) -> None:
+        """kafka-python's ``pause``/``resume`` of every assigned partition. A fetch already buffered or
+        in flight for a paused partition is parked or discarded by the client, never returned, and the
+        consumer's position moves only when ``poll`` returns records; after ``resume`` fetching goes on
+        from that position, which is ``self._next``."""
+        if paused:
+            self.consumer.pause(*self.consumer.assignment())
+        else:
+            self.consumer.resume(*self.consumer.paused())
 
     def commit(self, offsets: dict[str, int]) -> None:
         from kafka import TopicPartition
