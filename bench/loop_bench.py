@@ -19,6 +19,7 @@ everything, the reward-against-wall-clock series of both modes, and a Markdown t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -102,19 +103,22 @@ class GpuSampler(threading.Thread):
                 for i, xs in enumerate(per_gpu)]
 
 
-def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path) -> dict:
+def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstream: str | None = None) -> dict:
+    """One ``streamrl up`` run; with ``upstream`` (a shared engine) it serves policy name ``mode``."""
     engine_device, mem_frac, trainer_device = LAYOUTS[args.layout]
     run_dir = out / mode
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     port, trainer_port = args.port, args.port + 1
     config = {
-        "up": {"model": str(model), "port": port, "work_dir": str(run_dir), "trainer_device": trainer_device},
+        "up": {"model": str(model), "port": port, "work_dir": str(run_dir), "trainer_device": trainer_device,
+               "policy_name": mode, **({"upstreams": [upstream]} if upstream else {})},
         "engine": {"device": engine_device, "gpu_memory_utilization": mem_frac, "max_model_len": 1024,
                    "extra_args": args.engine_args.split() if args.engine_args else []},
         "trainer": {"learning_rate": args.learning_rate, "group_size": args.group_size,
                     "groups_per_step": args.groups_per_step, "lora_rank": args.lora_rank, "max_lag": args.max_lag,
-                    "metrics_port": trainer_port, "seed": args.seed, "group_timeout_s": 30.0},
+                    "metrics_port": trainer_port, "seed": args.seed, "group_timeout_s": 30.0,
+                    "micro_batch_tokens": args.micro_batch_tokens},
         "demo": {"group_size": args.group_size, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                  "groups_per_step": args.groups_per_step, "max_ahead": 0 if mode == "sync" else args.max_ahead,
                  "until_reward": args.until_reward, "stop_groups": args.stop_groups,
@@ -122,6 +126,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path) -> dic
     }
     if engine_device is None:
         del config["engine"]["device"], config["engine"]["gpu_memory_utilization"]
+    if upstream:
+        del config["engine"]
     cfg = run_dir / "config.json"
     cfg.write_text(json.dumps(config, indent=2))
     gpus = GpuSampler()
@@ -164,6 +170,7 @@ def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gp
     result: dict = {"mode": mode, "exit_code": rc, "demo": demo, "steps": len(history)}
     result["reward_curve"] = [(round(h["time"] - t0, 2), h["reward_mean"], h["version"]) for h in history]
     result["time_to_target_s"] = demo.get("target_reached_s")
+    result["step_anatomy"] = step_anatomy(demo.get("versions", {}))
     result["demo_seconds"] = demo.get("seconds")
     if train_time:
         tps = trained_tokens / train_time
@@ -187,6 +194,38 @@ def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gp
                                         if k.startswith("streamrl_gateway_requests_total") and 'status="5' in k)
     result["gpus"] = gpus.summary()
     return result
+
+
+def step_anatomy(versions: dict) -> dict:
+    """Where a step's wall-clock went, from the demo's per-version spans (first and last completion
+    served by each version): ``serving_s`` is how long each version was served, ``gap_s`` the time
+    between one version's last completion and the next one's first (in sync mode: training, publish
+    and swap, during which nothing is generated; in pipeline mode ~0)."""
+    spans = sorted((int(v), d["first_s"], d["last_s"]) for v, d in versions.items() if d.get("n"))
+    serving = [last - first for _, first, last in spans]
+    gaps = [max(b[1] - a[2], 0.0) for a, b in itertools.pairwise(spans)]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {"versions": len(spans), "serving_s_mean": mean(serving), "gap_s_mean": mean(gaps),
+            "gap_s_max": max(gaps, default=None)}
+
+
+def start_shared_engine(args: argparse.Namespace, model: Path, out: Path):
+    from streamrl.engine import Engine, EngineConfig
+
+    device, mem_frac, _ = LAYOUTS[args.layout]
+    config = EngineConfig(model=str(model), max_model_len=1024, device=device, gpu_memory_utilization=mem_frac,
+                          extra_args=args.engine_args.split() if args.engine_args else [])
+    return Engine(config, log_file=out / "engine.log").start(timeout=900)
+
+
+def unload_adapters(url: str, prefix: str) -> int:
+    """Unload every adapter of one mode from the shared engine, so the next mode starts from the same
+    engine state (and no adapter outlives its directory)."""
+    with httpx.Client(timeout=30) as client:
+        names = [m["id"] for m in client.get(f"{url}/v1/models").json()["data"] if m["id"].startswith(prefix)]
+        for name in names:
+            client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name})
+    return len(names)
 
 
 def build_model(args: argparse.Namespace, out: Path) -> Path:
@@ -216,30 +255,44 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=18080)
     p.add_argument("--engine-args", default="", help="extra vLLM flags, e.g. --enforce-eager")
+    p.add_argument("--shared-engine", action="store_true", help="one vLLM server for every mode (started once)")
+    p.add_argument("--micro-batch-tokens", type=int, default=4096, help="trainer tokens per micro-batch")
     p.add_argument("--out", default="runs/loop-bench")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(args, out)
     results = {"args": vars(args), "modes": {}}
-    for mode in args.modes.split(","):
-        results["modes"][mode] = run_mode(mode, args, model, out)
-        (out / "loop_bench.json").write_text(json.dumps(results, indent=2))
+    engine = start_shared_engine(args, model, out) if args.shared_engine else None
+    try:
+        for mode in args.modes.split(","):
+            results["modes"][mode] = run_mode(mode, args, model, out, engine.url if engine else None)
+            if engine is not None:
+                unload_adapters(engine.url, f"{mode}@")
+            (out / "loop_bench.json").write_text(json.dumps(results, indent=2))
+    finally:
+        if engine is not None:
+            engine.stop()
     print_table(results)
     return 0
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def print_table(results: dict) -> None:
     modes = results["modes"]
     print("| mode | time to reward (s) | steps | rollout tok/s | trainer tok/s | MFU 4N | publish->routed p50/p99 s "
-          "| staleness mean/max | GPU busy | failed |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | ---: |")
+          "| staleness mean/max | GPU busy | serving / gap per version (s) | failed |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | --- | ---: |")
     for mode, r in modes.items():
         gpus = ", ".join(f"gpu{g['gpu']} {g['busy_frac']:.0%}" for g in r.get("gpus", [])) or "-"
         print(f"| {mode} | {r.get('time_to_target_s')} | {r['steps']} | {r.get('rollout_tokens_per_s', 0):.0f} "
               f"| {r.get('trainer_tokens_per_s', 0):.0f} | {r.get('trainer_mfu_4n', 0):.1%} "
               f"| {r.get('publish_to_route_p50_s')}/{r.get('publish_to_route_p99_s')} "
               f"| {r['staleness_mean_per_step']['mean']}/{r['staleness_mean_per_step']['max']} | {gpus} "
+              f"| {_fmt(r['step_anatomy']['serving_s_mean'])} / {_fmt(r['step_anatomy']['gap_s_mean'])} "
               f"| {r.get('requests_failed')} |")
     if "pipeline" in modes and "sync" in modes:
         a, b = modes["pipeline"].get("time_to_target_s"), modes["sync"].get("time_to_target_s")

@@ -299,6 +299,7 @@ class Stack:
             demo = c.demo
             if demo.groups_per_step is None:  # pace the demo to the trainer
                 demo = dataclasses.replace(demo, groups_per_step=trainer.groups_per_step)
+            demo = dataclasses.replace(demo, model=c.policy_name)  # the demo trains the policy this stack serves
             self._demo(demo)
         return self
 
