@@ -182,11 +182,12 @@ def test_replay_trains_from_saved_batches(trained, tmp_path) -> None:
 
 
 def trainer_process(tiny_model: Path, bootstrap: str, topics: Topics, adapters: Path, log: Path) -> subprocess.Popen:
-    # every sample here claims version 0 (no gateway): --max-lag 8 keeps all six groups fresh enough
+    # every sample here claims version 0 (no gateway): --max-lag 8 keeps all six groups fresh enough;
+    # --max-ready-groups 1: reads pause while a group waits, so the restarts cross paused reads too
     cmd = [sys.executable, "-m", "streamrl.cli", "trainer", "--model", str(tiny_model), "--bootstrap-servers",
            bootstrap, "--adapters", str(adapters), "--topic-prefix", topics.prefix, "--groups-per-step", "1",
            "--max-steps", "6", "--keep-versions", "100", "--device", "cpu", "--max-lag", "8",
-           "--history", str(adapters / "history.jsonl")]
+           "--max-ready-groups", "1", "--history", str(adapters / "history.jsonl")]
     return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
