@@ -28,6 +28,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -213,8 +214,28 @@ def _wait_http(url: str, timeout: float = 30) -> None:
     raise TimeoutError(url)
 
 
-def _spawn(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def wait_drained(gateway_url: str, timeout: float = 120) -> float:
+    """Wait until the gateway's producer has settled every record offered so far (delivered, failed,
+    dropped or invalid), so that one phase's backlog does not load the next; returns the seconds waited."""
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        p = httpx.get(f"{gateway_url}/health", timeout=5).json()["producer"]
+        if p is None or p["delivered"] + p["failed"] + p["dropped"] + p["invalid"] >= p["offered"]:
+            break
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+LOG_DIR = Path(tempfile.gettempdir()) / "streamrl-gateway-bench"
+
+
+def _spawn(cmd: list[str], name: str) -> subprocess.Popen:
+    """A child with its output in ``LOG_DIR/<name>.log`` (a pipe nobody reads would fill and stall it)."""
+    LOG_DIR.mkdir(exist_ok=True)
+    log = open(LOG_DIR / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(cmd, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -326,7 +347,7 @@ def main() -> None:
     results: dict[str, object] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
                                   "rate": args.rate, "seconds": args.seconds}
     stub_port, gw_port = free_port(), free_port()
-    stub = _spawn([sys.executable, __file__, "--serve-stub", str(stub_port)])
+    stub = _spawn([sys.executable, __file__, "--serve-stub", str(stub_port)], "stub")
     broker = EmbeddedBroker(topics=Topics("bench")).start()
     procs = [stub]
     try:
@@ -338,12 +359,14 @@ def main() -> None:
                 url = f"{stub_url}/v1/chat/completions"
                 gw = None
             else:
-                gw = _spawn(gateway_cmd(stub_url, gw_port, broker.bootstrap_servers, logging_on))
+                gw = _spawn(gateway_cmd(stub_url, gw_port, broker.bootstrap_servers, logging_on), f"gateway-{mode}")
                 procs.append(gw)
                 _wait_http(f"http://127.0.0.1:{gw_port}/health")
                 url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
             print(f"[{mode}] open loop at {args.rate:.0f} req/s for {args.seconds:.0f}s ...", flush=True)
             lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
+            if gw is not None:
+                lat["drain_s"] = wait_drained(f"http://127.0.0.1:{gw_port}")
             print(f"[{mode}] closed loop, concurrency {args.concurrency} ...", flush=True)
             pid = (gw or stub).pid
             helpers = children(pid)  # the gateway's record-producer process, when logging is on
@@ -353,6 +376,9 @@ def main() -> None:
             thr["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu0) * 1000 / n
             thr["producer_process_cpu_ms_per_request"] = (sum(cpu_seconds(c) for c in helpers) - helper0) * 1000 / n
             thr["cpu_of"] = "stub" if gw is None else "gateway"
+            if gw is not None:
+                thr["drain_s"] = wait_drained(f"http://127.0.0.1:{gw_port}")
+                thr["producer_process_cpu_ms_per_request"] = (sum(cpu_seconds(c) for c in helpers) - helper0) * 1000 / n
             entry: dict[str, object] = {"latency": lat, "throughput": thr}
             if args.stream_rate:
                 entry["stream_latency"] = asyncio.run(open_loop(url, args.stream_rate, args.seconds, STREAM_REQUEST))
