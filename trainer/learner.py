@@ -67,22 +67,28 @@ class Learner:
             # at each sequence's sampling temperature: the ratio compares the distributions vLLM sampled
             logp = packed_logprobs(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
                                    temperatures=temps, chunk=c.logit_chunk_tokens,
-                                   recompute=c.recompute_logits)
+                                   recompute=c.recompute_logits, compiled_head=bool(c.compile))
             ref = None
             if c.kl_coef:
                 with torch.no_grad(), self.model.disable_adapter():
                     ref = packed_logprobs(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
-                                          temperatures=temps, chunk=c.logit_chunk_tokens)
+                                          temperatures=temps, chunk=c.logit_chunk_tokens,
+                                          compiled_head=bool(c.compile))
             loss, st = grpo_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.sequence_index, mode=c.is_mode,
                                  is_cap=c.is_cap, clip_eps=c.clip_eps, normalize=c.normalize, ref_logprobs=ref,
                                  kl_coef=c.kl_coef, total_tokens=total_tokens, total_sequences=len(sequences))
             loss.backward()
             sums += torch.tensor([loss.item(), st.tokens, st.ratio_sum, st.truncated, st.kl_behaviour_sum,
                                   st.kl_ref_sum, mb.real_tokens], dtype=torch.float64)
-        if world > 1:
-            for p in self.params:
-                dist.all_reduce(p.grad)
+        if world > 1:  # one flat all-reduce of every LoRA gradient, and the sums on the device (NCCL)
+            grads = [p.grad for p in self.params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
+            sums = sums.to(self.device)
             dist.all_reduce(sums)
+            sums = sums.cpu()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
         self.optimizer.step()
         if self.device.type == "cuda":

@@ -6,6 +6,10 @@ sequences never attend to each other and no padding is needed. Logprobs are comp
 positions of sampled tokens, in chunks, each chunk's logits recomputed in the backward pass instead of
 kept (``torch.utils.checkpoint``): a 150k vocabulary never materialises more than ``chunk`` rows of
 fp32 logits.
+
+With ``compile`` the decoder layers are compiled one by one (regional compilation, see
+``compile_layers``) and the target-logprob head too, never the whole body: one layer's graph serves
+all layers, so the warm-up costs one layer's compile.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def load_policy(config: TrainerConfig, device: torch.device) -> PeftModel:
 
 
 def attach_lora(base: torch.nn.Module, config: TrainerConfig) -> PeftModel:
-    """Wrap a causal LM with the configured LoRA adapter (optionally compiling the transformer body)."""
+    """Wrap a causal LM with the configured LoRA adapter (optionally compiling its decoder layers)."""
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=list(config.target_modules), bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)  # adapter weights in fp32 (peft's default), optimizer states too
@@ -48,8 +52,25 @@ def attach_lora(base: torch.nn.Module, config: TrainerConfig) -> PeftModel:
             if isinstance(module, BaseTunerLayer):
                 module.cast_input_dtype_enabled = False
     if config.compile:
-        model.get_base_model().model.compile()  # in place: parameter names (and saved adapters) unchanged
+        compile_layers(model, dynamic=config.compile != "static")
     return model
+
+
+def compile_layers(model: PeftModel, *, dynamic: bool = True) -> None:
+    """Regional compilation: ``torch.compile`` each decoder layer in place (``Module.compile``, so
+    parameter names and saved adapters are unchanged). All layers run the same code with their own
+    parameters as graph inputs (dynamo's default ``inline_inbuilt_nn_modules``), so one compiled graph
+    serves every layer and the warm-up is one layer's compile, not the whole body's.
+
+    ``dynamic``: rows and length symbolic from the first compile (``dynamic=True``): packed rows of
+    any length then share a graph; otherwise specialised to the first shapes (``dynamic=None``).
+    """
+    causal_lm = model.get_base_model()
+    # the first layer's input is the frozen embedding's output; made to require grad like every other
+    # layer's input, the first layer shares their graph instead of needing one of its own
+    causal_lm.enable_input_require_grads()
+    for layer in causal_lm.model.layers:
+        layer.compile(dynamic=True if dynamic else None)
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -65,9 +86,15 @@ def _target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     return torch.log_softmax(logits, -1, dtype=torch.float32).gather(-1, targets[:, None]).squeeze(-1)
 
 
+# compiled lazily, on first call: log-softmax and gather fuse, so no (chunk x vocab) fp32 tensor is
+# written in the forward pass nor read in the backward pass; the number of targets is the only size
+# that varies (marked dynamic where it is called)
+_target_logprobs_compiled = torch.compile(_target_logprobs)
+
+
 def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
                     target_positions: torch.Tensor, *, temperatures: torch.Tensor | None = None,
-                    chunk: int = 1024, recompute: bool = True) -> torch.Tensor:
+                    chunk: int = 1024, recompute: bool = True, compiled_head: bool = False) -> torch.Tensor:
     """Logprob of each target token given the tokens before it within its own sequence, under the
     distribution softmax(logits / temperature) (``temperatures``: one per target; None = 1).
 
@@ -75,6 +102,7 @@ def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: tor
     ``row * T + column`` (never column 0 of a sequence: a sampled token always has a prompt before it).
     Logits exist only for the targets, ``chunk`` rows at a time; with ``recompute`` a chunk's logits
     are recomputed in the backward pass instead of kept (saves memory, costs one more lm_head matmul).
+    ``compiled_head``: the logits-to-logprobs head runs compiled (see ``TrainerConfig.compile``).
     """
     causal_lm = model.get_base_model()
     weight = causal_lm.get_output_embeddings().weight
@@ -86,12 +114,16 @@ def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: tor
     hidden = hidden.reshape(-1, hidden.shape[-1])
     h = hidden.index_select(0, target_positions - 1)
     targets = input_ids.reshape(-1).index_select(0, target_positions)
+    head = _target_logprobs_compiled if compiled_head else _target_logprobs
     parts = []
     for i in range(0, h.shape[0], chunk):
         hs, ts = h[i:i + chunk], targets[i:i + chunk]
         temps = None if temperatures is None else temperatures[i:i + chunk]
+        if compiled_head:  # chunk sizes vary (the last one): one graph for all of them
+            for t in (hs, ts) if temps is None else (hs, ts, temps):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         if recompute and torch.is_grad_enabled():
-            parts.append(checkpoint(_target_logprobs, hs, weight, ts, temps, use_reentrant=False))
+            parts.append(checkpoint(head, hs, weight, ts, temps, use_reentrant=False))
         else:
-            parts.append(_target_logprobs(hs, weight, ts, temps))
+            parts.append(head(hs, weight, ts, temps))
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
