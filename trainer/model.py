@@ -15,6 +15,8 @@ all layers, so the warm-up costs one layer's compile.
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -86,10 +88,12 @@ def _target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     return torch.log_softmax(logits, -1, dtype=torch.float32).gather(-1, targets[:, None]).squeeze(-1)
 
 
-# compiled lazily, on first call: log-softmax and gather fuse, so no (chunk x vocab) fp32 tensor is
-# written in the forward pass nor read in the backward pass; the number of targets is the only size
-# that varies (marked dynamic where it is called)
-_target_logprobs_compiled = torch.compile(_target_logprobs)
+@functools.cache
+def _compiled_target_logprobs() -> Callable:
+    """Log-softmax and gather fused: no (chunk x vocab) fp32 tensor is written in the forward pass nor
+    read in the backward pass. The number of targets is the only size that varies (marked dynamic
+    where it is called)."""
+    return torch.compile(_target_logprobs)
 
 
 def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -114,7 +118,7 @@ def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: tor
     hidden = hidden.reshape(-1, hidden.shape[-1])
     h = hidden.index_select(0, target_positions - 1)
     targets = input_ids.reshape(-1).index_select(0, target_positions)
-    head = _target_logprobs_compiled if compiled_head else _target_logprobs
+    head = _compiled_target_logprobs() if compiled_head else _target_logprobs
     parts = []
     for i in range(0, h.shape[0], chunk):
         hs, ts = h[i:i + chunk], targets[i:i + chunk]
