@@ -370,6 +370,7 @@ def main() -> None:
         multi(args, variants, report)
     else:
         device = torch.device(args.device)
+        report.results["gpu"] = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         single(args, variants, report, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
