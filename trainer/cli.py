@@ -65,7 +65,13 @@ def run(args: argparse.Namespace) -> int:
     if distributed:
         import torch
 
-        dist.init_process_group("nccl" if torch.cuda.is_available() and config.device != "cpu" else "gloo")
+        if torch.cuda.is_available() and config.device != "cpu":
+            # one GPU per rank (torchrun's LOCAL_RANK): NCCL collectives run on this rank's own device
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     if not distributed or dist.get_rank() == 0:
         print("streamrl trainer, effective configuration:\n" + config.describe(), flush=True)
     from .daemon import run_trainer
