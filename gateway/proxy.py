@@ -3,7 +3,8 @@
 For the record the gateway asks vLLM for the sampled tokens' logprobs and the token ids; when the
 client did not ask for them itself they are set back to the ``null`` vLLM returns when they are not
 requested, so the client receives what vLLM would have returned for its own request. Records are
-built and encoded on the producer thread; a failed or cut-off response produces no record.
+built and encoded in the producer (a non-streamed body goes there as the bytes vLLM sent); a failed
+or cut-off response produces no record.
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ from streamrl.broker.schema import RecordError, check_id
 from .capture import (
     CallContext,
     ChoiceCapture,
-    RawChoice,
     StreamCapture,
+    client_body,
     encode_call_records,
-    split_body,
     usage_tokens,
 )
 from .config import GatewayConfig
@@ -177,6 +177,7 @@ class Proxy:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s,
                                               sock_read=config.upstream_timeout_s)
         self._upstream_headers = {"Content-Type": JSON, **config.extra_headers}
+        self._fallback_logged = False
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         started = time.perf_counter()
@@ -304,26 +305,36 @@ class Proxy:
         if resp.status != 200 or not (call.record or call.strip_ids or call.strip_logprobs):
             return Response(raw, resp.status, headers=call.headers, media_type=content_type)
         try:
-            raw, choices, usage = split_body(raw, call.ctx.endpoint, call.strip_ids, call.strip_logprobs)
+            out = client_body(raw, call.ctx.endpoint, call.strip_ids, call.strip_logprobs)
         except msgspec.MsgspecError as exc:  # not the JSON vLLM sends: pass it on, record nothing
             log.warning("unexpected upstream body from %s: %s", call.ctx.upstream, exc)
             return Response(raw, 200, headers=call.headers, media_type=content_type)
-        self._emit(call, choices, usage_tokens(usage))
-        return Response(raw, 200, headers=call.headers, media_type=content_type)
+        if out.fallback is not None:
+            self._log_fallback(out.fallback)
+        self._emit(call, raw, out.choices, usage_tokens(out.usage))
+        return Response(out.body, 200, headers=call.headers, media_type=content_type)
 
-    def _emit(self, call: _Call, choices: list[ChoiceCapture] | list[RawChoice],
-              tokens: tuple[int, int] | None = None) -> None:
-        """Hand the call's records to the producer (decoded, built and encoded there)."""
-        if self.producer is None or not choices:
+    def _log_fallback(self, reason: str) -> None:
+        """The first body that the byte-level strip could not take is logged (e.g. another vLLM version's
+        field order: every body then costs the msgspec pass), the rest only at debug level."""
+        if self._fallback_logged:
+            log.debug("body stripped by the msgspec path: %s", reason)
+        else:
+            self._fallback_logged = True
+            log.info("an upstream body is not in vLLM's compact field order (%s): stripped by the slower "
+                     "msgspec path; further ones are logged at debug level", reason)
+
+    def _emit(self, call: _Call, choices: list[ChoiceCapture] | bytes, count: int,
+              tokens: tuple[int, int]) -> None:
+        """Hand the call's records to the producer: captured stream choices, or the non-streamed body as
+        vLLM sent it (split, decoded, built and encoded there, off the event loop)."""
+        if self.producer is None or not count:
             return
-        if tokens is None:
-            tokens = (sum(len(c.prompt_token_ids or ()) for c in choices),  # type: ignore[union-attr]
-                      sum(len(c.token_ids) for c in choices))  # type: ignore[union-attr]
         self.metrics.tokens.labels("prompt").inc(tokens[0])
         self.metrics.tokens.labels("completion").inc(tokens[1])
         total_s = time.perf_counter() - call.ctx.started
         build = functools.partial(encode_call_records, call.ctx, choices, total_s)
-        self.producer.offer_deferred(self.topic, build, len(choices))
+        self.producer.offer_deferred(self.topic, build, count)
 
     def _stream(self, call: _Call, resp: aiohttp.ClientResponse) -> Response:
         capture = StreamCapture(call.ctx.endpoint) if call.record else None
@@ -391,5 +402,6 @@ class Proxy:
             first = min((c.first_token_s for c in captures if c.first_token_s is not None), default=None)
             if first is not None:
                 self.metrics.ttft.observe(first - started)
-            self._emit(call, captures)
+            tokens = (sum(len(c.prompt_token_ids or ()) for c in captures), sum(len(c.token_ids) for c in captures))
+            self._emit(call, captures, len(captures), tokens)
 
