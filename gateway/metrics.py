@@ -65,6 +65,10 @@ class GatewayMetrics:
                               registry=self.registry)
         self.retries = Counter("streamrl_gateway_upstream_retries", "requests retried on another upstream",
                                registry=self.registry)
+        self.slow_strips = Counter("streamrl_gateway_slow_strips",
+                                   "response bodies stripped by the msgspec path, not the byte-level one "
+                                   "(a vLLM field order this gateway does not know costs CPU, not correctness)",
+                                   registry=self.registry)
         self.rewards = Counter("streamrl_gateway_rewards", "rewards accepted", registry=self.registry)
         self.swaps = Counter("streamrl_gateway_policy_swaps", "policy versions routed", registry=self.registry)
         self.swap_rejected = Counter("streamrl_gateway_policy_rejected",

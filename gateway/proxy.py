@@ -310,6 +310,7 @@ class Proxy:
             log.warning("unexpected upstream body from %s: %s", call.ctx.upstream, exc)
             return Response(raw, 200, headers=call.headers, media_type=content_type)
         if out.fallback is not None:
+            self.metrics.slow_strips.inc()
             self._log_fallback(out.fallback)
         self._emit(call, raw, out.choices, usage_tokens(out.usage))
         return Response(out.body, 200, headers=call.headers, media_type=content_type)

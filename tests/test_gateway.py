@@ -103,6 +103,8 @@ def test_chat_record_is_token_exact_and_response_unchanged(gateway, engine, base
     assert rec.response_text == response.choices[0].message.content
     assert rec.request["messages"] == CHAT and rec.finish_reason == response.choices[0].finish_reason
     assert rec.usage["completion_tokens"] == response.usage.completion_tokens
+    # the real vLLM body took the byte-level strip, not the msgspec fallback
+    assert metric(gateway, "streamrl_gateway_slow_strips_total") == 0
 
 
 def test_chat_client_asking_for_ids_gets_them_and_record_equals_them(gateway, base_model, completions):
@@ -161,6 +163,7 @@ def test_completions_n2_one_record_per_choice(gateway, engine, base_model, compl
         assert_record_matches(rec, choice["token_ids"], choice["logprobs"]["token_logprobs"],
                               choice["prompt_token_ids"])
         assert rec.response_text == body["choices"][choice["index"]]["text"]
+    assert metric(gateway, "streamrl_gateway_slow_strips_total") == 0
 
 
 def test_completions_streaming_n2(gateway, engine, base_model, completions):
@@ -358,11 +361,15 @@ def test_two_upstreams_one_stopped(broker, engine, tiny_model, base_model, compl
         second.stop()
 
 
-def undelivered(gw: GatewayServer) -> float:
+def metric(gw: GatewayServer, name: str) -> float:
     for line in httpx.get(f"{gw.url}/metrics").text.splitlines():
-        if line.startswith("streamrl_gateway_records_undelivered_total "):
+        if line.startswith(name + " "):
             return float(line.split()[1])
-    raise AssertionError("no undelivered counter")
+    raise AssertionError(f"no metric {name}")
+
+
+def undelivered(gw: GatewayServer) -> float:
+    return metric(gw, "streamrl_gateway_records_undelivered_total")
 
 
 def test_broker_stopped_requests_succeed_and_undelivered_rises(engine, base_model):
