@@ -135,6 +135,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
     proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "up", "--config", str(cfg)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     scrapes: list[tuple[float, dict[str, float], dict[str, float]]] = []
+    engine_samples: list[tuple[float, dict[str, float]]] = []
     t_ready = None
     deadline = time.monotonic() + args.max_seconds + 900
     with httpx.Client() as client:
@@ -150,12 +151,41 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
                 g = scrape(client, f"http://127.0.0.1:{port}/metrics")
                 if g:
                     scrapes.append((time.time(), g, scrape(client, f"http://127.0.0.1:{trainer_port}/metrics")))
+                if upstream:
+                    engine_samples.append((time.time(), scrape(client, f"{upstream}/metrics")))
             time.sleep(1.0)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(60)
     gpus.stop.set()
-    return summarise(mode, run_dir, t_ready, scrapes, gpus, model, proc.returncode)
+    result = summarise(mode, run_dir, t_ready, scrapes, gpus, model, proc.returncode)
+    if engine_samples:
+        result["engine"] = engine_timeline(engine_samples, t_ready or engine_samples[0][0])
+    return result
+
+
+def _total(samples: dict[str, float], name: str) -> float:
+    """A metric summed over its label sets (vLLM labels by engine and model)."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def engine_timeline(samples: list[tuple[float, dict[str, float]]], t0: float) -> dict:
+    """vLLM's own view, once a second: requests running and waiting, tokens generated since the last
+    sample. ``stalled_s`` counts seconds in which requests were running but no token came out (e.g.
+    the engine busy loading an adapter), ``idle_s`` seconds with nothing to run."""
+    rows, stalled, idle = [], 0.0, 0.0
+    for (ta, a), (tb, b) in itertools.pairwise(samples):
+        if not a or not b:
+            continue
+        running = _total(b, "vllm:num_requests_running")
+        tokens = _total(b, "vllm:generation_tokens_total") - _total(a, "vllm:generation_tokens_total")
+        rows.append((round(tb - t0, 2), running, _total(b, "vllm:num_requests_waiting"),
+                     round(tokens / max(tb - ta, 1e-9))))
+        if running and tokens <= 0:
+            stalled += tb - ta
+        if not running:
+            idle += tb - ta
+    return {"timeline": rows, "stalled_s": round(stalled, 2), "idle_s": round(idle, 2)}
 
 
 def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gpus: GpuSampler, model: Path,
