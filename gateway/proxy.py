@@ -30,13 +30,13 @@ from .capture import (
     CallContext,
     ChoiceCapture,
     StreamCapture,
-    client_body,
     encode_call_records,
     usage_tokens,
 )
 from .config import GatewayConfig
 from .metrics import GatewayMetrics
 from .policy import Lease, PolicyRouter
+from .strip import client_body
 from .upstreams import Upstream, UpstreamPool
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from streamrl.broker.schema import CompletionRecord, decode
-from streamrl.gateway import capture
-from streamrl.gateway.capture import CallContext, client_body, encode_call_records, fast_strip, split_body
+from streamrl.gateway import strip
+from streamrl.gateway.capture import CallContext, encode_call_records, split_body
+from streamrl.gateway.strip import client_body, fast_strip
 
 ROOT = Path(__file__).resolve().parent.parent
 NASTY = ('He said "stop", then ,"logprobs":{"content":[]},"finish_reason":"stop","token_ids":[1,2]} ] } '
@@ -344,10 +345,10 @@ def vllm_protocol() -> Any:
 def test_field_order_is_vllms(vllm_protocol: Any) -> None:
     """The order the fast path checks is the order of the installed vLLM's pydantic models."""
     chat, completion = vllm_protocol
-    assert tuple(chat.ChatCompletionResponse.model_fields) == capture._CHAT_TOP
-    assert tuple(chat.ChatCompletionResponseChoice.model_fields) == capture._CHAT_CHOICE
-    assert tuple(completion.CompletionResponse.model_fields) == capture._COMPLETION_TOP
-    assert tuple(completion.CompletionResponseChoice.model_fields) == capture._COMPLETION_CHOICE
+    assert tuple(chat.ChatCompletionResponse.model_fields) == strip._CHAT_TOP
+    assert tuple(chat.ChatCompletionResponseChoice.model_fields) == strip._CHAT_CHOICE
+    assert tuple(completion.CompletionResponse.model_fields) == strip._COMPLETION_TOP
+    assert tuple(completion.CompletionResponseChoice.model_fields) == strip._COMPLETION_CHOICE
 
 
 def test_bodies_serialised_by_vllm(vllm_protocol: Any) -> None:
