@@ -28,6 +28,9 @@ class GatewayConfig:
     connect_timeout_s: float = 2.0
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
+    health_failures_to_eject: int = 2
+    """Slow or failing health checks in a row before an upstream leaves the rotation (a refused
+    connection takes it out at once)."""
     max_buffered_records: int = 100_000
     producer_send_timeout_ms: int = 10_000
     producer_process: bool = True
@@ -46,6 +49,8 @@ class GatewayConfig:
             raise ValueError("max_loaded_versions must be >= 2")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.health_failures_to_eject < 1:
+            raise ValueError("health_failures_to_eject must be >= 1")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))
 
     @property

@@ -1,8 +1,11 @@
 """The pool of vLLM upstreams: who is healthy, what each serves, and which one takes the next request.
 
 A request goes to the healthy upstream with the fewest requests in flight that serves the requested
-engine-side model. A background task checks ``/health`` and ``/v1/models`` of every upstream; one that
-fails (or that a request failed to connect to) leaves the rotation until a check passes again.
+engine-side model. A background task checks ``/health`` and ``/v1/models`` of every upstream. One that
+refuses connections (to a check or a request) leaves the rotation at once; one that answers slowly or
+with an error leaves it after ``eject_after`` checks in a row, so that a busy engine (or a gateway whose
+event loop lags under overload) does not take the only upstream out for one late answer. It returns
+when a check passes again.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ log = logging.getLogger(__name__)
 class Upstream:
     """One vLLM server as the gateway sees it."""
 
-    __slots__ = ("adapters", "base_models", "healthy", "in_flight", "last_check", "last_error", "model_cards",
-                 "models", "url")
+    __slots__ = ("adapters", "base_models", "failed_checks", "healthy", "in_flight", "last_check", "last_error",
+                 "model_cards", "models", "url")
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -37,6 +40,8 @@ class Upstream:
         """Adapters the gateway loaded into it (kept by the policy follower)."""
         self.last_error = ""
         self.last_check = 0.0
+        self.failed_checks = 0
+        """Health checks failed in a row (timeouts, error statuses)."""
 
     def serves(self, model: str) -> bool:
         return model in self.adapters or model in self.models
@@ -47,10 +52,12 @@ class Upstream:
 
 
 class UpstreamPool:
-    def __init__(self, urls: tuple[str, ...], *, interval_s: float = 1.0, timeout_s: float = 2.0) -> None:
+    def __init__(self, urls: tuple[str, ...], *, interval_s: float = 1.0, timeout_s: float = 2.0,
+                 eject_after: int = 2) -> None:
         self.upstreams = [Upstream(u) for u in urls]
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.eject_after = eject_after
         self.on_recovered: list[Any] = []
         """Callbacks ``f(upstream)`` run when an upstream comes back (it may have restarted empty)."""
         self._turn = 0
@@ -133,10 +140,19 @@ class UpstreamPool:
                     raise RuntimeError(f"/v1/models returned {r.status}")
                 cards = orjson.loads(await r.read())["data"]
         except Exception as exc:
-            self.mark_failed(up, f"{type(exc).__name__}: {exc}")
+            up.failed_checks += 1
+            error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, aiohttp.ClientConnectorError) or up.failed_checks >= self.eject_after \
+                    or not was_healthy:
+                self.mark_failed(up, error)
+            else:
+                up.last_error = error
+                log.info("upstream %s failed a health check (%s); %d more in a row take it out of rotation",
+                         up.url, error, self.eject_after - up.failed_checks)
             return
         finally:
             up.last_check = time.time()
+        up.failed_checks = 0
         up.model_cards = cards
         up.models = {c["id"] for c in cards}
         up.base_models = [c["id"] for c in cards if c.get("parent") is None]

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
 from test_gateway import TopicReader
@@ -41,6 +42,8 @@ class Relay:
         self.thread.start()
         self.server: asyncio.base_events.Server | None = None
         self.writers: set[asyncio.StreamWriter] = set()
+        self.delay_s = 0.0
+        """Hold each new connection this long before relaying it: an upstream that answers late."""
 
     @property
     def url(self) -> str:
@@ -54,6 +57,8 @@ class Relay:
         writer.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self.writers |= {writer, up_writer}
         await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
@@ -141,3 +146,37 @@ def test_upstream_leaves_and_rejoins_and_gets_the_missed_version(broker: Embedde
         reader.close()
         with contextlib.suppress(httpx.HTTPError):
             httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": f"{name}@v1"})
+
+
+def test_a_late_health_answer_does_not_eject_but_two_in_a_row_and_a_refusal_do(relay: Relay) -> None:
+    """The pool's own checks against the real vLLM server behind the relay, driven one at a time."""
+    from streamrl.gateway.upstreams import UpstreamPool
+
+    async def scenario() -> list[tuple[bool, int]]:
+        pool = UpstreamPool((relay.url,), timeout_s=0.3, eject_after=2)
+        up = pool.upstreams[0]
+        seen = []
+        connector = aiohttp.TCPConnector(force_close=True)  # every check opens a connection the relay holds
+        async with aiohttp.ClientSession(connector=connector) as session:
+            pool._session = session
+            await pool.check(up)
+            seen.append((up.healthy, up.failed_checks))  # healthy to start with
+            relay.delay_s = 1.0
+            await pool.check(up)
+            seen.append((up.healthy, up.failed_checks))  # one late answer: still in rotation
+            relay.delay_s = 0.0
+            await pool.check(up)
+            seen.append((up.healthy, up.failed_checks))  # answered: the count starts again
+            relay.delay_s = 1.0
+            await pool.check(up)
+            await pool.check(up)
+            seen.append((up.healthy, up.failed_checks))  # two late answers in a row: out
+            relay.delay_s = 0.0
+            await pool.check(up)
+            seen.append((up.healthy, up.failed_checks))  # back
+            relay.close()
+            await pool.check(up)
+            seen.append((up.healthy, up.failed_checks))  # a refused connection: out at once
+        return seen
+
+    assert asyncio.run(scenario()) == [(True, 0), (True, 1), (True, 0), (False, 2), (True, 0), (False, 1)]
