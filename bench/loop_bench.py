@@ -217,8 +217,12 @@ def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gp
         result["rollout_tokens_per_s"] = (gb.get(key, 0) - ga.get(key, 0)) / max(tb - ta, 1e-9)
         result["publish_to_route_p50_s"] = histogram_quantile(gb, "streamrl_gateway_publish_to_route_seconds", 0.5)
         result["publish_to_route_p99_s"] = histogram_quantile(gb, "streamrl_gateway_publish_to_route_seconds", 0.99)
+        # lag in records: what the gateway produced (completions and rewards) minus every record the
+        # trainer has read (accepted, late, duplicate or bad); tansu's end offsets cannot be used
         produced = gb.get('streamrl_gateway_records_total{outcome="produced"}', 0)
-        consumed = trb.get('streamrl_trainer_records_total{outcome="completions"}', 0)
+        read = ("completions", "rewards", "late", "duplicate_completion", "duplicate_reward")
+        consumed = sum(v for k, v in trb.items() if k.startswith("streamrl_trainer_records_total{")
+                       and (k.split('"')[1] in read or k.split('"')[1].startswith("bad_")))
         result["kafka_lag_records_at_end"] = produced - consumed
         result["requests_failed"] = sum(v for k, v in gb.items()
                                         if k.startswith("streamrl_gateway_requests_total") and 'status="5' in k)
