@@ -414,6 +414,8 @@ def main() -> None:
             "gateway_cpu_ms_per_request": entry["throughput"]["cpu_ms_per_request"],
             "producer_process_cpu_ms_per_request": entry["throughput"]["producer_process_cpu_ms_per_request"],
         }
+        if entry.get("producer"):  # how often the pipe to the producer process was full
+            summary[mode]["records_waited"] = entry["producer"].get("waited")
         if "stream_latency" in entry:
             summary[mode]["stream_added_p50_ms"] = entry["stream_latency"]["p50_ms"] - d["stream_latency"]["p50_ms"]
             summary[mode]["stream_added_p99_ms"] = entry["stream_latency"]["p99_ms"] - d["stream_latency"]["p99_ms"]

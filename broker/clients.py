@@ -81,6 +81,9 @@ class ProducerStats:
     invalid: int = 0
     """Deferred records whose value could not be built (nothing was sent for them)."""
     bytes_delivered: int = 0
+    waited: int = 0
+    """Records that found the pipe to the producer process full and waited in the backlog (a producer
+    process falling behind; each such wait wakes a thread in the server)."""
 
     @property
     def undelivered(self) -> int:
@@ -218,6 +221,7 @@ class _PipeWriter:
         _enlarge_pipe(self.fd)
         self.backlog: collections.deque[tuple[memoryview, int]] = collections.deque()
         self.backlog_items = 0
+        self.waited = 0
         self.lost = 0
         self.closing = False
         self.cond = threading.Condition()
@@ -246,6 +250,7 @@ class _PipeWriter:
                 return False
             self.backlog.append((frame, item[3]))
             self.backlog_items += item[3]
+            self.waited += item[3]
             self.cond.notify()
         return True
 
@@ -327,9 +332,10 @@ class LogProducer:
     @property
     def stats(self) -> ProducerStats:
         c = self._counts
-        lost = self._pipe.lost if self._pipe is not None else 0
+        lost, waited = (self._pipe.lost, self._pipe.waited) if self._pipe is not None else (0, 0)
         return ProducerStats(offered=self._offered, delivered=c[_DELIVERED], failed=c[_FAILED] + lost,
-                             dropped=self._dropped, invalid=c[_INVALID] + self._unsendable, bytes_delivered=c[_BYTES])
+                             dropped=self._dropped, invalid=c[_INVALID] + self._unsendable, bytes_delivered=c[_BYTES],
+                             waited=waited)
 
     def offer(self, topic: str, key: bytes | None, value: bytes) -> bool:
         """Queue a record; False (and counted as dropped) when the buffer is full. Never blocks."""

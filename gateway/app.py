@@ -87,6 +87,7 @@ class Gateway:
             "producer": None if stats is None else {
                 "offered": stats.offered, "delivered": stats.delivered, "failed": stats.failed,
                 "dropped": stats.dropped, "invalid": stats.invalid, "buffered": self.producer.buffered,
+                "waited": stats.waited,
             },
         }
 

@@ -45,6 +45,8 @@ class _StateCollector(Collector):
             records.add_metric(["dropped"], s.dropped)
             records.add_metric(["invalid"], s.invalid)
             yield records
+            yield CounterMetricFamily("streamrl_gateway_records_waited",
+                                      "records that found the pipe to the producer process full", value=s.waited)
             yield CounterMetricFamily("streamrl_gateway_records_undelivered",
                                       "records offered but not delivered (failed + dropped)", value=s.undelivered)
             yield CounterMetricFamily("streamrl_gateway_record_bytes", "record bytes delivered (before compression)",
