@@ -1,4 +1,4 @@
-"""A test-side Kafka reader shared by the gateway and producer tests."""
+"""Test-side Kafka helpers shared by the tests: a topic reader, and producing records as the gateway does."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import Any
 
 from kafka import TopicPartition
 
-from streamrl.broker.clients import make_consumer
-from streamrl.broker.schema import decode
+from streamrl.broker.clients import make_consumer, make_producer
+from streamrl.broker.schema import CompletionRecord, decode, encode
+from streamrl.broker.topics import Topics
 
 
 class TopicReader:
@@ -43,3 +44,16 @@ class TopicReader:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def produce(bootstrap: str, topics: Topics, records: list, raw: list[tuple[str, bytes]] = ()) -> None:
+    """As the gateway does: the shared schema's encoding, keyed by trajectory id (``raw``: undecodable
+    values sent as they are); acked before returning."""
+    p = make_producer(bootstrap)
+    for r in records:
+        topic = topics.completions if isinstance(r, CompletionRecord) else topics.rewards
+        p.send(topic, key=r.trajectory_id.encode(), value=encode(r))
+    for topic, value in raw:
+        p.send(topic, key=b"bad", value=value)
+    p.flush()
+    p.close()

@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from kafka_reader import produce
 
-from streamrl.broker.clients import make_producer
 from streamrl.broker.schema import CompletionRecord, PolicyRecord, RewardRecord, decode, encode
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.trainer.assembler import Assembler, merge_calls, sampling_temperature
@@ -31,17 +31,6 @@ def call(tid: str, prompt: list[int], completion: list[int], *, gid: str | None 
                             prompt_token_ids=np.array(prompt), completion_token_ids=np.array(completion),
                             logprobs=lp, policy_version=version, request=request or {})
 
-
-def produce(bootstrap: str, topics: Topics, records: list, raw: list[tuple[str, bytes]] = ()) -> None:
-    """As the gateway does: encode with the shared schema, key by trajectory id."""
-    p = make_producer(bootstrap)
-    for r in records:
-        topic = topics.completions if isinstance(r, CompletionRecord) else topics.rewards
-        p.send(topic, key=r.trajectory_id.encode(), value=encode(r))
-    for topic, value in raw:
-        p.send(topic, key=b"bad", value=value)
-    p.flush()
-    p.close()
 
 
 def fresh_topics(bootstrap: str) -> Topics:
@@ -251,13 +240,18 @@ def test_all_greedy_group_is_dropped_and_counted() -> None:
     assert counts["greedy_trajectories"] == 2 and counts["groups_dropped_unusable"] == 1
 
 
-def test_version_1_batch_files_load_at_temperature_one(tmp_path) -> None:
+def two_trajectory_batch():
+    """One group of two one-call trajectories with rewards 1 and 0, as its Arrow batch."""
     a = asm()
     for t, r in [("a", 1.0), ("b", 0.0)]:
         a.add(call(t, [1, 2], [3, 4]), b"", now=0)
         a.add(RewardRecord(t, r, group_id="g"), b"", now=0)
     [g] = a.poll(now=0)
-    batch = build_batch(g, current_version=0, max_lag=2, std_norm=False, counts=Counter())
+    return build_batch(g, current_version=0, max_lag=2, std_norm=False, counts=Counter())
+
+
+def test_version_1_batch_files_load_at_temperature_one(tmp_path) -> None:
+    batch = two_trajectory_batch()
     old = pa.Table.from_batches([batch]).drop_columns(["temperature"])
     pq.write_table(old, tmp_path / "00000001-000.parquet")
     [back] = load_batches(tmp_path)
@@ -266,12 +260,7 @@ def test_version_1_batch_files_load_at_temperature_one(tmp_path) -> None:
 
 
 def test_parquet_round_trip(tmp_path) -> None:
-    a = asm()
-    for t, r in [("a", 1.0), ("b", 0.0)]:
-        a.add(call(t, [1, 2], [3, 4]), b"", now=0)
-        a.add(RewardRecord(t, r, group_id="g"), b"", now=0)
-    [g] = a.poll(now=0)
-    batch = build_batch(g, current_version=0, max_lag=2, std_norm=False, counts=Counter())
+    batch = two_trajectory_batch()
     save_batch(batch, tmp_path, "00000001-000")
     [back] = load_batches(tmp_path)
     assert back.equals(batch)

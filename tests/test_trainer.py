@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 from kafka import KafkaConsumer, TopicPartition
+from kafka_reader import produce
 from safetensors.torch import load_file
 
-from streamrl.broker.clients import make_producer
 from streamrl.broker.embedded import free_port
-from streamrl.broker.schema import CompletionRecord, PolicyRecord, RewardRecord, decode, encode
+from streamrl.broker.schema import CompletionRecord, PolicyRecord, RewardRecord, decode
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.daemon import run_trainer
@@ -51,14 +51,6 @@ def group_records(gid: str, rng: np.random.Generator) -> list:
         out.append(RewardRecord(tid, float(i % 2) + 0.1 * i, group_id=gid, group_size=GROUP_SIZE))
     return out
 
-
-def produce(bootstrap: str, topics: Topics, records: list) -> None:
-    p = make_producer(bootstrap)
-    for r in records:
-        topic = topics.completions if isinstance(r, CompletionRecord) else topics.rewards
-        p.send(topic, key=r.trajectory_id.encode(), value=encode(r))
-    p.flush()
-    p.close()
 
 
 def policy_records(bootstrap: str, topics: Topics) -> list[PolicyRecord]:

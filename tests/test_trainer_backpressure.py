@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 import uuid
 
-from streamrl.broker.clients import make_producer
-from streamrl.broker.schema import CompletionRecord, RewardRecord, encode
+from kafka_reader import produce
+
+from streamrl.broker.schema import CompletionRecord, RewardRecord
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.feed import StreamGroups
@@ -28,15 +29,6 @@ def group(gid: str, *, version: int = 0, rewards: tuple[float, ...] = (1.0, 0.0)
                 RewardRecord(tid, r, group_id=gid, group_size=len(rewards))]
     return out
 
-
-def produce(bootstrap: str, topics: Topics, records: list) -> None:
-    """As the gateway does: the shared schema's encoding, keyed by trajectory id; acked before returning."""
-    p = make_producer(bootstrap)
-    for r in records:
-        topic = topics.completions if isinstance(r, CompletionRecord) else topics.rewards
-        p.send(topic, key=r.trajectory_id.encode(), value=encode(r))
-    p.flush()
-    p.close()
 
 
 def one_partition_topics(bootstrap: str) -> Topics:
