@@ -113,13 +113,15 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
     config = {
         "up": {"model": str(model), "port": port, "work_dir": str(run_dir), "trainer_device": trainer_device,
                "policy_name": mode, **({"upstreams": [upstream]} if upstream else {})},
-        "engine": {"device": engine_device, "gpu_memory_utilization": mem_frac, "max_model_len": 1024,
+        "engine": {"device": engine_device, "gpu_memory_utilization": mem_frac,
+                   "max_model_len": args.max_model_len,
                    "extra_args": args.engine_args.split() if args.engine_args else []},
         "trainer": {"learning_rate": args.learning_rate, "group_size": args.group_size,
                     "groups_per_step": args.groups_per_step, "lora_rank": args.lora_rank, "max_lag": args.max_lag,
                     "metrics_port": trainer_port, "seed": args.seed, "group_timeout_s": 30.0,
-                    "micro_batch_tokens": args.micro_batch_tokens},
+                    "micro_batch_tokens": args.micro_batch_tokens, "row_tokens": args.row_tokens},
         "demo": {"group_size": args.group_size, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                 "context_words": args.context_words, "stall_s": args.stall_s,
                  "groups_per_step": args.groups_per_step, "max_ahead": 0 if mode == "sync" else args.max_ahead,
                  "until_reward": args.until_reward, "stop_groups": args.stop_groups,
                  "max_seconds": args.max_seconds, "seed": args.seed, "summary": str(run_dir / "demo.json")},
@@ -215,6 +217,8 @@ def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gp
         (ta, ga, _), (tb, gb, trb) = scrapes[0], scrapes[-1]
         key = 'streamrl_gateway_tokens_total{kind="completion"}'
         result["rollout_tokens_per_s"] = (gb.get(key, 0) - ga.get(key, 0)) / max(tb - ta, 1e-9)
+        prompt = 'streamrl_gateway_tokens_total{kind="prompt"}'
+        result["prompt_tokens_per_completion_token"] = gb.get(prompt, 0) / max(gb.get(key, 0), 1)
         result["publish_to_route_p50_s"] = histogram_quantile(gb, "streamrl_gateway_publish_to_route_seconds", 0.5)
         result["publish_to_route_p99_s"] = histogram_quantile(gb, "streamrl_gateway_publish_to_route_seconds", 0.99)
         # lag in records: what the gateway produced (completions and rewards) minus every record the
@@ -247,12 +251,13 @@ def start_shared_engine(args: argparse.Namespace, model: Path, out: Path):
     from streamrl.engine import Engine, EngineConfig
 
     device, mem_frac, _ = LAYOUTS[args.layout]
-    config = EngineConfig(model=str(model), max_model_len=1024, device=device, gpu_memory_utilization=mem_frac,
+    config = EngineConfig(model=str(model), max_model_len=args.max_model_len, device=device,
+                          gpu_memory_utilization=mem_frac,
                           extra_args=args.engine_args.split() if args.engine_args else [])
     return Engine(config, log_file=out / "engine.log").start(timeout=900)
 
 
-def warm_engine(url: str, requests: int, max_tokens: int, rounds: int = 2) -> float:
+def warm_engine(url: str, requests: int, max_tokens: int, context_words: int = 0, rounds: int = 2) -> float:
     """Send ``rounds`` waves of ``requests`` concurrent chat calls (the gateway's own request shape:
     logprobs and token ids) straight to the shared engine, so that its first-use costs (sampler
     kernels, allocator growth, CUDA graph replays at new batch sizes) land before any mode is timed,
@@ -260,7 +265,12 @@ def warm_engine(url: str, requests: int, max_tokens: int, rounds: int = 2) -> fl
     import asyncio
 
     async def wave(client: httpx.AsyncClient, model: str) -> None:
-        body = {"model": model, "messages": [{"role": "user", "content": "Write some numbers."}],
+        from streamrl.producers.numbers import context_text
+
+        messages = [{"role": "user", "content": "Write some numbers."}]
+        if context_words:
+            messages.insert(0, {"role": "system", "content": context_text(context_words)})
+        body = {"model": model, "messages": messages,
                 "max_tokens": max_tokens, "logprobs": True, "return_token_ids": True}
         replies = await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json=body)
                                          for _ in range(requests)))
@@ -318,6 +328,15 @@ def main() -> int:
     p.add_argument("--engine-args", default="", help="extra vLLM flags, e.g. --enforce-eager")
     p.add_argument("--shared-engine", action="store_true", help="one vLLM server for every mode (started once)")
     p.add_argument("--micro-batch-tokens", type=int, default=4096, help="trainer tokens per micro-batch")
+    p.add_argument("--row-tokens", type=int, default=None,
+                   help="trainer's longest packed row (default: one row per micro-batch)")
+    p.add_argument("--context-words", type=int, default=0,
+                   help="shared system message ahead of each prompt (an agent's instructions): training "
+                        "processes it for every sample, vLLM's prefix cache serves it almost for free")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--stall-s", type=float, default=3.0,
+                   help="pacer: one more group when the version has not moved for this long; set it above a "
+                        "training step for a strictly synchronous sync mode")
     p.add_argument("--out", default="runs/loop-bench")
     args = p.parse_args()
     out = Path(args.out)
@@ -326,7 +345,8 @@ def main() -> int:
     results = {"args": vars(args), "modes": {}}
     engine = start_shared_engine(args, model, out) if args.shared_engine else None
     if engine is not None:
-        results["engine_warmup_s"] = warm_engine(engine.url, args.concurrency, args.max_tokens)
+        results["engine_warmup_s"] = warm_engine(engine.url, args.concurrency * args.group_size, args.max_tokens,
+                                                 args.context_words)
     try:
         for mode in args.modes.split(","):
             results["modes"][mode] = run_mode(mode, args, model, out, engine.url if engine else None)

@@ -32,10 +32,16 @@ class DemoConfig:
     concurrency: int = 4
     """Groups kept in flight."""
     max_tokens: int = 16
+    context_words: int = 0
+    """Numbers task: words of shared system message ahead of each prompt (an agent's long instructions)."""
     groups_per_step: int | None = None
     """The trainer's groups per step: paces generation to at most ``max_ahead`` steps ahead of training
     (see runner.Pacer). None = no pacing (``streamrl up`` sets it from the trainer's configuration)."""
     max_ahead: int = 1
+    stall_s: float = 3.0
+    """Pacing: let one more group through when the served version has not moved for this long (the
+    trainer may be waiting for groups that carry signal). Set it above a training step's duration for
+    a strictly synchronous loop (``max_ahead = 0``), where nothing may be generated during training."""
     until_version: int | None = None
     """Stop once this policy version (or a later one) has served ``stop_groups`` whole groups."""
     until_reward: float | None = 0.95
@@ -52,18 +58,20 @@ class DemoConfig:
             raise ValueError(f"demo task must be one of {', '.join(TASKS)}, not {self.task!r}")
         if self.group_size < 1 or self.concurrency < 1:
             raise ValueError("group_size and concurrency must be >= 1")
+        if self.context_words < 0 or self.stall_s <= 0:
+            raise ValueError("context_words must be >= 0 and stall_s > 0")
 
     def make_task(self) -> Task:
         if self.task == "calculator":
             return CalculatorTask(model=self.model, max_tokens=max(self.max_tokens, 64))
-        return NumbersTask(model=self.model, max_tokens=self.max_tokens)
+        return NumbersTask(model=self.model, max_tokens=self.max_tokens, context_words=self.context_words)
 
     @property
     def limits(self) -> RunLimits:
         return RunLimits(self.until_version, self.until_reward, self.stop_groups, self.max_seconds)
 
     def pacer(self) -> Pacer | None:
-        return None if self.groups_per_step is None else Pacer(self.groups_per_step, self.max_ahead)
+        return None if self.groups_per_step is None else Pacer(self.groups_per_step, self.max_ahead, self.stall_s)
 
 
 def run_demo(url: str, config: DemoConfig, stop: threading.Event | None = None, emit=print) -> Board:
@@ -87,9 +95,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=d.group_size)
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="groups in flight")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--context-words", type=int, default=d.context_words,
+                   help="numbers task: words of shared system message ahead of each prompt")
     p.add_argument("--groups-per-step", type=int, default=None,
                    help="the trainer's groups per step: keep generation at most --max-ahead steps ahead")
     p.add_argument("--max-ahead", type=int, default=d.max_ahead)
+    p.add_argument("--stall-s", type=float, default=d.stall_s,
+                   help="let one more group through when the version has not moved for this long")
     p.add_argument("--until-version", type=int, default=None,
                    help="stop once this version has served --stop-groups groups")
     p.add_argument("--until-reward", type=float, default=d.until_reward,
@@ -102,9 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     return DemoConfig(task=args.task, model=args.model, group_size=args.group_size, concurrency=args.concurrency,
-                      max_tokens=args.max_tokens, groups_per_step=args.groups_per_step,
-                      max_ahead=args.max_ahead, until_version=args.until_version,
-                      until_reward=args.until_reward, stop_groups=args.stop_groups, max_seconds=args.max_seconds, seed=args.seed,
+                      max_tokens=args.max_tokens, context_words=args.context_words,
+                      groups_per_step=args.groups_per_step, max_ahead=args.max_ahead, stall_s=args.stall_s,
+                      until_version=args.until_version, until_reward=args.until_reward,
+                      stop_groups=args.stop_groups, max_seconds=args.max_seconds, seed=args.seed,
                       summary=args.summary)
 
 

@@ -5,6 +5,10 @@ policy already writes some numbers (about a third of the tiny tokenizer's vocabu
 so the starting reward is low but not zero and varies within a group, which is what GRPO needs), and
 pushing probability towards number tokens is a direction LoRA can move quickly. Real models learn it in
 a handful of steps, so it also works as a smoke test of a deployment.
+
+``context_words`` puts the same long system message ahead of every prompt, as an agent's instructions
+and tool descriptions are: vLLM's prefix cache serves it almost for free, while the trainer processes
+it with every sample. It is how the loop benchmark sets the share of training in a step.
 """
 
 from __future__ import annotations
@@ -26,6 +30,20 @@ PROMPTS = (
     "Numbers, please.",
 )
 
+_MANUAL_WORDS = (
+    "the", "agent", "reads", "each", "request", "carefully", "and", "answers", "with", "the", "tool",
+    "that", "fits", "it", "best", "when", "a", "tool", "returns", "an", "error", "the", "agent", "explains",
+    "what", "went", "wrong", "and", "tries", "a", "different", "approach", "every", "answer", "should",
+    "be", "short", "and", "exact", "and", "should", "follow", "the", "format", "that", "the", "user",
+    "asked", "for",
+)
+
+
+def context_text(words: int) -> str:
+    """A deterministic system message of ``words`` words (the same text for every call, so that it is
+    one shared prefix for vLLM's cache)."""
+    return " ".join(_MANUAL_WORDS[i % len(_MANUAL_WORDS)] for i in range(words))
+
 
 def digit_fraction(text: str) -> float:
     """Digits / non-whitespace characters of ``text``; 0.0 for a reply with nothing visible."""
@@ -43,6 +61,8 @@ class NumbersTask:
     model: str = "policy"
     max_tokens: int = 16
     temperature: float = 1.0
+    context_words: int = 0
+    """Words of shared system message ahead of each prompt (0: none)."""
 
     def sample(self, rng: random.Random) -> str:
         return rng.choice(PROMPTS)
@@ -50,8 +70,11 @@ class NumbersTask:
     async def episode(self, gateway: AsyncGateway, prompt: str, group_id: str, group_size: int) -> Outcome:
         """One trajectory: one chat call, reward posted when the trajectory closes."""
         async with gateway.trajectory(group_id=group_id, group_size=group_size) as t:
+            messages = [{"role": "user", "content": prompt}]
+            if self.context_words:
+                messages.insert(0, {"role": "system", "content": context_text(self.context_words)})
             raw = await t.client.chat.completions.with_raw_response.create(
-                model=self.model, messages=[{"role": "user", "content": prompt}],
+                model=self.model, messages=messages,
                 max_tokens=self.max_tokens, temperature=self.temperature)
             reply = raw.parse()
             reward = digit_fraction(reply.choices[0].message.content or "")

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -121,14 +121,22 @@ async def gateway_version(http: httpx.AsyncClient, url: str) -> int | None:
         return None
 
 
+def trainable(rewards: list[float], group_size: int) -> bool:
+    """Whether the trainer can learn from a finished group: every trajectory rewarded, and not all
+    rewards equal (GRPO advantages would all be zero; the trainer skips such groups)."""
+    return len(rewards) == group_size and max(rewards) != min(rewards)
+
+
 @dataclass
 class Pacer:
     """Bounded off-policyness (the rule AReaL uses): a new group starts only while the groups started so
     far are at most ``(v - v0 + 1 + max_ahead) * groups_per_step``, v being the version the gateway
     serves now and v0 the one it served at the start. Generation then runs at most ``max_ahead`` steps
     ahead of training, so samples are at most about that many versions stale, whatever the speed ratio
-    of inference and training. When the version does not move for ``stall_s`` (the trainer skips groups
-    that carry no signal, or waits for more) one more group is let through, so nothing deadlocks."""
+    of inference and training. A finished group the trainer cannot use (a failed trajectory, or equal
+    rewards: no learning signal, which the trainer skips) is refunded at once, so the step still gets
+    its groups; when the version does not move for ``stall_s`` anyway (the trainer dropped groups for
+    another reason) one more group is let through, so nothing deadlocks."""
 
     groups_per_step: int
     max_ahead: int = 1
@@ -142,10 +150,11 @@ class Pacer:
             self.first_version = version
         return (version - self.first_version + 1 + self.max_ahead) * self.groups_per_step
 
-    async def acquire(self, http: httpx.AsyncClient, url: str, done: asyncio.Event) -> bool:
-        """Wait for a group's turn; False when the run ends first."""
+    async def acquire(self, served_version: Callable[[], Awaitable[int | None]], done: asyncio.Event) -> bool:
+        """Wait for a group's turn; False when the run ends first. ``served_version`` asks the gateway
+        which version it serves now (``gateway_version``)."""
         while not done.is_set():
-            version = await gateway_version(http, url)
+            version = await served_version()
             if version is None or self.started < self.allowance(version) \
                     or time.monotonic() - self.last_grant > self.stall_s:
                 self.started += 1
@@ -153,6 +162,10 @@ class Pacer:
                 return True
             await asyncio.sleep(0.05)
         return False
+
+    def refund(self) -> None:
+        """Give back a started group that will not count towards a training step."""
+        self.started -= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +211,8 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
                 rewards.append(r.reward)
         for text in board.closed_lines():
             emit(text)
+        if pacer is not None and not trainable(rewards, group_size):
+            pacer.refund()
         if not versions or len(versions) < group_size:
             return
         if limits.until_version is not None and min(versions) >= limits.until_version:
@@ -215,7 +230,7 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
 
     async def worker() -> None:
         while not done.is_set():
-            if pacer is not None and not await pacer.acquire(gateway.http, url, done):
+            if pacer is not None and not await pacer.acquire(lambda: gateway_version(gateway.http, url), done):
                 break
             await one_group()
 

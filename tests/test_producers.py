@@ -25,7 +25,7 @@ from streamrl.producers.calculator import CalculatorTask, calculate, final_numbe
 from streamrl.producers.client import AsyncGateway, Gateway, RewardError, Trajectory, reward_body
 from streamrl.producers.episode import newest, served_version
 from streamrl.producers.numbers import NumbersTask, digit_fraction
-from streamrl.producers.runner import Board, RunLimits, run_groups
+from streamrl.producers.runner import Board, Pacer, RunLimits, run_groups, trainable
 
 TOPICS = Topics("producers")  # own topics on the session broker: other tests' consumers never see these
 
@@ -109,6 +109,43 @@ def test_version_helpers_and_board() -> None:
     summary = board.summary()
     assert summary["versions"]["0"]["n"] == 2 and summary["versions"]["0"]["mean"] == pytest.approx(0.3)
     assert summary["versions"]["1"]["mean"] == 1.0 and summary["trajectories"] == 3
+
+
+def test_trainable_groups() -> None:
+    assert trainable([0.1, 0.5], 2)
+    assert not trainable([0.5, 0.5], 2)   # no signal: the trainer skips it
+    assert not trainable([0.1, 0.5], 3)   # a trajectory failed
+
+
+def test_pacer_holds_generation_to_the_step_and_refunds_unusable_groups() -> None:
+    """max_ahead 0 (the synchronous loop): one step's groups, then nothing until the version moves;
+    a group refunded (unusable for training) lets exactly one more through at once."""
+    served = 0
+
+    async def version() -> int:
+        return served
+
+    async def main() -> None:
+        nonlocal served
+        pacer = Pacer(groups_per_step=2, max_ahead=0, stall_s=3600)
+        done = asyncio.Event()
+        assert await pacer.acquire(version, done) and await pacer.acquire(version, done)
+        third = asyncio.create_task(pacer.acquire(version, done))
+        finished, _ = await asyncio.wait({third}, timeout=0.3)
+        assert not finished  # the step's two groups are out; nothing more during training
+        pacer.refund()
+        assert await asyncio.wait_for(third, 5)
+        fourth = asyncio.create_task(pacer.acquire(version, done))
+        finished, _ = await asyncio.wait({fourth}, timeout=0.3)
+        assert not finished
+        served = 1  # the next version: the next step's groups
+        assert await asyncio.wait_for(fourth, 5)
+        assert await pacer.acquire(version, done)
+        last = asyncio.create_task(pacer.acquire(version, done))
+        done.set()
+        assert await asyncio.wait_for(last, 5) is False  # the run ended while it waited
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------------------- through the gateway
