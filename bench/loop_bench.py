@@ -126,6 +126,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
                  "until_reward": args.until_reward, "stop_groups": args.stop_groups,
                  "max_seconds": args.max_seconds, "seed": args.seed, "summary": str(run_dir / "demo.json")},
     }
+    if mode == "warmup":  # one trained version served, not timed
+        config["demo"].update(until_version=1, until_reward=None, max_ahead=0, max_seconds=300.0)
     if engine_device is None:
         del config["engine"]["device"], config["engine"]["gpu_memory_utilization"]
     if upstream:
@@ -337,6 +339,9 @@ def main() -> int:
     p.add_argument("--stall-s", type=float, default=3.0,
                    help="pacer: one more group when the version has not moved for this long; set it above a "
                         "training step for a strictly synchronous sync mode")
+    p.add_argument("--warmup", action="store_true",
+                   help="first an untimed run to one trained version, so that first-use costs of the GPUs "
+                        "(CUDA and library caches, the trainer's first steps) land in no timed mode")
     p.add_argument("--out", default="runs/loop-bench")
     args = p.parse_args()
     out = Path(args.out)
@@ -348,6 +353,11 @@ def main() -> int:
         results["engine_warmup_s"] = warm_engine(engine.url, args.concurrency * args.group_size, args.max_tokens,
                                                  args.context_words)
     try:
+        if args.warmup:
+            warm = run_mode("warmup", args, model, out, engine.url if engine else None)
+            results["warmup"] = {"steps": warm["steps"], "demo_seconds": warm["demo_seconds"]}
+            if engine is not None:
+                unload_adapters(engine.url, "warmup@")
         for mode in args.modes.split(","):
             results["modes"][mode] = run_mode(mode, args, model, out, engine.url if engine else None)
             if engine is not None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
+import httpx
+
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine import Engine, EngineConfig, wait_healthy
@@ -113,6 +115,8 @@ class UpConfig:
         values.update(self.trainer_table)
         if self.trainer_device is not None:
             values["device"] = self.trainer_device
+        if values.get("metrics_port") is None:  # ``up`` watches it to know when the trainer is ready
+            values["metrics_port"] = free_port(self.host)
         values.update(model=model, bootstrap_servers=bootstrap_servers, topic_prefix=self.topic_prefix,
                       name=self.policy_name, adapters=str(self.run_dir / "adapters"),
                       history=values.get("history") or str(self.run_dir / "history.jsonl"))
@@ -300,6 +304,7 @@ class Stack:
             if demo.groups_per_step is None:  # pace the demo to the trainer
                 demo = dataclasses.replace(demo, groups_per_step=trainer.groups_per_step)
             demo = dataclasses.replace(demo, model=c.policy_name)  # the demo trains the policy this stack serves
+            self._wait_trainer(trainer)  # groups generated before the trainer can use them would only age
             self._demo(demo)
         return self
 
@@ -379,6 +384,21 @@ class Stack:
         self.gateway_url = f"http://{c.host}:{port}"
         wait_healthy(self.gateway_url, 120, proc, what="gateway")
         self.log.line("gateway", f"ready at {self.gateway_url}/v1 (model {c.policy_name!r})")
+
+    def _wait_trainer(self, trainer: TrainerConfig, timeout: float = 900.0) -> None:
+        """Until the trainer has loaded its model and serves its metrics (rank 0 opens the port then)."""
+        url = f"http://127.0.0.1:{trainer.metrics_port}/metrics"
+        started = time.monotonic()
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() - started < timeout:
+                if self.children["trainer"].poll() is not None:
+                    raise RuntimeError(f"trainer exited with code {self.children['trainer'].returncode} during start-up")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(url).status_code == 200:
+                        self.log.line("trainer", f"ready (model loaded) after {time.monotonic() - started:.1f} s")
+                        return
+                time.sleep(0.2)
+        raise TimeoutError(f"trainer not ready after {timeout:.0f} s")
 
     def _demo(self, demo: DemoConfig) -> None:
         if demo.summary is None:
