@@ -129,6 +129,9 @@ def test_daemon_trains_publishes_and_reports(trained, broker) -> None:
                 "truncated_frac", "grad_norm", "kl_behaviour", "tokens_per_s"):
         assert np.isfinite(history[-1][key]), key
     assert history[-1]["counts"]["groups_ready"] == 4
+    for h in history:  # where each step's wall-clock went: every phase timed, the step itself not free
+        assert all(h[k] >= 0 for k in ("wait_s", "adapter_s", "checkpoint_s", "announce_s")) and h["step_s"] > 0
+        assert h["step_s"] >= h["seconds"]
     assert "streamrl_trainer_reward_mean" in trained["metrics"]
     assert 'streamrl_trainer_records_total{outcome="groups_ready"}' in trained["metrics"]
     # one saved batch per group, merged multi-turn: 4 sequences of 12 + 8 + 4 + 6 tokens per group

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import asdict
 
 import torch
@@ -37,7 +38,8 @@ def open_source(c: TrainerConfig, state: TrainerState) -> GroupSource:
 
     from .source import KafkaRecordSource
 
-    records = KafkaRecordSource(c.bootstrap_servers, Topics(c.topic_prefix), c.group_id, state.offsets)
+    records = KafkaRecordSource(c.bootstrap_servers, Topics(c.topic_prefix), c.group_id, state.offsets,
+                                fetch_max_wait_ms=c.fetch_max_wait_ms)
     return StreamGroups(records, c, restore=state.pending, done=state.done)
 
 
@@ -76,6 +78,7 @@ def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
             announcer = PolicyAnnouncer(c.bootstrap_servers, Topics(c.topic_prefix).policy)
             if state.policy and announcer.last_version(c.name) < state.version:
                 announcer.announce(PolicyRecord(**state.policy))
+    idle_since = time.monotonic()
     try:
         while True:
             done = stop.is_set() or (c.max_steps is not None and state.step >= c.max_steps)
@@ -89,10 +92,14 @@ def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
                 return 0
             if not work[1]:
                 continue
+            timings = {"wait_s": time.monotonic() - idle_since}
+            t = time.monotonic()
             stats = learner.step(work[1])
+            timings["step_s"] = time.monotonic() - t
             state.step += 1
             if rank == 0 and state.step % c.publish_every == 0:
-                _publish(c, model, learner, source, announcer, metrics, state, batches, stats)
+                _publish(c, model, learner, source, announcer, metrics, state, batches, stats, timings)
+            idle_since = time.monotonic()
     finally:
         if source is not None:
             source.close()
@@ -100,13 +107,19 @@ def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
             announcer.close()
 
 
-def _publish(c, model, learner, source, announcer, metrics, state, batches, stats) -> None:
+def _publish(c, model, learner, source, announcer, metrics, state, batches, stats, timings) -> None:
+    """Adapter, checkpoint, policy record, offsets: in this order (see the module docstring). The
+    seconds each takes go into the step's history line, with ``wait_s`` (waiting for groups) and
+    ``step_s`` (the optimizer step, packing included), so that a step's wall-clock can be read whole."""
     from streamrl.broker.schema import PolicyRecord
 
     groups = [b.column("group_id")[0].as_py() for b in batches]
     step = {"version": state.version + 1, "step": state.step, "groups": len(batches), **batch_metrics(batches, state.version),
             **{k: v for k, v in asdict(stats).items()}, "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9)}
+    t = time.monotonic()
     path, sha = write_adapter(model, c.policy_dir, state.version + 1, {"step": state.step, "groups": groups})
+    timings["adapter_s"] = time.monotonic() - t
+    t = time.monotonic()
     state.version += 1
     record = PolicyRecord(c.name, state.version, str(path.resolve()), c.model, state.step, sha,
                           {k: float(v) for k, v in step.items() if isinstance(v, int | float)})
@@ -116,14 +129,17 @@ def _publish(c, model, learner, source, announcer, metrics, state, batches, stat
     state.lora = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(model).items()}
     state.optimizer = learner.optimizer.state_dict()
     save_state(c.state_path, state)
+    timings["checkpoint_s"] = time.monotonic() - t
+    t = time.monotonic()
     if announcer is not None:
         try:
             announcer.announce(record)
         except Exception as exc:  # broker away: the next version supersedes this one; a restart re-announces
             log.error("could not announce %s: %s", record.served_name, exc)
+    timings["announce_s"] = time.monotonic() - t
     source.commit(offsets)
     prune(c.policy_dir, c.keep_versions)
     if c.save_batches:
         for i, b in enumerate(batches):
             save_batch(b, c.save_batches, f"{state.step:08d}-{i:03d}")
-    metrics.report({**step, "group_ids": groups, "path": str(path)}, source.counts)
+    metrics.report({**step, **timings, "group_ids": groups, "path": str(path)}, source.counts)

@@ -79,6 +79,9 @@ class Metrics:
             bad, step["tokens"], step["tokens_per_s"], step["staleness_mean"], step["staleness_max"], step["loss"],
             step["ratio_mean"], step["truncated_frac"], step["kl_behaviour"], step["grad_norm"],
         )
+        if "wait_s" in step:
+            log.info("v%d seconds: waited %.2f, step %.2f, adapter %.2f, checkpoint %.2f, announce %.2f", step["version"],
+                     step["wait_s"], step["step_s"], step["adapter_s"], step["checkpoint_s"], step["announce_s"])
         if self.registry is not None:
             for k, v in step.items():
                 if isinstance(v, int | float):
