@@ -103,8 +103,8 @@ class GpuSampler(threading.Thread):
                 for i, xs in enumerate(per_gpu)]
 
 
-def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstream: str | None = None) -> dict:
-    """One ``streamrl up`` run; with ``upstream`` (a shared engine) it serves policy name ``mode``."""
+def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstreams: list[str] | None = None) -> dict:
+    """One ``streamrl up`` run; with ``upstreams`` (shared engines) it serves policy name ``mode``."""
     engine_device, mem_frac, trainer_device = LAYOUTS[args.layout]
     run_dir = out / mode
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -112,7 +112,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
     port, trainer_port = args.port, args.port + 1
     config = {
         "up": {"model": str(model), "port": port, "work_dir": str(run_dir), "trainer_device": trainer_device,
-               "policy_name": mode, **({"upstreams": [upstream]} if upstream else {})},
+               "policy_name": mode, **({"upstreams": upstreams} if upstreams else {})},
         "engine": {"device": engine_device, "gpu_memory_utilization": mem_frac,
                    "max_model_len": args.max_model_len,
                    "extra_args": args.engine_args.split() if args.engine_args else []},
@@ -130,7 +130,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
         config["demo"].update(until_version=1, until_reward=None, max_ahead=0, max_seconds=300.0)
     if engine_device is None:
         del config["engine"]["device"], config["engine"]["gpu_memory_utilization"]
-    if upstream:
+    if upstreams:
         del config["engine"]
     cfg = run_dir / "config.json"
     cfg.write_text(json.dumps(config, indent=2))
@@ -155,8 +155,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
                 g = scrape(client, f"http://127.0.0.1:{port}/metrics")
                 if g:
                     scrapes.append((time.time(), g, scrape(client, f"http://127.0.0.1:{trainer_port}/metrics")))
-                if upstream:
-                    engine_samples.append((time.time(), scrape(client, f"{upstream}/metrics")))
+                if upstreams:
+                    engine_samples.append((time.time(), merged_scrape(client, upstreams)))
             time.sleep(1.0)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -164,8 +164,17 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
     gpus.stop.set()
     result = summarise(mode, run_dir, t_ready, scrapes, gpus, model, proc.returncode)
     if engine_samples:
-        result["engine"] = engine_timeline(engine_samples, t_ready or engine_samples[0][0])
+        result["engine"] = engine_timeline(engine_samples, result["t0"])
     return result
+
+
+def merged_scrape(client: httpx.Client, urls: list[str]) -> dict[str, float]:
+    """Several engines' /metrics as one: values of the same series added up."""
+    merged: dict[str, float] = {}
+    for url in urls:
+        for k, v in scrape(client, f"{url}/metrics").items():
+            merged[k] = merged.get(k, 0.0) + v
+    return merged
 
 
 def _total(samples: dict[str, float], name: str) -> float:
@@ -197,11 +206,14 @@ def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gp
     demo = json.loads((run_dir / "demo.json").read_text()) if (run_dir / "demo.json").exists() else {}
     history = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()] \
         if (run_dir / "history.jsonl").exists() else []
-    t0 = t_ready or (history[0]["time"] if history else 0.0)
+    # one clock for every series: the demo's start (the trainer is ready then), else the gateway's
+    t0 = demo.get("started_at") or t_ready or (history[0]["time"] if history else 0.0)
     n_params, layers, hidden = matmul_params(model)
     trained_tokens = sum(h["tokens"] for h in history)
     train_time = sum(h["tokens"] / h["tokens_per_s"] for h in history if h.get("tokens_per_s"))
-    result: dict = {"mode": mode, "exit_code": rc, "demo": demo, "steps": len(history)}
+    result: dict = {"mode": mode, "exit_code": rc, "demo": demo, "steps": len(history), "t0": t0}
+    result["step_seconds"] = [{k: round(h[k], 3) for k in ("wait_s", "step_s", "adapter_s", "checkpoint_s",
+                                                            "announce_s") if k in h} for h in history]
     result["reward_curve"] = [(round(h["time"] - t0, 2), h["reward_mean"], h["version"]) for h in history]
     result["time_to_target_s"] = demo.get("target_reached_s")
     result["step_anatomy"] = step_anatomy(demo.get("versions", {}))
@@ -249,14 +261,31 @@ def step_anatomy(versions: dict) -> dict:
             "gap_s_max": max(gaps, default=None)}
 
 
-def start_shared_engine(args: argparse.Namespace, model: Path, out: Path):
+def start_shared_engines(args: argparse.Namespace, model: Path, out: Path) -> list:
+    """``--engines`` vLLM servers on the layout's engine GPU, splitting its memory fraction, started
+    together. Each has its own API server process: with per-token logprobs that process, not the GPU,
+    bounds a server's generated tokens/s, which replicas multiply."""
     from streamrl.engine import Engine, EngineConfig
 
     device, mem_frac, _ = LAYOUTS[args.layout]
-    config = EngineConfig(model=str(model), max_model_len=args.max_model_len, device=device,
-                          gpu_memory_utilization=mem_frac,
-                          extra_args=args.engine_args.split() if args.engine_args else [])
-    return Engine(config, log_file=out / "engine.log").start(timeout=900)
+    engines = []
+    for i in range(args.engines):
+        config = EngineConfig(model=str(model), max_model_len=args.max_model_len, device=device,
+                              gpu_memory_utilization=None if mem_frac is None else mem_frac / args.engines,
+                              extra_args=args.engine_args.split() if args.engine_args else [])
+        engine = Engine(config, log_file=out / f"engine-{i}.log")
+        with open(engine.log_file, "ab") as log:
+            engine.proc = subprocess.Popen(engine.command(), env=engine.environment(), stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+        engines.append(engine)
+    try:
+        for engine in engines:
+            engine.wait_healthy(900)
+    except BaseException:
+        for engine in engines:
+            engine.stop()
+        raise
+    return engines
 
 
 def warm_engine(url: str, requests: int, max_tokens: int, context_words: int = 0, rounds: int = 2) -> float:
@@ -329,6 +358,8 @@ def main() -> int:
     p.add_argument("--port", type=int, default=18080)
     p.add_argument("--engine-args", default="", help="extra vLLM flags, e.g. --enforce-eager")
     p.add_argument("--shared-engine", action="store_true", help="one vLLM server for every mode (started once)")
+    p.add_argument("--engines", type=int, default=1,
+                   help="with --shared-engine: vLLM replicas on the engine GPU, behind the one gateway")
     p.add_argument("--micro-batch-tokens", type=int, default=4096, help="trainer tokens per micro-batch")
     p.add_argument("--row-tokens", type=int, default=None,
                    help="trainer's longest packed row (default: one row per micro-batch)")
@@ -348,23 +379,23 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(args, out)
     results = {"args": vars(args), "modes": {}}
-    engine = start_shared_engine(args, model, out) if args.shared_engine else None
-    if engine is not None:
-        results["engine_warmup_s"] = warm_engine(engine.url, args.concurrency * args.group_size, args.max_tokens,
-                                                 args.context_words)
+    engines = start_shared_engines(args, model, out) if args.shared_engine else []
+    urls = [e.url for e in engines] or None
     try:
+        results["engine_warmup_s"] = [warm_engine(url, args.concurrency * args.group_size // len(engines),
+                                                  args.max_tokens, args.context_words) for url in urls or []]
         if args.warmup:
-            warm = run_mode("warmup", args, model, out, engine.url if engine else None)
+            warm = run_mode("warmup", args, model, out, urls)
             results["warmup"] = {"steps": warm["steps"], "demo_seconds": warm["demo_seconds"]}
-            if engine is not None:
-                unload_adapters(engine.url, "warmup@")
+            for url in urls or []:
+                unload_adapters(url, "warmup@")
         for mode in args.modes.split(","):
-            results["modes"][mode] = run_mode(mode, args, model, out, engine.url if engine else None)
-            if engine is not None:
-                unload_adapters(engine.url, f"{mode}@")
+            results["modes"][mode] = run_mode(mode, args, model, out, urls)
+            for url in urls or []:
+                unload_adapters(url, f"{mode}@")
             (out / "loop_bench.json").write_text(json.dumps(results, indent=2))
     finally:
-        if engine is not None:
+        for engine in engines:
             engine.stop()
     print_table(results)
     return 0

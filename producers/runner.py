@@ -68,6 +68,8 @@ class Board:
     """Reward per served policy version, failed trajectories, and what to print."""
 
     started: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.time)
+    """Wall-clock start (epoch seconds), to line the board up with other logs."""
     versions: dict[int, VersionStats] = field(default_factory=dict)
     failed: int = 0
     groups: int = 0
@@ -106,6 +108,7 @@ class Board:
             "failed": self.failed,
             "groups": self.groups,
             "trajectories": sum(s.n for s in self.versions.values()),
+            "started_at": self.started_at,
             "seconds": time.monotonic() - self.started,
             "target_reached_s": self.target_reached_s,
         }
