@@ -262,9 +262,10 @@ def step_anatomy(versions: dict) -> dict:
 
 
 def start_shared_engines(args: argparse.Namespace, model: Path, out: Path) -> list:
-    """``--engines`` vLLM servers on the layout's engine GPU, splitting its memory fraction, started
-    together. Each has its own API server process: with per-token logprobs that process, not the GPU,
-    bounds a server's generated tokens/s, which replicas multiply."""
+    """``--engines`` vLLM servers on the layout's engine GPU, splitting its memory fraction. Each has its
+    own API server process: with per-token logprobs that process, not the GPU, bounds a server's
+    generated tokens/s, which replicas multiply. Started one after the other: vLLM sizes its KV cache
+    from the memory it sees in use while it profiles, which another server starting beside it skews."""
     from streamrl.engine import Engine, EngineConfig
 
     device, mem_frac, _ = LAYOUTS[args.layout]
@@ -274,17 +275,12 @@ def start_shared_engines(args: argparse.Namespace, model: Path, out: Path) -> li
                               gpu_memory_utilization=None if mem_frac is None else mem_frac / args.engines,
                               extra_args=args.engine_args.split() if args.engine_args else [])
         engine = Engine(config, log_file=out / f"engine-{i}.log")
-        with open(engine.log_file, "ab") as log:
-            engine.proc = subprocess.Popen(engine.command(), env=engine.environment(), stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
-        engines.append(engine)
-    try:
-        for engine in engines:
-            engine.wait_healthy(900)
-    except BaseException:
-        for engine in engines:
-            engine.stop()
-        raise
+        try:
+            engines.append(engine.start(timeout=900))
+        except BaseException:
+            for started in engines:
+                started.stop()
+            raise
     return engines
 
 
