@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -257,6 +258,85 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each live thread of a process, by thread id (/proc/PID/task/*/stat)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            out[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def run_delay_seconds(pid: int, tid: int) -> float:
+    """Time a thread spent runnable but waiting for a CPU (/proc/PID/task/TID/schedstat, 2nd field): a
+    stall that is the scheduler's, not the GIL's or the code's."""
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1]) / 1e9
+    return 0.0
+
+
+class ThreadCpu:
+    """The CPU a process spends in one phase, split into its main thread (the gateway's event loop) and
+    the others (producer pipe drain, policy follower, executor threads): which side a stall comes from."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.total0, self.threads0 = cpu_seconds(pid), thread_cpu(pid)
+        self.delay0 = {tid: run_delay_seconds(pid, tid) for tid in self.threads0}
+
+    def result(self, requests: int) -> dict[str, object]:
+        delays = {tid: run_delay_seconds(self.pid, tid) - self.delay0.get(tid, 0.0) for tid in thread_cpu(self.pid)}
+        delay = delays.pop(self.pid, 0.0)
+        total, threads = cpu_seconds(self.pid) - self.total0, thread_cpu(self.pid)
+        per = {tid: s - self.threads0.get(tid, 0.0) for tid, s in threads.items()}
+        main = per.pop(self.pid, 0.0)
+        others = sum(per.values())
+        n = max(1, requests)
+        return {"main_thread_cpu_s": main, "other_threads_cpu_s": others, "main_thread_run_delay_s": delay,
+                "other_threads_run_delay_s": sum(delays.values()),
+                "exited_threads_cpu_s": max(0.0, total - main - others),
+                "main_thread_cpu_ms_per_request": main * 1000 / n, "other_threads_cpu_ms_per_request": others * 1000 / n,
+                "busiest_other_threads_cpu_s": {str(tid): s for tid, s in sorted(per.items(), key=lambda kv: -kv[1])[:4]
+                                                if s > 0}}
+
+
+LAG_METRIC = "streamrl_gateway_event_loop_lag_seconds"
+
+
+def lag_buckets(gateway_url: str) -> dict[float, float]:
+    """Cumulative counts of the gateway's event-loop lag histogram, by upper bound (seconds)."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{gateway_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(LAG_METRIC + '_bucket{le="'):
+            le, value = line[len(LAG_METRIC) + 12:].split('"} ')
+            out[float(le)] = float(value)
+    return out
+
+
+def lag_summary(before: dict[float, float], after: dict[float, float]) -> dict[str, object]:
+    """Samples and the p50 / p99 / max lag of one phase, each as the upper bound of its bucket (ms)."""
+    cum = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    total = cum[-1][1] if cum else 0.0
+
+    def quantile(q: float) -> float | None:
+        return next((le * 1000 for le, c in cum if c >= q * total), None) if total else None
+
+    over = {f">{le * 1000:g}ms": total - c for le, c in cum if le in (0.005, 0.01, 0.02)}
+    return {"samples": int(total), "p50_ms": quantile(0.5), "p99_ms": quantile(0.99), "max_ms": quantile(1.0),
+            "samples_over": over}
+
+
+def producer_waited(gateway_url: str) -> int:
+    import httpx
+
+    p = httpx.get(f"{gateway_url}/health", timeout=5).json()["producer"]
+    return 0 if p is None else int(p["waited"])
+
+
 def children(pid: int) -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -330,6 +410,44 @@ def vllm_record_sizes(upstream: str, requests: int = 20, max_tokens: int = 256) 
         return record_sizes(broker.bootstrap_servers, "sizes.completions", compress=True)
 
 
+def print_table(results: dict[str, object]) -> None:
+    """The figures of docs/benchmarks.md, one row each."""
+    modes = [m for m in ("direct", "off", "on") if m in results]
+
+    def row(name: str, cell: Callable[[dict[str, object]], str]) -> None:
+        cells = []
+        for m in modes:
+            try:
+                cells.append(cell(results[m]))  # type: ignore[arg-type]
+            except (KeyError, TypeError):
+                cells.append("")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3g}"
+
+    rate = results["rate"]
+    print("\n| | " + " | ".join(modes) + " |\n| --- |" + " --- |" * len(modes))
+    row(f"p50 / p90 / p99 at {rate:g} req/s (ms)",
+        lambda e: "{p50_ms:.2f} / {p90_ms:.2f} / {p99_ms:.2f}".format(**e["latency"]))
+    row("highest sustained req/s", lambda e: f"{e['throughput']['rps']:,.0f}")
+    row("CPU per request, open loop: main thread + others (ms)",
+        lambda e: "{main_thread_cpu_ms_per_request:.3f} + {other_threads_cpu_ms_per_request:.3f}".format(
+            **e["latency"]["threads"]))
+    row("CPU per request, closed loop: main thread + others (ms)",
+        lambda e: "{main_thread_cpu_ms_per_request:.3f} + {other_threads_cpu_ms_per_request:.3f}".format(
+            **e["throughput"]["threads"]))
+    row("runnable but off-CPU, open loop: main thread / others (ms in all)",
+        lambda e: "{:.1f} / {:.1f}".format(*(e["latency"]["threads"][k] * 1000 for k in (
+            "main_thread_run_delay_s", "other_threads_run_delay_s"))))
+    row("event-loop lag, open loop: p50 / p99 / max (ms, bucket bounds)",
+        lambda e: " / ".join(ms(e["latency"]["event_loop_lag"][k]) for k in ("p50_ms", "p99_ms", "max_ms")))
+    row("event-loop lag samples over 5 / 10 / 20 ms", lambda e: " / ".join(
+        f"{v:g}" for v in e["latency"]["event_loop_lag"]["samples_over"].values()))
+    row("records waited (pipe full): open / closed loop",
+        lambda e: f"{e['latency']['records_waited']} / {e['throughput']['records_waited']}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", type=float, default=500)
@@ -366,21 +484,31 @@ def main() -> None:
                 procs.append(gw)
                 _wait_http(f"http://127.0.0.1:{gw_port}/health")
                 url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
-            print(f"[{mode}] open loop at {args.rate:.0f} req/s for {args.seconds:.0f}s ...", flush=True)
-            lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
-            if gw is not None:
-                lat["drain_s"] = wait_drained(f"http://127.0.0.1:{gw_port}")
-            print(f"[{mode}] closed loop, concurrency {args.concurrency} ...", flush=True)
+            gw_url = f"http://127.0.0.1:{gw_port}"
             pid = (gw or stub).pid
+            print(f"[{mode}] open loop at {args.rate:.0f} req/s for {args.seconds:.0f}s ...", flush=True)
+            threads = ThreadCpu(pid)
+            lag0, waited0 = (lag_buckets(gw_url), producer_waited(gw_url)) if gw is not None else ({}, 0)
+            lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
+            lat["threads"] = threads.result(lat["requests"])
+            if gw is not None:
+                lat["event_loop_lag"] = lag_summary(lag0, lag_buckets(gw_url))
+                lat["records_waited"] = producer_waited(gw_url) - waited0
+                lat["drain_s"] = wait_drained(gw_url)
+            print(f"[{mode}] closed loop, concurrency {args.concurrency} ...", flush=True)
             helpers = children(pid)  # the gateway's record-producer process, when logging is on
             cpu0, helper0 = cpu_seconds(pid), sum(cpu_seconds(c) for c in helpers)
+            threads, waited0 = ThreadCpu(pid), producer_waited(gw_url) if gw is not None else 0
             thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
             n = max(1, thr["requests"])
             thr["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu0) * 1000 / n
+            thr["threads"] = threads.result(thr["requests"])
+            if gw is not None:
+                thr["records_waited"] = producer_waited(gw_url) - waited0
             thr["producer_process_cpu_ms_per_request"] = (sum(cpu_seconds(c) for c in helpers) - helper0) * 1000 / n
             thr["cpu_of"] = "stub" if gw is None else "gateway"
             if gw is not None:
-                thr["drain_s"] = wait_drained(f"http://127.0.0.1:{gw_port}")
+                thr["drain_s"] = wait_drained(gw_url)
                 thr["producer_process_cpu_ms_per_request"] = (sum(cpu_seconds(c) for c in helpers) - helper0) * 1000 / n
             entry: dict[str, object] = {"latency": lat, "throughput": thr}
             if gw is None:
@@ -390,7 +518,7 @@ def main() -> None:
             if gw is not None:
                 import httpx
 
-                health = httpx.get(f"http://127.0.0.1:{gw_port}/health").json()
+                health = httpx.get(f"{gw_url}/health").json()
                 entry["producer"] = health["producer"]
                 _stop(gw)
                 procs.remove(gw)
@@ -414,8 +542,17 @@ def main() -> None:
             "gateway_cpu_ms_per_request": entry["throughput"]["cpu_ms_per_request"],
             "producer_process_cpu_ms_per_request": entry["throughput"]["producer_process_cpu_ms_per_request"],
         }
-        if entry.get("producer"):  # how often the pipe to the producer process was full
-            summary[mode]["records_waited"] = entry["producer"].get("waited")
+        lat_threads, thr_threads = entry["latency"]["threads"], entry["throughput"]["threads"]
+        summary[mode].update({
+            "latency_main_thread_cpu_ms_per_request": lat_threads["main_thread_cpu_ms_per_request"],
+            "latency_other_threads_cpu_ms_per_request": lat_threads["other_threads_cpu_ms_per_request"],
+            "throughput_main_thread_cpu_ms_per_request": thr_threads["main_thread_cpu_ms_per_request"],
+            "throughput_other_threads_cpu_ms_per_request": thr_threads["other_threads_cpu_ms_per_request"],
+            "event_loop_lag": entry["latency"].get("event_loop_lag"),
+        })
+        if entry.get("producer"):  # how often the pipe to the producer process was full, per phase
+            summary[mode]["records_waited"] = {"latency": entry["latency"].get("records_waited"),
+                                               "throughput": entry["throughput"].get("records_waited")}
         if "stream_latency" in entry:
             summary[mode]["stream_added_p50_ms"] = entry["stream_latency"]["p50_ms"] - d["stream_latency"]["p50_ms"]
             summary[mode]["stream_added_p99_ms"] = entry["stream_latency"]["p99_ms"] - d["stream_latency"]["p99_ms"]
@@ -424,6 +561,7 @@ def main() -> None:
     summary["on_over_off_throughput"] = on["throughput"]["rps"] / off["throughput"]["rps"]
     results["summary"] = summary
     print(json.dumps(results, indent=2))
+    print_table(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

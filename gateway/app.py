@@ -24,6 +24,7 @@ from streamrl.broker.topics import Topics
 
 from .config import GatewayConfig
 from .hotswap import PolicyFollower
+from .loop_lag import LoopLagMonitor
 from .metrics import GatewayMetrics
 from .policy import PolicyRouter
 from .proxy import JSON, Proxy
@@ -47,11 +48,13 @@ class Gateway:
         self.proxy = Proxy(config, self.pool, self.router, None, self.metrics, self.topics.completions)
         self.follower: PolicyFollower | None = None
         self.session: aiohttp.ClientSession | None = None
+        self.loop_lag = LoopLagMonitor(self.metrics.loop_lag.observe)
         self.metrics.watch(self.pool, lambda: self.producer.stats if self.producer else None,
                            lambda: self.producer.buffered if self.producer else 0, lambda: self.router.version)
 
     async def start(self) -> None:
         c = self.config
+        self.loop_lag.start()
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=None)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              skip_auto_headers=("User-Agent",))
@@ -69,6 +72,7 @@ class Gateway:
                  "to " + c.bootstrap_servers if c.bootstrap_servers else "off", c.policy_name)
 
     async def stop(self) -> None:
+        self.loop_lag.stop()
         if self.follower is not None:
             await self.follower.stop()
         await self.pool.stop()
@@ -87,7 +91,7 @@ class Gateway:
             "producer": None if stats is None else {
                 "offered": stats.offered, "delivered": stats.delivered, "failed": stats.failed,
                 "dropped": stats.dropped, "invalid": stats.invalid, "buffered": self.producer.buffered,
-                "waited": stats.waited,
+                "waited": stats.waited, "pipe_bytes": self.producer.pipe_bytes,
             },
         }
 

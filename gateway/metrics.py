@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 
 from streamrl.broker.clients import ProducerStats
 
+from .loop_lag import LAG_BUCKETS
 from .upstreams import UpstreamPool
 
 SWAP_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 5,
@@ -85,6 +86,9 @@ class GatewayMetrics:
         self.publish_to_route = Histogram("streamrl_gateway_publish_to_route_seconds",
                                           "from a version's publication to the policy name routed to it",
                                           buckets=SWAP_BUCKETS, registry=self.registry)
+        self.loop_lag = Histogram("streamrl_gateway_event_loop_lag_seconds",
+                                  "how late a timer on the event loop ran (stalls every request waits behind)",
+                                  buckets=LAG_BUCKETS, registry=self.registry)
 
     def watch(self, pool: UpstreamPool, stats: Callable[[], ProducerStats | None], buffered: Callable[[], int],
               policy_version: Callable[[], int]) -> None:

@@ -12,6 +12,7 @@ from kafka_reader import TopicReader
 from streamrl.broker.clients import _FRAME, LogProducer, _PipeWriter
 from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.schema import RewardRecord, decode, encode
+from streamrl.broker.topics import Topics, create_topics
 
 
 def _reward_records(tag: str, n: int) -> list[tuple[bytes | None, bytes]]:
@@ -25,7 +26,10 @@ def _fails() -> list[tuple[bytes | None, bytes]]:
 
 
 def test_process_producer_delivers_plain_and_deferred_records(broker: EmbeddedBroker) -> None:
-    topic = broker.topics.rewards
+    # a topic of its own: other tests read the session broker's rewards topic for records of any id
+    topics = Topics("log-producer")
+    create_topics(broker.bootstrap_servers, topics, partitions=1)
+    topic = topics.rewards
     reader = TopicReader(broker.bootstrap_servers, topic)
     tag = os.urandom(4).hex()
     producer = LogProducer(broker.bootstrap_servers, process=True)
