@@ -48,6 +48,7 @@ class Gateway:
         self.proxy = Proxy(config, self.pool, self.router, None, self.metrics, self.topics.completions)
         self.follower: PolicyFollower | None = None
         self.session: aiohttp.ClientSession | None = None
+        self.fresh_session: aiohttp.ClientSession | None = None
         self.loop_lag = LoopLagMonitor(self.metrics.loop_lag.observe)
         self.metrics.watch(self.pool, lambda: self.producer.stats if self.producer else None,
                            lambda: self.producer.buffered if self.producer else 0, lambda: self.router.version)
@@ -55,14 +56,20 @@ class Gateway:
     async def start(self) -> None:
         c = self.config
         self.loop_lag.start()
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=None)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=c.upstream_keepalive_s,
+                                         ttl_dns_cache=None)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                              skip_auto_headers=("User-Agent",))
+        # a retry after an upstream hung up goes out on a new connection: another pooled one may be
+        # just as stale (a server under load closes idle connections late, as the next request arrives)
+        self.fresh_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                                   auto_decompress=False, skip_auto_headers=("User-Agent",))
         if c.bootstrap_servers is not None:
             self.producer = LogProducer(c.bootstrap_servers, max_buffered=c.max_buffered_records,
                                         send_timeout_ms=c.producer_send_timeout_ms, process=c.producer_process)
         self.proxy.producer = self.producer
         self.proxy.session = self.session
+        self.proxy.fresh_session = self.fresh_session
         await self.pool.start(self.session)
         if c.bootstrap_servers is not None and c.follow_policy:
             self.follower = PolicyFollower(c, self.pool, self.router, self.session, self.topics.policy,
@@ -76,8 +83,9 @@ class Gateway:
         if self.follower is not None:
             await self.follower.stop()
         await self.pool.stop()
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self.fresh_session):
+            if session is not None:
+                await session.close()
         if self.producer is not None:
             self.producer.close()
 

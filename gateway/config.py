@@ -31,6 +31,9 @@ class GatewayConfig:
     health_failures_to_eject: int = 2
     """Slow or failing health checks in a row before an upstream leaves the rotation (a refused
     connection takes it out at once)."""
+    upstream_keepalive_s: float = 4.0
+    """Idle connections to upstreams are closed after this: below vLLM's own keep-alive (5 s), so that a
+    request rarely goes out on a connection the server is closing at that moment."""
     max_buffered_records: int = 100_000
     producer_send_timeout_ms: int = 10_000
     producer_process: bool = True
@@ -51,6 +54,8 @@ class GatewayConfig:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.health_failures_to_eject < 1:
             raise ValueError("health_failures_to_eject must be >= 1")
+        if self.upstream_keepalive_s <= 0:
+            raise ValueError("upstream_keepalive_s must be > 0")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))
 
     @property

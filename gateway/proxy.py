@@ -174,6 +174,8 @@ class Proxy:
         self.config, self.pool, self.router = config, pool, router
         self.producer, self.metrics, self.topic = producer, metrics, completions_topic
         self.session: aiohttp.ClientSession | None = None
+        self.fresh_session: aiohttp.ClientSession | None = None
+        """Never reuses a connection: for the retry after an upstream hung up on a pooled one."""
         self._timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s,
                                               sock_read=config.upstream_timeout_s)
         self._upstream_headers = {"Content-Type": JSON, **config.extra_headers}
@@ -250,22 +252,25 @@ class Proxy:
         assert self.session is not None
         model = call.lease.engine_model
         excluded: tuple[Upstream, ...] = ()
-        for attempt in range(len(self.pool.upstreams) + 1):
+        hung_up = False
+        for _ in range(len(self.pool.upstreams) + 1):
             up = self.pool.pick(model, excluded)
             if up is None:
                 break
             up.in_flight += 1
+            session = self.fresh_session if hung_up and self.fresh_session is not None else self.session
             try:
-                resp = await self.session.post(up.url + call.route, data=payload, headers=self._upstream_headers,
-                                               timeout=self._timeout)
+                resp = await session.post(up.url + call.route, data=payload, headers=self._upstream_headers,
+                                          timeout=self._timeout)
             except aiohttp.ClientConnectorError as exc:
                 up.in_flight -= 1
                 self.pool.mark_failed(up, f"connect: {exc}")
                 excluded += (up,)
             except _RETRYABLE as exc:
                 up.in_flight -= 1
-                if attempt:
+                if hung_up:  # it hung up on a new connection too: it is the upstream, not a stale connection
                     excluded += (up,)
+                hung_up = True
                 log.info("upstream %s dropped the request before answering (%s); retrying", up.url, exc)
             except TimeoutError:
                 up.in_flight -= 1

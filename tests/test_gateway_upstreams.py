@@ -44,6 +44,9 @@ class Relay:
         self.writers: set[asyncio.StreamWriter] = set()
         self.delay_s = 0.0
         """Hold each new connection this long before relaying it: an upstream that answers late."""
+        self.hang_up_reused = False
+        """Close a kept-alive connection, unanswered, when a second request arrives on it: a server
+        closing an idle connection just as the client reuses it."""
 
     @property
     def url(self) -> str:
@@ -56,12 +59,27 @@ class Relay:
                 await writer.drain()
         writer.close()
 
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        client: asyncio.StreamWriter) -> None:
+        """Client to upstream, hanging up on the client at a reused connection's next request."""
+        requests = 0
+        with contextlib.suppress(OSError, ConnectionError):
+            while data := await reader.read(65536):
+                if data.startswith((b"GET ", b"POST ")):
+                    requests += 1
+                    if requests > 1 and self.hang_up_reused:
+                        client.close()
+                        break
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self.writers |= {writer, up_writer}
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        await asyncio.gather(self._requests(reader, up_writer, writer), self._pipe(up_reader, writer))
 
     async def _open(self) -> None:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
@@ -180,3 +198,29 @@ def test_a_late_health_answer_does_not_eject_but_two_in_a_row_and_a_refusal_do(r
         return seen
 
     assert asyncio.run(scenario()) == [(True, 0), (True, 1), (True, 0), (False, 2), (True, 0), (False, 1)]
+
+
+def test_a_request_the_upstream_hangs_up_on_is_retried_on_a_new_connection(engine: Engine, relay: Relay) -> None:
+    """One upstream that closes kept-alive connections as requests arrive on them (what vLLM's server
+    does to an idle connection when its keep-alive timer fires late, under load): every request still
+    succeeds, its retry going out on a new connection rather than another stale pooled one."""
+    base_model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
+    body = {"model": base_model, "messages": CHAT, "max_tokens": 2}
+    config = GatewayConfig(upstreams=(relay.url,), bootstrap_servers=None, port=free_port(), health_interval_s=60)
+
+    async def wave(url: str, n: int) -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            replies = await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json=body) for _ in range(n)))
+        return [r.status_code for r in replies]
+
+    def retries(url: str) -> float:
+        lines = httpx.get(f"{url}/metrics").text.splitlines()
+        return float(next(x for x in lines if x.startswith("streamrl_gateway_upstream_retries_total")).split()[1])
+
+    with GatewayServer(config) as gw:
+        assert asyncio.run(wave(gw.url, 12)) == [200] * 12  # 12 connections now idle in the gateway's pool
+        relay.hang_up_reused = True
+        for _ in range(4):  # one at a time: another idle (stale) connection is always there to be reused
+            assert asyncio.run(wave(gw.url, 1)) == [200]
+        assert retries(gw.url) >= 4  # each went out on a pooled connection first, was hung up on, retried
+        assert gw.gateway.pool.upstreams[0].healthy
