@@ -235,8 +235,12 @@ class _PipeWriter:
     loop pays one pickle and one ``write`` per call and no thread wakes up; only when the child falls
     behind do frames wait in a bounded backlog that a background thread writes out."""
 
-    def __init__(self, conn: Any, max_buffered: int) -> None:
+    def __init__(self, conn: Any, max_buffered: int, max_buffered_bytes: int = 256 << 20) -> None:
         self.conn, self.fd, self.max_buffered = conn, conn.fileno(), max_buffered
+        self.max_buffered_bytes = max_buffered_bytes
+        """The backlog's bound in bytes as well as records: a record can carry a 100 KB body, so a bound
+        in records alone lets the backlog of a stalled producer process grow to gigabytes."""
+        self.backlog_bytes = 0
         os.set_blocking(self.fd, False)
         self.pipe_bytes = _enlarge_pipe(self.fd)
         self.backlog: collections.deque[tuple[memoryview, int]] = collections.deque()
@@ -266,10 +270,12 @@ class _PipeWriter:
                     return True
                 if not frame:
                     return True
-            elif self.backlog_items >= self.max_buffered:
+            elif self.backlog_items >= self.max_buffered \
+                    or self.backlog_bytes + len(frame) > self.max_buffered_bytes:
                 return False
             self.backlog.append((frame, item[3]))
             self.backlog_items += item[3]
+            self.backlog_bytes += len(frame)
             self.waited += item[3]
             self.cond.notify()
         return True
@@ -295,9 +301,10 @@ class _PipeWriter:
                 except OSError as exc:
                     self.lost += sum(n for _, n in self.backlog)
                     self.backlog.clear()
-                    self.backlog_items = 0
+                    self.backlog_items = self.backlog_bytes = 0
                     log.warning("records not handed to the producer process: %s", exc)
                     break
+                self.backlog_bytes -= len(frame) - len(rest)
                 if rest:
                     self.backlog[0] = (rest, n)
                 else:
@@ -321,9 +328,10 @@ class LogProducer:
     With ``process=True`` the KafkaProducer and the building of deferred records run in a child process
     fed through a pipe, so that neither holds the server's GIL: kafka-python batches records in Python,
     and a server's event loop should not wait for that. Without it, one background thread owns the
-    KafkaProducer and drains a bounded queue."""
+    KafkaProducer and drains a bounded queue. ``max_buffered`` bounds the records waiting on this side,
+    ``max_buffered_bytes`` (process mode) their bytes too: what is over either is dropped and counted."""
 
-    def __init__(self, bootstrap_servers: str, *, max_buffered: int = 100_000,
+    def __init__(self, bootstrap_servers: str, *, max_buffered: int = 100_000, max_buffered_bytes: int = 256 << 20,
                  compression: str | None = DEFAULT_COMPRESSION, send_timeout_ms: int = 10_000,
                  client_id: str = "streamrl-gateway", process: bool = False) -> None:
         self.bootstrap_servers = bootstrap_servers
@@ -342,7 +350,7 @@ class LogProducer:
                                               self._counts))
             self._process.start()
             reader.close()
-            self._pipe = _PipeWriter(writer, max_buffered)
+            self._pipe = _PipeWriter(writer, max_buffered, max_buffered_bytes)
         else:
             self._counts = [0, 0, 0, 0]
             self._sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, self._counts)

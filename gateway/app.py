@@ -66,6 +66,7 @@ class Gateway:
                                                    auto_decompress=False, skip_auto_headers=("User-Agent",))
         if c.bootstrap_servers is not None:
             self.producer = LogProducer(c.bootstrap_servers, max_buffered=c.max_buffered_records,
+                                        max_buffered_bytes=c.max_buffered_bytes,
                                         send_timeout_ms=c.producer_send_timeout_ms, process=c.producer_process)
         self.proxy.producer = self.producer
         self.proxy.session = self.session

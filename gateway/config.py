@@ -35,6 +35,8 @@ class GatewayConfig:
     """Idle connections to upstreams are closed after this: below vLLM's own keep-alive (5 s), so that a
     request rarely goes out on a connection the server is closing at that moment."""
     max_buffered_records: int = 100_000
+    max_buffered_bytes: int = 256 << 20
+    """Bound in bytes of the records waiting for the producer process (a record can carry a 100 KB body)."""
     producer_send_timeout_ms: int = 10_000
     producer_process: bool = True
     """Run the Kafka client and record encoding in a child process, off the event loop's GIL."""

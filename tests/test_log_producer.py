@@ -90,6 +90,34 @@ def test_pipe_backlog_is_bounded_and_keeps_order() -> None:
     assert values == [payload + str(i).encode() for i in range(accepted)]
 
 
+def test_pipe_backlog_is_bounded_in_bytes_too() -> None:
+    """A stalled producer process: large records are refused once the backlog holds max_buffered_bytes,
+    long before the record bound; room comes back as the backlog drains."""
+    read_fd, write_fd = os.pipe()
+
+    class Conn:
+        def fileno(self) -> int:
+            return write_fd
+
+        def close(self) -> None:
+            os.close(write_fd)
+
+    writer = _PipeWriter(Conn(), max_buffered=1_000, max_buffered_bytes=1 << 20)
+    payload = b"x" * 100_000
+    accepted = 0
+    while writer.put(("t", None, payload, 1)):
+        accepted += 1
+        assert accepted < 1_000, "the byte bound was never reached"
+    assert writer.buffered < 11 and writer.backlog_bytes <= 1 << 20  # ~10 frames of 100 KB wait, not 1,000
+    assert writer.backlog_bytes + 100_000 > 1 << 20  # refused because the next frame would not fit
+    with os.fdopen(read_fd, "rb") as pipe:
+        reader = threading.Thread(target=lambda: [None for _ in iter(lambda: pipe.read(1 << 16), b"")])
+        reader.start()
+        writer.close(timeout_s=30)
+        reader.join(30)
+    assert writer.buffered == 0 and writer.backlog_bytes == 0
+
+
 def test_decode_roundtrip_of_built_records() -> None:
     (key, value), = _reward_records("k", 1)
     assert key == b"k-0" and decode(value).trajectory_id == "k-0"
