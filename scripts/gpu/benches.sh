@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# On a GPU machine where the pieces are staged (docs/gpu.md), in a copy of the repository: install, then
+# run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
+# into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
+#   usage: scripts/gpu/benches.sh STASH OUT BENCH...
+#   BENCH: gateway | loop-two-gpu | loop-one-gpu | trainer
+#   env:   LR (loop learning rate, default 3e-3), ENGINES (vLLM replicas, default 2),
+#          LOOP_SECONDS (per mode, default 150)
+set -uo pipefail
+stash=${1:?STASH}; out=${2:?OUT}; shift 2
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+site=/root/site
+bash "$repo/scripts/gpu/install.sh" "$stash" "$site" > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
+export PYTHONPATH=$site PATH=$site/bin:$PATH PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+cd /root  # outside the checkout: its streamrl/ folder would shadow the laid-out package
+
+loop() {  # loop LAYOUT NAME
+  local dir=/root/lb-$2
+  rm -rf "$dir"
+  (while sleep 10; do cp "$dir/loop_bench.json" "$out/$2.json" 2>/dev/null; done) & local copier=$!
+  python3 "$repo/bench/loop_bench.py" --layout "$1" --shape qwen2.5-1.5b --shared-engine --engines "${ENGINES:-2}" \
+      --warmup --modes pipeline,sync --until-reward 0.8 --max-seconds "${LOOP_SECONDS:-150}" \
+      --learning-rate "${LR:-3e-3}" --group-size 8 --groups-per-step 16 --lora-rank 16 --concurrency 16 \
+      --max-tokens 256 --max-ahead 1 --micro-batch-tokens 16384 --row-tokens 1024 --context-words 400 \
+      --max-model-len 4096 --stall-s 30 --out "$dir" > "$out/$2.log" 2>&1
+  kill "$copier"
+  cp "$dir/loop_bench.json" "$out/$2.json" 2>/dev/null
+  for m in pipeline sync; do
+    grep -v 'HTTP/1.1" 200' "$dir/$m/up.log" 2>/dev/null | grep -v '^engine' | tail -200 > "$out/$2-$m.log"
+  done
+  tail -8 "$out/$2.log"
+}
+
+for bench in "$@"; do
+  echo "== $bench $(date -u +%T)"
+  case $bench in
+    gateway) python3 "$repo/bench/gateway_bench.py" --seconds 8 --stream-rate 20 --json "$out/gateway.json" \
+               > "$out/gateway.log" 2>&1; tail -12 "$out/gateway.log" ;;
+    loop-two-gpu) loop two-gpu loop-two-gpu ;;
+    loop-one-gpu) loop one-gpu loop-one-gpu ;;
+    trainer) (cd "$repo" && python3 bench/trainer_bench.py --shapes qwen2.5-1.5b --rows 4 --warmup 2 --steps 3 \
+               --variants eager,compile --out "$out/trainer.json" > "$out/trainer.log" 2>&1); tail -8 "$out/trainer.log" ;;
+    *) echo "unknown bench $bench" ;;
+  esac
+done
