@@ -44,6 +44,8 @@ class Relay:
         self.writers: set[asyncio.StreamWriter] = set()
         self.delay_s = 0.0
         """Hold each new connection this long before relaying it: an upstream that answers late."""
+        self.answer_delay_s = 0.0
+        """Hold the upstream's answer this long before passing it on: an upstream that is slow to reply."""
         self.hang_up_reused = False
         """Close a kept-alive connection, unanswered, when a second request arrives on it: a server
         closing an idle connection just as the client reuses it."""
@@ -79,7 +81,16 @@ class Relay:
             await asyncio.sleep(self.delay_s)
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self.writers |= {writer, up_writer}
-        await asyncio.gather(self._requests(reader, up_writer, writer), self._pipe(up_reader, writer))
+        await asyncio.gather(self._requests(reader, up_writer, writer), self._answers(up_reader, writer))
+
+    async def _answers(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, ConnectionError):
+            while data := await reader.read(65536):
+                if self.answer_delay_s:
+                    await asyncio.sleep(self.answer_delay_s)
+                writer.write(data)
+                await writer.drain()
+        writer.close()
 
     async def _open(self) -> None:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
@@ -224,3 +235,18 @@ def test_a_request_the_upstream_hangs_up_on_is_retried_on_a_new_connection(engin
             assert asyncio.run(wave(gw.url, 1)) == [200]
         assert retries(gw.url) >= 4  # each went out on a pooled connection first, was hung up on, retried
         assert gw.gateway.pool.upstreams[0].healthy
+
+
+def test_upstream_timeout_is_504(broker: EmbeddedBroker, engine: Engine, relay: Relay) -> None:
+    """An upstream silent for longer than upstream_timeout_s: the client gets 504, and no record is
+    produced for the call (the relay holds vLLM's real answer back for 2 s)."""
+    create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
+    base_model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
+    config = GatewayConfig(upstreams=(relay.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
+                           topic_prefix=TOPICS.prefix, upstream_timeout_s=0.2, follow_policy=False,
+                           health_interval_s=60)
+    with GatewayServer(config) as gw:
+        relay.answer_delay_s = 2.0
+        r = httpx.post(f"{gw.url}/v1/completions", timeout=60, json={"model": base_model, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 504 and r.json()["error"]["code"] == 504, r.text
+        assert gw.gateway.health()["producer"]["offered"] == 0
