@@ -137,11 +137,13 @@ def _strip(data: dict[str, Any], chat: bool, ids: bool, logprobs: bool) -> None:
 class _Call:
     """One request's state while it is forwarded."""
 
-    __slots__ = ("chat", "ctx", "headers", "lease", "record", "route", "strip_ids", "strip_logprobs",
-                 "upstream")
+    __slots__ = ("chat", "ctx", "headers", "lease", "one_choice", "record", "route", "strip_ids",
+                 "strip_logprobs", "upstream")
 
-    def __init__(self, endpoint: str, ctx: CallContext, lease: Lease, record: bool) -> None:
+    def __init__(self, endpoint: str, ctx: CallContext, lease: Lease, record: bool, one_choice: bool = False) -> None:
         self.chat = endpoint == "chat"
+        self.one_choice = one_choice
+        """A chat request for one choice (``n`` absent or 1): the reply has exactly one."""
         self.route = ROUTES[endpoint]
         self.ctx, self.lease, self.record = ctx, lease, record
         self.strip_ids = self.strip_logprobs = False
@@ -207,7 +209,8 @@ class Proxy:
         ctx = CallContext(trajectory_id=trajectory_id, group_id=group_id, endpoint=endpoint, model=body["model"],
                           policy_name=lease.policy_name, policy_version=lease.version,
                           request=body if self.config.record_request else {}, started=started)
-        call = _Call(endpoint, ctx, lease, record=self.producer is not None)
+        call = _Call(endpoint, ctx, lease, record=self.producer is not None,
+                     one_choice=endpoint == "chat" and body.get("n") in (None, 1))
         try:
             payload = self._upstream_payload(call, body, raw, metadata)
             response = await self._forward(call, payload, bool(body.get("stream")))
@@ -310,7 +313,7 @@ class Proxy:
         if resp.status != 200 or not (call.record or call.strip_ids or call.strip_logprobs):
             return Response(raw, resp.status, headers=call.headers, media_type=content_type)
         try:
-            out = client_body(raw, call.ctx.endpoint, call.strip_ids, call.strip_logprobs)
+            out = client_body(raw, call.ctx.endpoint, call.strip_ids, call.strip_logprobs, call.one_choice)
         except msgspec.MsgspecError as exc:  # not the JSON vLLM sends: pass it on, record nothing
             log.warning("unexpected upstream body from %s: %s", call.ctx.upstream, exc)
             return Response(raw, 200, headers=call.headers, media_type=content_type)

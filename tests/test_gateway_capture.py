@@ -128,6 +128,10 @@ def check(raw: bytes, endpoint: str, strip_ids: bool, strip_logprobs: bool, *, f
         assert (out.fallback is None) == fast, out.fallback
     if strip_ids and strip_logprobs and fast:
         assert len(out.body) < len(raw)
+    if endpoint == "chat" and len(body["choices"]) == 1:  # what the gateway passes for a request with n = 1
+        hinted = client_body(raw, endpoint, strip_ids, strip_logprobs, one_choice=True)
+        assert json.loads(hinted.body) == want and hinted.choices == 1
+        assert (hinted.fallback is None) == (out.fallback is None), hinted.fallback
 
 
 STRIPS = [(True, True), (True, False), (False, True), (False, False)]
@@ -289,6 +293,18 @@ def test_random_key_changes_never_change_what_the_client_gets() -> None:
         fast += out.fallback is None
         fallback += out.fallback is not None
     assert fast > 20 and fallback > 100  # both paths were exercised
+
+
+def test_one_choice_hint_never_hides_a_second_choice_with_tokens() -> None:
+    """A reply with more choices than the request's one (an upstream breaking its contract): the hinted
+    fast path must not pass it off as one choice; the client gets every choice, stripped, via the check."""
+    for n in (2, 3):
+        for tokens in (1, 8):
+            body = chat_body(n, tokens=tokens, seed=n * 10 + tokens)
+            raw = dumps(body)
+            out = client_body(raw, "chat", True, True, one_choice=True)
+            assert out.fallback is not None and out.choices == n
+            assert json.loads(out.body) == expected(body, "chat", True, True)
 
 
 def test_not_json_raises() -> None:
