@@ -291,12 +291,11 @@ def warm_engine(url: str, requests: int, max_tokens: int, context_words: int = 0
     not in whichever mode runs first. Returns the seconds taken."""
     import asyncio
 
-    async def wave(client: httpx.AsyncClient, model: str) -> None:
-        from streamrl.producers.numbers import context_text
+    from streamrl.producers.numbers import PROMPTS, NumbersTask
 
-        messages = [{"role": "user", "content": "Write some numbers."}]
-        if context_words:
-            messages.insert(0, {"role": "system", "content": context_text(context_words)})
+    messages = NumbersTask(context_words=context_words).messages(PROMPTS[0])
+
+    async def wave(client: httpx.AsyncClient, model: str) -> None:
         body = {"model": model, "messages": messages,
                 "max_tokens": max_tokens, "logprobs": True, "return_token_ids": True}
         replies = await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json=body)
@@ -376,19 +375,19 @@ def main() -> int:
     model = build_model(args, out)
     results = {"args": vars(args), "modes": {}}
     engines = start_shared_engines(args, model, out) if args.shared_engine else []
-    urls = [e.url for e in engines] or None
+    urls = [e.url for e in engines]  # empty: each mode starts its own engine
     try:
-        results["engine_warmup_s"] = [warm_engine(url, args.concurrency * args.group_size // len(engines),
-                                                  args.max_tokens, args.context_words) for url in urls or []]
-        if args.warmup:
-            warm = run_mode("warmup", args, model, out, urls)
-            results["warmup"] = {"steps": warm["steps"], "demo_seconds": warm["demo_seconds"]}
-            for url in urls or []:
-                unload_adapters(url, "warmup@")
-        for mode in args.modes.split(","):
-            results["modes"][mode] = run_mode(mode, args, model, out, urls)
-            for url in urls or []:
+        results["engine_warmup_s"] = [warm_engine(url, args.concurrency * args.group_size // len(urls),
+                                                  args.max_tokens, args.context_words) for url in urls]
+        timed = args.modes.split(",")
+        for mode in ["warmup", *timed] if args.warmup else timed:
+            result = run_mode(mode, args, model, out, urls)
+            for url in urls:
                 unload_adapters(url, f"{mode}@")
+            if mode == "warmup":
+                results["warmup"] = {"steps": result["steps"], "demo_seconds": result["demo_seconds"]}
+                continue
+            results["modes"][mode] = result
             (out / "loop_bench.json").write_text(json.dumps(results, indent=2))
     finally:
         for engine in engines:

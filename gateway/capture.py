@@ -291,13 +291,12 @@ def build_records(ctx: CallContext, captures: list[ChoiceCapture], total_s: floa
     return records
 
 
-def encode_call_records(ctx: CallContext, choices: list[ChoiceCapture] | list[RawChoice] | bytes,
+def encode_call_records(ctx: CallContext, choices: list[ChoiceCapture] | bytes,
                         total_s: float) -> list[tuple[bytes | None, bytes]]:
     """The producer's job for one call (module-level, so it can be sent to a producer process): split a
-    non-streamed body (the bytes vLLM sent), decode, build and encode every choice's record, keyed by
-    trajectory id."""
-    if isinstance(choices, bytes):
-        choices = split_body(choices, ctx.endpoint, False, False)[1]
-    captures = [c if isinstance(c, ChoiceCapture) else decode_choice(c, ctx.endpoint) for c in choices]
+    non-streamed body (the bytes vLLM sent) and decode its choices, or take a stream's captured ones;
+    build and encode every choice's record, keyed by trajectory id."""
+    captures = choices if not isinstance(choices, bytes) else [
+        decode_choice(c, ctx.endpoint) for c in split_body(choices, ctx.endpoint, False, False)[1]]
     key = ctx.trajectory_id.encode()
     return [(key, encode(r)) for r in build_records(ctx, captures, total_s)]

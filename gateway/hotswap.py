@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 from kafka import TopicPartition
 
-from streamrl.broker.clients import make_consumer
+from streamrl.broker.clients import FETCH_MAX_WAIT_MS, make_consumer
 from streamrl.broker.schema import PolicyRecord, RecordError, decode
 
 from .config import GatewayConfig
@@ -34,13 +34,6 @@ log = logging.getLogger(__name__)
 WEIGHTS_FILE = "adapter_model.safetensors"
 _CAUGHT_UP = object()
 """Put on the queue by the consumer thread once it has read the topic to its end."""
-POLL_MS = 100
-"""How long the follower's fetch waits in the broker, and its ``poll``, when no version is published.
-A trade: each wake-up of kafka-python's two threads takes the GIL from the event loop (at 20 ms, 8-10%
-of a core in the gateway process, and the logging-on p99 at 500 req/s went 3.4 -> 2.9 ms in paired
-runs with a long wait), while the embedded broker answers a long poll late rather than when a record
-arrives (a record reached a polling consumer after 10 / 41 ms median / max with 100 ms, 67 / 204 ms
-with 500 ms, 10 / 14 ms with 20 ms). 100 ms keeps the swap fast at a fifth of the wake-ups."""
 
 
 def sha256_file(path: Path) -> str:
@@ -107,7 +100,7 @@ class PolicyFollower:
         while consumer is None and not self._stopping.is_set():
             try:
                 consumer = make_consumer(self.config.bootstrap_servers, group_id=None,  # type: ignore[arg-type]
-                                         client_id="streamrl-gateway-policy", fetch_max_wait_ms=POLL_MS)
+                                         client_id="streamrl-gateway-policy")
             except Exception as exc:
                 log.warning("policy follower cannot reach Kafka (%s); retrying", exc)
                 self._stopping.wait(1.0)
@@ -123,7 +116,7 @@ class PolicyFollower:
         caught_up = False
         try:
             while not self._stopping.is_set():
-                batches = consumer.poll(timeout_ms=POLL_MS)
+                batches = consumer.poll(timeout_ms=FETCH_MAX_WAIT_MS)
                 for message in batches.get(tp, ()):
                     try:
                         record = decode(message.value)

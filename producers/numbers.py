@@ -67,14 +67,16 @@ class NumbersTask:
     def sample(self, rng: random.Random) -> str:
         return rng.choice(PROMPTS)
 
+    def messages(self, prompt: str) -> list[dict[str, str]]:
+        """The chat messages of one call: the shared context (if any), then the prompt."""
+        context = [{"role": "system", "content": context_text(self.context_words)}] if self.context_words else []
+        return [*context, {"role": "user", "content": prompt}]
+
     async def episode(self, gateway: AsyncGateway, prompt: str, group_id: str, group_size: int) -> Outcome:
         """One trajectory: one chat call, reward posted when the trajectory closes."""
         async with gateway.trajectory(group_id=group_id, group_size=group_size) as t:
-            messages = [{"role": "user", "content": prompt}]
-            if self.context_words:
-                messages.insert(0, {"role": "system", "content": context_text(self.context_words)})
             raw = await t.client.chat.completions.with_raw_response.create(
-                model=self.model, messages=messages,
+                model=self.model, messages=self.messages(prompt),  # type: ignore[arg-type]
                 max_tokens=self.max_tokens, temperature=self.temperature)
             reply = raw.parse()
             reward = digit_fraction(reply.choices[0].message.content or "")

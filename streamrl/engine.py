@@ -42,15 +42,15 @@ class EngineConfig:
 
 
 def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = None, *,
-                 what: str = "server", interval: float = 0.2) -> None:
-    """Wait until ``GET base_url/health`` answers 200; raise early if ``proc`` exits first."""
+                 what: str = "server", interval: float = 0.2, path: str = "/health") -> None:
+    """Wait until ``GET base_url + path`` answers 200; raise early if ``proc`` exits first."""
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"{what} exited with code {proc.returncode} during start-up")
             with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{base_url}/health").status_code == 200:
+                if client.get(f"{base_url}{path}").status_code == 200:
                     return
             time.sleep(interval)
     raise TimeoutError(f"{what} not healthy after {timeout}s")

@@ -30,8 +30,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
-import httpx
-
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine import Engine, EngineConfig, wait_healthy
@@ -385,20 +383,12 @@ class Stack:
         wait_healthy(self.gateway_url, 120, proc, what="gateway")
         self.log.line("gateway", f"ready at {self.gateway_url}/v1 (model {c.policy_name!r})")
 
-    def _wait_trainer(self, trainer: TrainerConfig, timeout: float = 900.0) -> None:
+    def _wait_trainer(self, trainer: TrainerConfig) -> None:
         """Until the trainer has loaded its model and serves its metrics (rank 0 opens the port then)."""
-        url = f"http://127.0.0.1:{trainer.metrics_port}/metrics"
         started = time.monotonic()
-        with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() - started < timeout:
-                if self.children["trainer"].poll() is not None:
-                    raise RuntimeError(f"trainer exited with code {self.children['trainer'].returncode} during start-up")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(url).status_code == 200:
-                        self.log.line("trainer", f"ready (model loaded) after {time.monotonic() - started:.1f} s")
-                        return
-                time.sleep(0.2)
-        raise TimeoutError(f"trainer not ready after {timeout:.0f} s")
+        wait_healthy(f"http://127.0.0.1:{trainer.metrics_port}", 900, self.children["trainer"], what="trainer",
+                     path="/metrics")
+        self.log.line("trainer", f"ready (model loaded) after {time.monotonic() - started:.1f} s")
 
     def _demo(self, demo: DemoConfig) -> None:
         if demo.summary is None:

@@ -16,7 +16,7 @@ import pytest
 
 from streamrl.broker.schema import CompletionRecord, decode
 from streamrl.gateway import strip
-from streamrl.gateway.capture import CallContext, encode_call_records, split_body
+from streamrl.gateway.capture import CallContext, decode_choice, encode_call_records, split_body
 from streamrl.gateway.strip import client_body, fast_strip
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -330,8 +330,8 @@ def test_records_from_the_raw_body_equal_the_old_way(endpoint: str, n: int) -> N
             else completion_body(n, text=NASTY, nasty=True, top=2))
     raw = dumps(body)
     ctx = _ctx(endpoint)
-    _, captured, _ = split_body(raw, endpoint, True, True)  # the old way: split on the event loop
-    old = encode_call_records(ctx, captured, 0.25)
+    _, captured, _ = split_body(raw, endpoint, True, True)  # the old way: split and decode beforehand
+    old = encode_call_records(ctx, [decode_choice(c, endpoint) for c in captured], 0.25)
     build = pickle.loads(pickle.dumps(functools.partial(encode_call_records, ctx, raw, 0.25), protocol=5))
     new = build()  # as the producer process runs it
     assert new == old

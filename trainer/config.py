@@ -94,11 +94,6 @@ class TrainerConfig:
     max_steps: int | None = None
     """Stop after this many optimizer steps (tests, replay); None = run forever."""
     poll_timeout_s: float = 0.5
-    fetch_max_wait_ms: int = 50
-    """How long the broker may hold a fetch that finds nothing new. Short, so that the records that
-    complete a group reach the trainer within about this much: the embedded broker answers a long poll
-    late rather than as soon as data arrives (measured: a record reached a polling consumer after 67 ms
-    median, 205 ms at worst, with Kafka's default of 500 ms; 9 and 32 ms with 50 ms)."""
 
     def __post_init__(self) -> None:
         self.target_modules = tuple(self.target_modules)
@@ -117,8 +112,6 @@ class TrainerConfig:
             raise ValueError(f"compile must be true, false, 'dynamic' or 'static', not {self.compile!r}")
         if self.normalize not in ("token", "sequence"):
             raise ValueError(f"normalize must be token or sequence, not {self.normalize!r}")
-        if not 0 <= self.fetch_max_wait_ms <= 60_000:
-            raise ValueError(f"fetch_max_wait_ms must be within 0..60000, not {self.fetch_max_wait_ms}")
 
     @property
     def policy_dir(self) -> Path:

@@ -38,8 +38,7 @@ def open_source(c: TrainerConfig, state: TrainerState) -> GroupSource:
 
     from .source import KafkaRecordSource
 
-    records = KafkaRecordSource(c.bootstrap_servers, Topics(c.topic_prefix), c.group_id, state.offsets,
-                                fetch_max_wait_ms=c.fetch_max_wait_ms)
+    records = KafkaRecordSource(c.bootstrap_servers, Topics(c.topic_prefix), c.group_id, state.offsets)
     return StreamGroups(records, c, restore=state.pending, done=state.done)
 
 

@@ -55,15 +55,13 @@ class RecordSource(ABC):
 
 class KafkaRecordSource(RecordSource):
     def __init__(self, bootstrap_servers: str, topics: Topics, group_id: str,
-                 start: dict[str, int] | None = None, *, partition_timeout_s: float = 30.0,
-                 fetch_max_wait_ms: int = 50) -> None:
+                 start: dict[str, int] | None = None, *, partition_timeout_s: float = 30.0) -> None:
         from kafka import TopicPartition
 
         from streamrl.broker.clients import make_consumer
 
         self._stream = {topics.completions: "c", topics.rewards: "r"}
-        self.consumer = make_consumer(bootstrap_servers, group_id=group_id, client_id="streamrl-trainer",
-                                      fetch_max_wait_ms=fetch_max_wait_ms)
+        self.consumer = make_consumer(bootstrap_servers, group_id=group_id, client_id="streamrl-trainer")
         tps = []
         for topic in self._stream:
             parts = self._partitions(topic, partition_timeout_s)
