@@ -302,6 +302,42 @@ class ThreadCpu:
                                                 if s > 0}}
 
 
+def host_cpu_counters() -> dict[str, float]:
+    """Counters of CPU starvation outside any one thread: cgroup throttling (a CPU quota stops every thread
+    of the container at once, which a thread's run delay shows but cannot explain) and CPU pressure (time
+    in which some runnable task of the machine or container waited for a CPU)."""
+    out: dict[str, float] = {}
+    for path, scale in ((Path("/sys/fs/cgroup/cpu.stat"), 1e-6), (Path("/sys/fs/cgroup/cpu/cpu.stat"), 1e-9),
+                        (Path("/sys/fs/cgroup/cpu,cpuacct/cpu.stat"), 1e-9)):
+        with contextlib.suppress(OSError, ValueError):
+            fields = dict(line.split() for line in path.read_text().splitlines() if line.strip())
+            out["cgroup_periods"] = float(fields.get("nr_periods", 0))
+            out["cgroup_throttled_periods"] = float(fields.get("nr_throttled", 0))
+            throttled = fields.get("throttled_usec", fields.get("throttled_time", 0))
+            out["cgroup_throttled_s"] = float(throttled) * scale
+            break
+    for path in (Path("/sys/fs/cgroup/cpu.pressure"), Path("/proc/pressure/cpu")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            some = path.read_text().splitlines()[0]
+            out["cpu_pressure_some_s"] = float(some.rsplit("total=", 1)[1]) / 1e6
+            break
+    return out
+
+
+def counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
+def processes_run_delay_s(pids: list[int]) -> float:
+    """Time all threads of these processes spent runnable but off-CPU, in all (cumulative counter)."""
+    total = 0.0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            with contextlib.suppress(ValueError):
+                total += run_delay_seconds(pid, int(task.name))
+    return total
+
+
 LAG_METRIC = "streamrl_gateway_event_loop_lag_seconds"
 
 
@@ -444,6 +480,9 @@ def print_table(results: dict[str, object]) -> None:
         lambda e: " / ".join(ms(e["latency"]["event_loop_lag"][k]) for k in ("p50_ms", "p99_ms", "max_ms")))
     row("event-loop lag samples over 5 / 10 / 20 ms", lambda e: " / ".join(
         f"{v:g}" for v in e["latency"]["event_loop_lag"]["samples_over"].values()))
+    row("open loop: producer process off-CPU / CPU pressure / cgroup throttled (ms in all)",
+        lambda e: " / ".join(f"{e['latency']['host'].get(k, float('nan')) * 1000:.1f}" for k in (
+            "producer_process_run_delay_s", "cpu_pressure_some_s", "cgroup_throttled_s")))
     row("records waited (pipe full): open / closed loop",
         lambda e: f"{e['latency']['records_waited']} / {e['throughput']['records_waited']}")
 
@@ -487,10 +526,13 @@ def main() -> None:
             gw_url = f"http://127.0.0.1:{gw_port}"
             pid = (gw or stub).pid
             print(f"[{mode}] open loop at {args.rate:.0f} req/s for {args.seconds:.0f}s ...", flush=True)
-            threads = ThreadCpu(pid)
+            threads, host0, helpers = ThreadCpu(pid), host_cpu_counters(), children(pid)
+            helper_delay0 = processes_run_delay_s(helpers)
             lag0, waited0 = (lag_buckets(gw_url), producer_waited(gw_url)) if gw is not None else ({}, 0)
             lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
             lat["threads"] = threads.result(lat["requests"])
+            lat["host"] = counters_delta(host0, host_cpu_counters())
+            lat["host"]["producer_process_run_delay_s"] = processes_run_delay_s(helpers) - helper_delay0
             if gw is not None:
                 lat["event_loop_lag"] = lag_summary(lag0, lag_buckets(gw_url))
                 lat["records_waited"] = producer_waited(gw_url) - waited0

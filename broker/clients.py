@@ -202,6 +202,51 @@ def _collect_rarely() -> None:
     gc.set_threshold(20_000, 50, 100)
 
 
+class _FrameReader:
+    """The producer process's end of the pipe: a thread that empties the pipe into memory as fast as the
+    parent fills it, so that whatever pauses the process's work (a slow record, kafka-python's sender
+    holding the GIL, a collection) does not leave the pipe full (1 MiB where the kernel caps it: 20 ms
+    of 107 KB records at 500 req/s) and the server's records waiting in its backlog. Bounded in bytes:
+    when ``max_bytes`` are waiting here it stops reading, and the parent's own bound takes over."""
+
+    def __init__(self, fd: int, max_bytes: int = 64 << 20) -> None:
+        self.pipe = os.fdopen(fd, "rb", buffering=1 << 20, closefd=False)
+        self.max_bytes, self.pending_bytes = max_bytes, 0
+        self.frames: collections.deque[bytes | None] = collections.deque()
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, name="streamrl-log-pipe-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while len(head := self.pipe.read(_FRAME.size)) == _FRAME.size:
+                (size,) = _FRAME.unpack(head)
+                data = self.pipe.read(size) if size else b""
+                if len(data) != size or not size:
+                    break
+                with self.cond:
+                    while self.pending_bytes >= self.max_bytes:
+                        self.cond.wait()
+                    self.frames.append(data)
+                    self.pending_bytes += size
+                    self.cond.notify_all()
+        finally:  # an empty frame, the parent gone or a read error: the end
+            with self.cond:
+                self.frames.append(None)
+                self.cond.notify_all()
+
+    def __iter__(self) -> collections.abc.Iterator[bytes]:
+        while True:
+            with self.cond:
+                while not self.frames:
+                    self.cond.wait()
+                data = self.frames.popleft()
+                if data is None:
+                    return
+                self.pending_bytes -= len(data)
+                self.cond.notify_all()
+            yield data
+
+
 def _child_main(conn: Any, bootstrap_servers: str, compression: str | None, send_timeout_ms: int,
                 client_id: str, counts: Any) -> None:
     """The producer process: receives pickled items until an empty frame, then flushes and exits."""
@@ -211,13 +256,8 @@ def _child_main(conn: Any, bootstrap_servers: str, compression: str | None, send
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _collect_rarely()
     sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, counts)
-    pipe = os.fdopen(conn.fileno(), "rb", buffering=1 << 20, closefd=False)
     try:
-        while len(head := pipe.read(_FRAME.size)) == _FRAME.size:
-            (size,) = _FRAME.unpack(head)
-            data = pipe.read(size) if size else b""
-            if len(data) != size or not size:
-                break
+        for data in _FrameReader(conn.fileno()):
             sender.handle(pickle.loads(data))
     finally:
         sender.close()
@@ -269,6 +309,9 @@ class _PipeWriter:
         with self.cond:
             if self.closing:
                 return False
+            if self.backlog:  # the pipe may have room again: write what waits, not waiting for the drain thread
+                with contextlib.suppress(OSError):  # the child gone: the drain thread counts the loss
+                    self._flush_backlog()
             if not self.backlog:
                 try:
                     frame = frame[os.write(self.fd, frame):]
@@ -290,6 +333,22 @@ class _PipeWriter:
             self.cond.notify()
         return True
 
+    def _flush_backlog(self) -> None:
+        """Write waiting frames while the pipe takes them, without blocking (the lock held). Raises
+        OSError when the child is gone."""
+        while self.backlog:
+            frame, n = self.backlog[0]
+            try:
+                rest = frame[os.write(self.fd, frame):]
+            except BlockingIOError:
+                return
+            self.backlog_bytes -= len(frame) - len(rest)
+            if rest:
+                self.backlog[0] = (rest, n)
+                return
+            self.backlog.popleft()
+            self.backlog_items -= n
+
     @property
     def buffered(self) -> int:
         return self.backlog_items
@@ -301,25 +360,16 @@ class _PipeWriter:
                     self.cond.wait()
                 if not self.backlog:
                     break
-                frame, n = self.backlog[0]
             select.select([], [self.fd], [])  # wait for room, the lock released
             with self.cond:
                 try:
-                    rest = frame[os.write(self.fd, frame):]
-                except BlockingIOError:
-                    continue
+                    self._flush_backlog()
                 except OSError as exc:
                     self.lost += sum(n for _, n in self.backlog)
                     self.backlog.clear()
                     self.backlog_items = self.backlog_bytes = 0
                     log.warning("records not handed to the producer process: %s", exc)
                     break
-                self.backlog_bytes -= len(frame) - len(rest)
-                if rest:
-                    self.backlog[0] = (rest, n)
-                else:
-                    self.backlog.popleft()
-                    self.backlog_items -= n
         os.set_blocking(self.fd, True)
         with contextlib.suppress(OSError):
             os.write(self.fd, _FRAME.pack(0))

@@ -9,7 +9,7 @@ import threading
 
 from kafka_reader import TopicReader
 
-from streamrl.broker.clients import _FRAME, LogProducer, _PipeWriter
+from streamrl.broker.clients import _FRAME, LogProducer, _FrameReader, _PipeWriter
 from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.schema import RewardRecord, decode, encode
 from streamrl.broker.topics import Topics, create_topics
@@ -116,6 +116,35 @@ def test_pipe_backlog_is_bounded_in_bytes_too() -> None:
         writer.close(timeout_s=30)
         reader.join(30)
     assert writer.buffered == 0 and writer.backlog_bytes == 0
+
+
+def test_producer_process_empties_the_pipe_while_its_work_waits() -> None:
+    """The producer process's reader takes frames off the pipe while nothing consumes them (its main
+    thread busy with a slow record), up to its byte bound, so the server's writes find room; then every
+    frame comes out whole and in order."""
+    read_fd, write_fd = os.pipe()
+    bound, frame_bytes, count = 1 << 20, 100_000, 80  # 8 MB: more than pipe, read buffer and bound hold
+    reader = _FrameReader(read_fd, max_bytes=bound)
+    payloads = [bytes([i]) * frame_bytes for i in range(count)]
+
+    def write_all() -> None:
+        with os.fdopen(write_fd, "wb") as pipe:
+            for payload in payloads:
+                pipe.write(_FRAME.pack(len(payload)) + payload)
+                pipe.flush()
+            pipe.write(_FRAME.pack(0))
+
+    writer = threading.Thread(target=write_all)
+    writer.start()
+    with reader.cond:  # nothing consumed yet: the reader still fills its memory up to the bound
+        assert reader.cond.wait_for(lambda: reader.pending_bytes >= bound, timeout=30)
+    assert reader.pending_bytes < bound + frame_bytes  # and stops there, not reading without end
+    assert writer.is_alive()  # so the rest stays in the pipe: the bound holds the writer back
+    frames = list(reader)
+    writer.join(30)
+    assert not writer.is_alive()
+    assert frames == payloads
+    os.close(read_fd)
 
 
 def test_decode_roundtrip_of_built_records() -> None:
