@@ -7,6 +7,7 @@ import os
 import pickle
 import threading
 
+import pytest
 from kafka_reader import TopicReader
 
 from streamrl.broker.clients import _FRAME, LogProducer, _FrameReader, _PipeWriter
@@ -118,13 +119,14 @@ def test_pipe_backlog_is_bounded_in_bytes_too() -> None:
     assert writer.buffered == 0 and writer.backlog_bytes == 0
 
 
-def test_producer_process_empties_the_pipe_while_its_work_waits() -> None:
+@pytest.mark.parametrize("idle_s", [1.0, 0.0], ids=["polling", "sleeping-in-select"])
+def test_producer_process_empties_the_pipe_while_its_work_waits(idle_s: float) -> None:
     """The producer process's reader takes frames off the pipe while nothing consumes them (its main
     thread busy with a slow record), up to its byte bound, so the server's writes find room; then every
-    frame comes out whole and in order."""
+    frame comes out whole and in order, whether the reader polls (records flowing) or sleeps (idle)."""
     read_fd, write_fd = os.pipe()
-    bound, frame_bytes, count = 1 << 20, 100_000, 80  # 8 MB: more than pipe, read buffer and bound hold
-    reader = _FrameReader(read_fd, max_bytes=bound)
+    bound, frame_bytes, count = 1 << 20, 100_000, 80  # 8 MB: more than pipe, read chunk and bound hold
+    reader = _FrameReader(read_fd, max_bytes=bound, idle_s=idle_s)
     payloads = [bytes([i]) * frame_bytes for i in range(count)]
 
     def write_all() -> None:
