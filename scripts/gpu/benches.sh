@@ -4,7 +4,8 @@
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
 #   BENCH: gateway | loop-two-gpu | loop-one-gpu | trainer
-#   env:   LR (loop learning rate, default 3e-3), ENGINES (vLLM replicas, default 2),
+#   env:   LR (loop learning rate, default 3e-3), ENGINES (vLLM replicas, default 1),
+#          MAX_AHEAD (pipeline's steps ahead, default 1), CONCURRENCY (groups in flight, default 16),
 #          LOOP_SECONDS (per mode, default 150), UNTIL (target reward, default 0.8)
 set -uo pipefail
 stash=${1:?STASH}; out=${2:?OUT}; shift 2
@@ -18,10 +19,10 @@ loop() {  # loop LAYOUT NAME
   local dir=/root/lb-$2
   rm -rf "$dir"
   (while sleep 10; do cp "$dir/loop_bench.json" "$out/$2.json" 2>/dev/null; done) & local copier=$!
-  python3 "$repo/bench/loop_bench.py" --layout "$1" --shape qwen2.5-1.5b --shared-engine --engines "${ENGINES:-2}" \
+  python3 "$repo/bench/loop_bench.py" --layout "$1" --shape qwen2.5-1.5b --shared-engine --engines "${ENGINES:-1}" \
       --warmup --modes pipeline,sync --until-reward "${UNTIL:-0.8}" --max-seconds "${LOOP_SECONDS:-150}" \
-      --learning-rate "${LR:-3e-3}" --group-size 8 --groups-per-step 16 --lora-rank 16 --concurrency 16 \
-      --max-tokens 256 --max-ahead 1 --micro-batch-tokens 16384 --row-tokens 1024 --context-words 400 \
+      --learning-rate "${LR:-3e-3}" --group-size 8 --groups-per-step 16 --lora-rank 16 --concurrency "${CONCURRENCY:-16}" \
+      --max-tokens 256 --max-ahead "${MAX_AHEAD:-1}" --micro-batch-tokens 16384 --row-tokens 1024 --context-words 400 \
       --max-model-len 4096 --stall-s 30 --out "$dir" > "$out/$2.log" 2>&1
   kill "$copier"
   cp "$dir/loop_bench.json" "$out/$2.json" 2>/dev/null
