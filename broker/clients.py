@@ -254,7 +254,8 @@ class _FrameReader:
                         return
                     if len(buffer) - pos - _FRAME.size < size:
                         break
-                    data = bytes(buffer[pos + _FRAME.size:pos + _FRAME.size + size])
+                    with memoryview(buffer) as view:  # one copy of the frame, not two
+                        data = bytes(view[pos + _FRAME.size:pos + _FRAME.size + size])
                     pos += _FRAME.size + size
                     with self.cond:
                         while self.pending_bytes >= self.max_bytes:

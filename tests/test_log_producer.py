@@ -91,6 +91,48 @@ def test_pipe_backlog_is_bounded_and_keeps_order() -> None:
     assert values == [payload + str(i).encode() for i in range(accepted)]
 
 
+def test_pipe_writes_from_caller_and_drain_thread_keep_order() -> None:
+    """A reader that keeps up only part of the time: frames go into the pipe, wait in the backlog, and
+    are written out both by the drain thread and by later ``put`` calls; each arrives once, in order."""
+    read_fd, write_fd = os.pipe()
+
+    class Conn:
+        def fileno(self) -> int:
+            return write_fd
+
+        def close(self) -> None:
+            os.close(write_fd)
+
+    writer = _PipeWriter(Conn(), max_buffered=100_000)
+    frames: list[bytes] = []
+
+    def read_all() -> None:
+        with os.fdopen(read_fd, "rb") as pipe:
+            while len(head := pipe.read(_FRAME.size)) == _FRAME.size:
+                (size,) = _FRAME.unpack(head)
+                if not size:
+                    return
+                frames.append(pipe.read(size))
+
+    def frame(i: int) -> tuple[str, None, bytes, int]:
+        return ("t", None, str(i).encode() + b"x" * 50_000, 1)
+
+    sent = 0
+    while writer.waited < 3:  # nothing reads yet: fill the pipe until frames wait in the backlog
+        assert writer.put(frame(sent))
+        sent += 1
+        assert sent < 1_000, "the pipe never filled"
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    count = sent + 400  # 20 MB more while the reader drains: later puts find frames still waiting
+    for i in range(sent, count):
+        assert writer.put(frame(i))
+    writer.close(timeout_s=30)
+    reader.join(30)
+    assert not reader.is_alive()
+    assert [pickle.loads(f)[2][:-50_000] for f in frames] == [str(i).encode() for i in range(count)]
+
+
 def test_pipe_backlog_is_bounded_in_bytes_too() -> None:
     """A stalled producer process: large records are refused once the backlog holds max_buffered_bytes,
     long before the record bound; room comes back as the backlog drains."""
