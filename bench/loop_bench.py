@@ -214,6 +214,11 @@ def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gp
     result: dict = {"mode": mode, "exit_code": rc, "demo": demo, "steps": len(history), "t0": t0}
     result["step_seconds"] = [{k: round(h[k], 3) for k in ("wait_s", "step_s", "adapter_s", "checkpoint_s",
                                                             "announce_s") if k in h} for h in history]
+    cycles = [sum(t.values()) for t in result["step_seconds"][1:]]  # the first step includes start-up
+    result["seconds_per_version"] = sum(cycles) / len(cycles) if cycles else None
+    # how far the trained policy had moved from the one that sampled its data: large values mean stale
+    # samples say little about the current policy (see docs/benchmarks.md)
+    result["kl_behaviour_per_step"] = [h.get("kl_behaviour") for h in history]
     result["reward_curve"] = [(round(h["time"] - t0, 2), h["reward_mean"], h["version"]) for h in history]
     result["time_to_target_s"] = demo.get("target_reached_s")
     result["step_anatomy"] = step_anatomy(demo.get("versions", {}))
@@ -403,8 +408,8 @@ def _fmt(x: float | None) -> str:
 def print_table(results: dict) -> None:
     modes = results["modes"]
     print("| mode | time to reward (s) | steps | rollout tok/s | trainer tok/s | MFU 4N | publish->routed p50/p99 s "
-          "| staleness mean/max | GPU busy | serving / gap per version (s) | failed |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | --- | ---: |")
+          "| staleness mean/max | GPU busy | serving / gap per version (s) | s per version | failed |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | --- | ---: | ---: |")
     for mode, r in modes.items():
         gpus = ", ".join(f"gpu{g['gpu']} {g['busy_frac']:.0%}" for g in r.get("gpus", [])) or "-"
         print(f"| {mode} | {r.get('time_to_target_s')} | {r['steps']} | {r.get('rollout_tokens_per_s', 0):.0f} "
@@ -412,11 +417,14 @@ def print_table(results: dict) -> None:
               f"| {r.get('publish_to_route_p50_s')}/{r.get('publish_to_route_p99_s')} "
               f"| {r['staleness_mean_per_step']['mean']}/{r['staleness_mean_per_step']['max']} | {gpus} "
               f"| {_fmt(r['step_anatomy']['serving_s_mean'])} / {_fmt(r['step_anatomy']['gap_s_mean'])} "
-              f"| {r.get('requests_failed')} |")
+              f"| {_fmt(r.get('seconds_per_version'))} | {r.get('requests_failed')} |")
     if "pipeline" in modes and "sync" in modes:
         a, b = modes["pipeline"].get("time_to_target_s"), modes["sync"].get("time_to_target_s")
         if a and b:
             print(f"\npipeline reached the reward {b / a:.2f}x sooner than sync")
+        a, b = modes["pipeline"].get("seconds_per_version"), modes["sync"].get("seconds_per_version")
+        if a and b:
+            print(f"pipeline published versions {b / a:.2f}x as often as sync (after the first)")
 
 
 if __name__ == "__main__":
