@@ -171,7 +171,7 @@ class PolicyFollower:
         self.router.versions[record.version] = state
         while not await self._load_everywhere(state):
             if not self._queue.empty():  # a newer version is waiting: give this one up
-                await self._unload(state)
+                await self._unload(state, "a newer version arrived while it was loading")
                 return
             await asyncio.sleep(self.config.load_retry_s)
         state.loaded_at = time.time()
@@ -232,9 +232,10 @@ class PolicyFollower:
     # -- unloading -----------------------------------------------------------------------------------
     def _on_idle(self, state: VersionState) -> None:
         if not state.unloading and state.loaded_at:
-            self._spawn(self._unload(state))
+            routed = self.router.routed.served_name if self.router.routed else "nothing"
+            self._spawn(self._unload(state, f"no request in flight, {routed} routed"))
 
-    async def _unload(self, state: VersionState) -> None:
+    async def _unload(self, state: VersionState, reason: str) -> None:
         state.unloading = True
         name = state.served_name
         holders = [u for u in self.pool.upstreams if name in u.adapters]
@@ -243,7 +244,7 @@ class PolicyFollower:
         await asyncio.gather(*(self._unload_one(u, name) for u in holders))
         self.router.versions.pop(state.record.version, None)
         self._room.set()
-        log.info("unloaded %s", name)
+        log.info("unloaded %s (%s)", name, reason)
 
     async def _unload_one(self, up: Upstream, name: str) -> None:
         try:

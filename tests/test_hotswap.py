@@ -4,6 +4,7 @@ before a swap finish on the version they started with."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -44,8 +45,10 @@ def base_model(engine: Engine) -> str:
 
 
 @pytest.fixture(autouse=True)
-def unload_afterwards(engine: Engine) -> Iterator[None]:
-    """Leave the shared engine without this module's adapters (their files go when pytest cleans up)."""
+def unload_afterwards(engine: Engine, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Leave the shared engine without this module's adapters (their files go when pytest cleans up).
+    The gateway's swap log (loads, routes, unloads and why) is kept, so that a failure shows it."""
+    caplog.set_level(logging.INFO, logger="streamrl.gateway.hotswap")
     yield
     for card in httpx.get(f"{engine.url}/v1/models").json()["data"]:
         if card.get("parent") and card["id"].split("@")[0] in ("loadtest", "inflight", "catchup"):
