@@ -211,10 +211,10 @@ class _FrameReader:
 
     While records flow it polls the pipe every ``poll_s`` instead of sleeping in ``read``: a write to a
     pipe with a sleeping reader wakes the reader with the kernel's "sync" hint, which puts it on the
-    writer's CPU, where it preempts the server's event loop (measured on a 2-core box, 500 writes/s of
-    107 KB: the writer runnable but off-CPU 480-520 ms in 8 s with a sleeping reader, 1-40 ms with a
-    polling one). After ``idle_s`` without data it sleeps in ``select`` again, so an idle server costs
-    nothing; the first record after a pause wakes it."""
+    writer's CPU, where it preempts the server's event loop (``bench/pipe_wakeup_bench.py``, 2-core box,
+    500 writes/s of 107 KB: the writer runnable but off-CPU 644 ms in 8 s with a sleeping reader, 28 ms
+    with a polling one). After ``idle_s`` without data it sleeps in ``select`` again, so an idle server
+    costs nothing; the first record after a pause wakes it."""
 
     def __init__(self, fd: int, max_bytes: int = 64 << 20, poll_s: float = 0.002, idle_s: float = 1.0) -> None:
         self.fd, self.max_bytes, self.poll_s, self.idle_s = fd, max_bytes, poll_s, idle_s
