@@ -287,9 +287,9 @@ class ThreadCpu:
         self.delay0 = {tid: run_delay_seconds(pid, tid) for tid in self.threads0}
 
     def result(self, requests: int) -> dict[str, object]:
-        delays = {tid: run_delay_seconds(self.pid, tid) - self.delay0.get(tid, 0.0) for tid in thread_cpu(self.pid)}
-        delay = delays.pop(self.pid, 0.0)
         total, threads = cpu_seconds(self.pid) - self.total0, thread_cpu(self.pid)
+        delays = {tid: run_delay_seconds(self.pid, tid) - self.delay0.get(tid, 0.0) for tid in threads}
+        delay = delays.pop(self.pid, 0.0)
         per = {tid: s - self.threads0.get(tid, 0.0) for tid, s in threads.items()}
         main = per.pop(self.pid, 0.0)
         others = sum(per.values())
@@ -330,12 +330,7 @@ def counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 def processes_run_delay_s(pids: list[int]) -> float:
     """Time all threads of these processes spent runnable but off-CPU, in all (cumulative counter)."""
-    total = 0.0
-    for pid in pids:
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            with contextlib.suppress(ValueError):
-                total += run_delay_seconds(pid, int(task.name))
-    return total
+    return sum(run_delay_seconds(pid, tid) for pid in pids for tid in thread_cpu(pid))
 
 
 LAG_METRIC = "streamrl_gateway_event_loop_lag_seconds"
@@ -526,6 +521,7 @@ def main() -> None:
             gw_url = f"http://127.0.0.1:{gw_port}"
             pid = (gw or stub).pid
             print(f"[{mode}] open loop at {args.rate:.0f} req/s for {args.seconds:.0f}s ...", flush=True)
+            # children: the gateway's record-producer process, when logging is on
             threads, host0, helpers = ThreadCpu(pid), host_cpu_counters(), children(pid)
             helper_delay0 = processes_run_delay_s(helpers)
             lag0, waited0 = (lag_buckets(gw_url), producer_waited(gw_url)) if gw is not None else ({}, 0)
@@ -538,7 +534,6 @@ def main() -> None:
                 lat["records_waited"] = producer_waited(gw_url) - waited0
                 lat["drain_s"] = wait_drained(gw_url)
             print(f"[{mode}] closed loop, concurrency {args.concurrency} ...", flush=True)
-            helpers = children(pid)  # the gateway's record-producer process, when logging is on
             cpu0, helper0 = cpu_seconds(pid), sum(cpu_seconds(c) for c in helpers)
             threads, waited0 = ThreadCpu(pid), producer_waited(gw_url) if gw is not None else 0
             thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
@@ -547,11 +542,11 @@ def main() -> None:
             thr["threads"] = threads.result(thr["requests"])
             if gw is not None:
                 thr["records_waited"] = producer_waited(gw_url) - waited0
-            thr["producer_process_cpu_ms_per_request"] = (sum(cpu_seconds(c) for c in helpers) - helper0) * 1000 / n
             thr["cpu_of"] = "stub" if gw is None else "gateway"
             if gw is not None:
                 thr["drain_s"] = wait_drained(gw_url)
-                thr["producer_process_cpu_ms_per_request"] = (sum(cpu_seconds(c) for c in helpers) - helper0) * 1000 / n
+            # after the drain: the producer process's CPU for this phase's records, all of them sent
+            thr["producer_process_cpu_ms_per_request"] = (sum(cpu_seconds(c) for c in helpers) - helper0) * 1000 / n
             entry: dict[str, object] = {"latency": lat, "throughput": thr}
             if gw is None:
                 entry["large_body_latency"] = asyncio.run(open_loop(url, args.rate, args.seconds, LARGE_REQUEST))

@@ -30,7 +30,6 @@ class LoopLagMonitor:
         self.interval_s = interval_s
         self.samples = 0
         """Samples taken so far (tests await one more after stalling the loop)."""
-        self.max_lag_s = 0.0
         self.loop: asyncio.AbstractEventLoop | None = None
         self._due = 0.0
         self._handle: asyncio.TimerHandle | None = None
@@ -54,7 +53,5 @@ class LoopLagMonitor:
         now = time.perf_counter()
         lag = max(0.0, now - self._due)
         self.samples += 1
-        if lag > self.max_lag_s:
-            self.max_lag_s = lag
         self.observe(lag)
         self._schedule(now)

@@ -50,9 +50,8 @@ def test_process_producer_delivers_plain_and_deferred_records(broker: EmbeddedBr
         f"{tag}-built-{i}" for i in range(30)}
 
 
-def test_pipe_backlog_is_bounded_and_keeps_order() -> None:
-    """A reader that stops reading fills the pipe, then the bounded backlog; offers beyond it are
-    refused at once (never block); once the reader resumes, every accepted frame arrives whole, in order."""
+def _pipe_writer(**bounds: int) -> tuple[int, _PipeWriter]:
+    """The server's side of the pipe to the producer process, on a fresh pipe; and the pipe's read end."""
     read_fd, write_fd = os.pipe()
 
     class Conn:  # the two methods _PipeWriter uses of a multiprocessing Connection
@@ -62,16 +61,11 @@ def test_pipe_backlog_is_bounded_and_keeps_order() -> None:
         def close(self) -> None:
             os.close(write_fd)
 
-    writer = _PipeWriter(Conn(), max_buffered=5)
-    payload = b"x" * 200_000  # a few frames fill even an enlarged pipe
-    accepted = refused = 0
-    while refused < 3:
-        if writer.put(("t", None, payload + str(accepted).encode(), 1)):
-            accepted += 1
-        else:
-            refused += 1
-        assert accepted < 1000, "the backlog bound was never reached"
-    assert writer.buffered == 5 and writer.waited == 5  # the five that did not fit in the pipe waited
+    return read_fd, _PipeWriter(Conn(), **bounds)
+
+
+def _read_frames(read_fd: int) -> tuple[threading.Thread, list[bytes]]:
+    """Start reading frames off the pipe until its end frame; the frames arrive in the returned list."""
     frames: list[bytes] = []
 
     def read_all() -> None:
@@ -84,6 +78,23 @@ def test_pipe_backlog_is_bounded_and_keeps_order() -> None:
 
     reader = threading.Thread(target=read_all)
     reader.start()
+    return reader, frames
+
+
+def test_pipe_backlog_is_bounded_and_keeps_order() -> None:
+    """A reader that stops reading fills the pipe, then the bounded backlog; offers beyond it are
+    refused at once (never block); once the reader resumes, every accepted frame arrives whole, in order."""
+    read_fd, writer = _pipe_writer(max_buffered=5)
+    payload = b"x" * 200_000  # a few frames fill even an enlarged pipe
+    accepted = refused = 0
+    while refused < 3:
+        if writer.put(("t", None, payload + str(accepted).encode(), 1)):
+            accepted += 1
+        else:
+            refused += 1
+        assert accepted < 1000, "the backlog bound was never reached"
+    assert writer.buffered == 5 and writer.waited == 5  # the five that did not fit in the pipe waited
+    reader, frames = _read_frames(read_fd)
     writer.close(timeout_s=30)
     reader.join(30)
     assert not reader.is_alive() and writer.buffered == 0
@@ -94,25 +105,7 @@ def test_pipe_backlog_is_bounded_and_keeps_order() -> None:
 def test_pipe_writes_from_caller_and_drain_thread_keep_order() -> None:
     """A reader that keeps up only part of the time: frames go into the pipe, wait in the backlog, and
     are written out both by the drain thread and by later ``put`` calls; each arrives once, in order."""
-    read_fd, write_fd = os.pipe()
-
-    class Conn:
-        def fileno(self) -> int:
-            return write_fd
-
-        def close(self) -> None:
-            os.close(write_fd)
-
-    writer = _PipeWriter(Conn(), max_buffered=100_000)
-    frames: list[bytes] = []
-
-    def read_all() -> None:
-        with os.fdopen(read_fd, "rb") as pipe:
-            while len(head := pipe.read(_FRAME.size)) == _FRAME.size:
-                (size,) = _FRAME.unpack(head)
-                if not size:
-                    return
-                frames.append(pipe.read(size))
+    read_fd, writer = _pipe_writer(max_buffered=100_000)
 
     def frame(i: int) -> tuple[str, None, bytes, int]:
         return ("t", None, str(i).encode() + b"x" * 50_000, 1)
@@ -122,8 +115,7 @@ def test_pipe_writes_from_caller_and_drain_thread_keep_order() -> None:
         assert writer.put(frame(sent))
         sent += 1
         assert sent < 1_000, "the pipe never filled"
-    reader = threading.Thread(target=read_all)
-    reader.start()
+    reader, frames = _read_frames(read_fd)
     count = sent + 400  # 20 MB more while the reader drains: later puts find frames still waiting
     for i in range(sent, count):
         assert writer.put(frame(i))
@@ -136,16 +128,7 @@ def test_pipe_writes_from_caller_and_drain_thread_keep_order() -> None:
 def test_pipe_backlog_is_bounded_in_bytes_too() -> None:
     """A stalled producer process: large records are refused once the backlog holds max_buffered_bytes,
     long before the record bound; room comes back as the backlog drains."""
-    read_fd, write_fd = os.pipe()
-
-    class Conn:
-        def fileno(self) -> int:
-            return write_fd
-
-        def close(self) -> None:
-            os.close(write_fd)
-
-    writer = _PipeWriter(Conn(), max_buffered=1_000, max_buffered_bytes=1 << 20)
+    read_fd, writer = _pipe_writer(max_buffered=1_000, max_buffered_bytes=1 << 20)
     payload = b"x" * 100_000
     accepted = 0
     while writer.put(("t", None, payload, 1)):
