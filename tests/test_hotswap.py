@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from holding_relay import HoldingRelay
 from test_gateway import TopicReader
 
 from streamrl.broker.clients import make_producer
@@ -56,7 +57,8 @@ def unload_afterwards(engine: Engine, caplog: pytest.LogCaptureFixture) -> Itera
 
 
 def gateway_config(broker: EmbeddedBroker, engine: Engine, name: str, **kw) -> GatewayConfig:
-    return GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
+    kw.setdefault("upstreams", (engine.url,))
+    return GatewayConfig(bootstrap_servers=broker.bootstrap_servers, port=free_port(),
                          topic_prefix=TOPICS.prefix, policy_name=name, health_interval_s=0.5, **kw)
 
 
@@ -139,27 +141,42 @@ def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model
 
 
 def test_request_started_before_swap_finishes_on_old_version(broker, engine, topics, adapters, base_model):
+    """The old request's answer is held in a relay between gateway and engine until the test has seen the
+    swap, so the request is in flight across it on any machine, however slow the swap."""
     name = "inflight"
     publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
-    with GatewayServer(gateway_config(broker, engine, name)) as gw:
+    old: dict[str, object] = {}
+
+    def old_request() -> None:
+        body = {"model": name, "prompt": "held across the swap", "max_tokens": 16, "stream": True}
+        with httpx.Client(timeout=120) as http, http.stream("POST", f"{gw.url}/v1/completions", json=body) as r:
+            old["version"] = r.headers["x-policy-version"]
+            old["lines"] = [line for line in r.iter_lines() if line]
+
+    with HoldingRelay(engine.url, marker=b"held across the swap") as relay, \
+            GatewayServer(gateway_config(broker, engine, name, upstreams=(relay.url,))) as gw:
         wait_routed(gw, 1)  # caught up on start
-        # long enough (seconds on this CPU) to still be running while the swap below happens
-        body = {"model": name, "prompt": "a", "max_tokens": 900, "ignore_eos": True, "stream": True}
-        with httpx.Client(timeout=120) as http, http.stream("POST", f"{gw.url}/v1/completions", json=body) as old:
-            assert old.headers["x-policy-version"] == "1"
-            lines = old.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            assert f'"model":"{name}@v1"' in first
+        thread = threading.Thread(target=old_request)
+        thread.start()
+        try:
+            assert relay.holding.wait(30), "the request did not reach the engine"
+            assert gw.gateway.router.versions[1].in_flight == 1
             publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
             wait_routed(gw, 2)
             assert gw.gateway.router.versions[1].in_flight == 1  # v1 held by the running stream
             assert f"{name}@v1" in engine_adapters(engine)  # so it stays loaded
-            new = http.post(f"{gw.url}/v1/completions", json={**body, "stream": False, "max_tokens": 4})
+            new = httpx.post(f"{gw.url}/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 4},
+                             timeout=120)
             assert new.status_code == 200 and new.headers["x-policy-version"] == "2"
             assert new.json()["model"] == f"{name}@v2"
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"
-        assert all(f'"model":"{name}@v1"' in line for line in rest if line.startswith("data: {"))
+        finally:
+            relay.release()
+            thread.join(120)
+        assert old["version"] == "1"
+        lines = old["lines"]
+        assert isinstance(lines, list) and lines[-1] == "data: [DONE]"
+        chunks = [line for line in lines if line.startswith("data: {")]
+        assert chunks and all(f'"model":"{name}@v1"' in line for line in chunks)
         wait_unloaded(engine, f"{name}@v1")  # drained, so unloaded
 
 
