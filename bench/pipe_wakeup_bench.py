@@ -3,7 +3,7 @@ writes them?
 
 A server thread writes ``--rate`` frames/s of ``--frame-bytes`` into a pipe and spends ``--work-ms`` of
 CPU between writes (a gateway's event loop answering requests); a child process reads them with the
-producer process's own reader (``broker.clients._FrameReader``), either sleeping in ``select`` whenever
+producer process's own reader (``broker.frame_pipe.FrameReader``), either sleeping in ``select`` whenever
 the pipe is empty (``idle_s=0``: every write wakes it) or polling while records flow (the default). A
 write that wakes a sleeping reader hints the kernel to run the reader on the writer's CPU, where it can
 preempt the writer. Reported per mode: the writer's time runnable but off-CPU (/proc schedstat) and how
@@ -23,14 +23,14 @@ import statistics
 import threading
 import time
 
-from streamrl.broker.clients import _FRAME, _enlarge_pipe, _FrameReader
+from streamrl.broker.frame_pipe import FRAME, FrameReader, enlarge_pipe
 
 MODES = {"sleeping reader": 0.0, "polling reader": 1.0}
 
 
 def _consume(read_fd: int, write_fd: int, idle_s: float) -> None:
     os.close(write_fd)
-    for _ in _FrameReader(read_fd, idle_s=idle_s):
+    for _ in FrameReader(read_fd, idle_s=idle_s):
         pass
 
 
@@ -41,12 +41,12 @@ def _run_delay_s() -> float:
 
 def one_run(idle_s: float, rate: float, seconds: float, frame_bytes: int, work_ms: float) -> dict[str, float]:
     read_fd, write_fd = os.pipe()
-    _enlarge_pipe(write_fd)
+    enlarge_pipe(write_fd)
     child = multiprocessing.get_context("fork").Process(target=_consume, args=(read_fd, write_fd, idle_s))
     child.start()
     os.close(read_fd)
     payload = b"x" * frame_bytes
-    frame = _FRAME.pack(len(payload)) + payload
+    frame = FRAME.pack(len(payload)) + payload
     n_frames = int(rate * seconds)
     late: list[float] = []
     delay0 = _run_delay_s()
@@ -63,7 +63,7 @@ def one_run(idle_s: float, rate: float, seconds: float, frame_bytes: int, work_m
         while time.perf_counter() < busy_until:
             pass
     delay = _run_delay_s() - delay0
-    os.write(write_fd, _FRAME.pack(0))
+    os.write(write_fd, FRAME.pack(0))
     os.close(write_fd)
     child.join(30)
     late.sort()

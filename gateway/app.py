@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamrl.broker.clients import LogProducer
+from streamrl.broker.log_producer import LogProducer
 from streamrl.broker.topics import Topics
 
 from .config import GatewayConfig

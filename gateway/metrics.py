@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from streamrl.broker.clients import ProducerStats
+from streamrl.broker.log_producer import ProducerStats
 
 from .loop_lag import LAG_BUCKETS
 from .upstreams import UpstreamPool

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from streamrl.broker.clients import LogProducer
+from streamrl.broker.log_producer import LogProducer
 from streamrl.broker.schema import RecordError, check_id
 
 from .capture import (

@@ -13,7 +13,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamrl.broker.clients import LogProducer
+from streamrl.broker.log_producer import LogProducer
 from streamrl.broker.schema import RecordError, RewardRecord, check_group_size, check_id, check_reward, encode
 
 from .proxy import JSON, BadRequest, error_response, read_body

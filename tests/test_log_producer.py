@@ -10,8 +10,9 @@ import threading
 import pytest
 from kafka_reader import TopicReader
 
-from streamrl.broker.clients import _FRAME, LogProducer, _FrameReader, _PipeWriter
 from streamrl.broker.embedded import EmbeddedBroker
+from streamrl.broker.frame_pipe import FRAME, FrameReader, PipeWriter
+from streamrl.broker.log_producer import LogProducer
 from streamrl.broker.schema import RewardRecord, decode, encode
 from streamrl.broker.topics import Topics, create_topics
 
@@ -50,18 +51,18 @@ def test_process_producer_delivers_plain_and_deferred_records(broker: EmbeddedBr
         f"{tag}-built-{i}" for i in range(30)}
 
 
-def _pipe_writer(**bounds: int) -> tuple[int, _PipeWriter]:
+def _pipe_writer(**bounds: int) -> tuple[int, PipeWriter]:
     """The server's side of the pipe to the producer process, on a fresh pipe; and the pipe's read end."""
     read_fd, write_fd = os.pipe()
 
-    class Conn:  # the two methods _PipeWriter uses of a multiprocessing Connection
+    class Conn:  # the two methods PipeWriter uses of a multiprocessing Connection
         def fileno(self) -> int:
             return write_fd
 
         def close(self) -> None:
             os.close(write_fd)
 
-    return read_fd, _PipeWriter(Conn(), **bounds)
+    return read_fd, PipeWriter(Conn(), **bounds)
 
 
 def _read_frames(read_fd: int) -> tuple[threading.Thread, list[bytes]]:
@@ -70,8 +71,8 @@ def _read_frames(read_fd: int) -> tuple[threading.Thread, list[bytes]]:
 
     def read_all() -> None:
         with os.fdopen(read_fd, "rb") as pipe:
-            while len(head := pipe.read(_FRAME.size)) == _FRAME.size:
-                (size,) = _FRAME.unpack(head)
+            while len(head := pipe.read(FRAME.size)) == FRAME.size:
+                (size,) = FRAME.unpack(head)
                 if not size:
                     return
                 frames.append(pipe.read(size))
@@ -88,7 +89,7 @@ def test_pipe_backlog_is_bounded_and_keeps_order() -> None:
     payload = b"x" * 200_000  # a few frames fill even an enlarged pipe
     accepted = refused = 0
     while refused < 3:
-        if writer.put(("t", None, payload + str(accepted).encode(), 1)):
+        if writer.put(payload + str(accepted).encode(), 1):
             accepted += 1
         else:
             refused += 1
@@ -98,7 +99,7 @@ def test_pipe_backlog_is_bounded_and_keeps_order() -> None:
     writer.close(timeout_s=30)
     reader.join(30)
     assert not reader.is_alive() and writer.buffered == 0
-    values = [pickle.loads(f)[2] for f in frames]
+    values = [pickle.loads(f) for f in frames]
     assert values == [payload + str(i).encode() for i in range(accepted)]
 
 
@@ -107,22 +108,22 @@ def test_pipe_writes_from_caller_and_drain_thread_keep_order() -> None:
     are written out both by the drain thread and by later ``put`` calls; each arrives once, in order."""
     read_fd, writer = _pipe_writer(max_buffered=100_000)
 
-    def frame(i: int) -> tuple[str, None, bytes, int]:
-        return ("t", None, str(i).encode() + b"x" * 50_000, 1)
+    def frame(i: int) -> bytes:
+        return str(i).encode() + b"x" * 50_000
 
     sent = 0
     while writer.waited < 3:  # nothing reads yet: fill the pipe until frames wait in the backlog
-        assert writer.put(frame(sent))
+        assert writer.put(frame(sent), 1)
         sent += 1
         assert sent < 1_000, "the pipe never filled"
     reader, frames = _read_frames(read_fd)
     count = sent + 400  # 20 MB more while the reader drains: later puts find frames still waiting
     for i in range(sent, count):
-        assert writer.put(frame(i))
+        assert writer.put(frame(i), 1)
     writer.close(timeout_s=30)
     reader.join(30)
     assert not reader.is_alive()
-    assert [pickle.loads(f)[2][:-50_000] for f in frames] == [str(i).encode() for i in range(count)]
+    assert [pickle.loads(f)[:-50_000] for f in frames] == [str(i).encode() for i in range(count)]
 
 
 def test_pipe_backlog_is_bounded_in_bytes_too() -> None:
@@ -131,7 +132,7 @@ def test_pipe_backlog_is_bounded_in_bytes_too() -> None:
     read_fd, writer = _pipe_writer(max_buffered=1_000, max_buffered_bytes=1 << 20)
     payload = b"x" * 100_000
     accepted = 0
-    while writer.put(("t", None, payload, 1)):
+    while writer.put(payload, 1):
         accepted += 1
         assert accepted < 1_000, "the byte bound was never reached"
     assert writer.buffered < 11 and writer.backlog_bytes <= 1 << 20  # ~10 frames of 100 KB wait, not 1,000
@@ -151,15 +152,15 @@ def test_producer_process_empties_the_pipe_while_its_work_waits(idle_s: float) -
     frame comes out whole and in order, whether the reader polls (records flowing) or sleeps (idle)."""
     read_fd, write_fd = os.pipe()
     bound, frame_bytes, count = 1 << 20, 100_000, 80  # 8 MB: more than pipe, read chunk and bound hold
-    reader = _FrameReader(read_fd, max_bytes=bound, idle_s=idle_s)
+    reader = FrameReader(read_fd, max_bytes=bound, idle_s=idle_s)
     payloads = [bytes([i]) * frame_bytes for i in range(count)]
 
     def write_all() -> None:
         with os.fdopen(write_fd, "wb") as pipe:
             for payload in payloads:
-                pipe.write(_FRAME.pack(len(payload)) + payload)
+                pipe.write(FRAME.pack(len(payload)) + payload)
                 pipe.flush()
-            pipe.write(_FRAME.pack(0))
+            pipe.write(FRAME.pack(0))
 
     writer = threading.Thread(target=write_all)
     writer.start()
