@@ -3,11 +3,13 @@ server (CPU build) on it. Each starts once per test session, on free ports."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from relay import Relay
 
 from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.topics import Topics
@@ -43,3 +45,15 @@ def engine(tiny_model: Path) -> Iterator[Engine]:
     e = start_engine(tiny_model, "vllm-0")
     yield e
     e.stop()
+
+
+@pytest.fixture
+def relay(engine: Engine) -> Iterator[Relay]:
+    """A TCP relay in front of the session's engine (``relay.py``), open, closed after the test."""
+    r = Relay(engine.port)
+    r.open()
+    yield r
+    r.release()
+    with contextlib.suppress(Exception):
+        r.close()
+    r.stop()

@@ -1,22 +1,20 @@
 """Upstreams leaving and rejoining the rotation, and an adapter load retried on an upstream that missed it.
 
-The second upstream is the session's real vLLM server reached through a TCP relay that the test can
-close and reopen on the same port: the gateway sees an upstream go down and come back without the
-minute a second vLLM start would take. (The relay only moves bytes; everything behind it is real.)
+The second upstream is the session's real vLLM server reached through a TCP relay (``relay.py``) that
+the test can close and reopen on the same port: the gateway sees an upstream go down and come back
+without the minute a second vLLM start would take.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import httpx
-import pytest
+from relay import Relay
 from test_gateway import TopicReader
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
@@ -29,99 +27,6 @@ from streamrl.gateway.server import GatewayServer
 
 TOPICS = Topics("upstreams")
 CHAT = [{"role": "user", "content": "hello"}]
-
-
-class Relay:
-    """A TCP relay on its own event loop thread: ``open()`` listens on a fixed port, ``close()`` stops
-    listening and drops every connection, as a server that went away."""
-
-    def __init__(self, target_port: int) -> None:
-        self.port, self.target_port = free_port(), target_port
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server: asyncio.base_events.Server | None = None
-        self.writers: set[asyncio.StreamWriter] = set()
-        self.delay_s = 0.0
-        """Hold each new connection this long before relaying it: an upstream that answers late."""
-        self.answer_delay_s = 0.0
-        """Hold the upstream's answer this long before passing it on: an upstream that is slow to reply."""
-        self.hang_up_reused = False
-        """Close a kept-alive connection, unanswered, when a second request arrives on it: a server
-        closing an idle connection just as the client reuses it."""
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, ConnectionError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        client: asyncio.StreamWriter) -> None:
-        """Client to upstream, hanging up on the client at a reused connection's next request."""
-        requests = 0
-        with contextlib.suppress(OSError, ConnectionError):
-            while data := await reader.read(65536):
-                if data.startswith((b"GET ", b"POST ")):
-                    requests += 1
-                    if requests > 1 and self.hang_up_reused:
-                        client.close()
-                        break
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self.writers |= {writer, up_writer}
-        await asyncio.gather(self._requests(reader, up_writer, writer), self._answers(up_reader, writer))
-
-    async def _answers(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, ConnectionError):
-            while data := await reader.read(65536):
-                if self.answer_delay_s:
-                    await asyncio.sleep(self.answer_delay_s)
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def _open(self) -> None:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
-
-    async def _close(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        for w in self.writers:
-            w.close()
-        self.writers.clear()
-        await self.server.wait_closed()
-
-    def open(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._open(), self.loop).result(10)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(10)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-@pytest.fixture
-def relay(engine: Engine) -> Iterator[Relay]:
-    r = Relay(engine.port)
-    r.open()
-    yield r
-    with contextlib.suppress(Exception):
-        r.close()
-    r.stop()
 
 
 def wait_until(predicate, what: str, timeout: float = 30.0) -> None:

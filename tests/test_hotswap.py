@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from holding_relay import HoldingRelay
+from relay import Relay
 from test_gateway import TopicReader
 
 from streamrl.broker.clients import make_producer
@@ -140,7 +140,8 @@ def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model
     reader.close()
 
 
-def test_request_started_before_swap_finishes_on_old_version(broker, engine, topics, adapters, base_model):
+def test_request_started_before_swap_finishes_on_old_version(broker, engine, topics, adapters, base_model,
+                                                            relay: Relay):
     """The old request's answer is held in a relay between gateway and engine until the test has seen the
     swap, so the request is in flight across it on any machine, however slow the swap."""
     name = "inflight"
@@ -153,8 +154,8 @@ def test_request_started_before_swap_finishes_on_old_version(broker, engine, top
             old["version"] = r.headers["x-policy-version"]
             old["lines"] = [line for line in r.iter_lines() if line]
 
-    with HoldingRelay(engine.url, marker=b"held across the swap") as relay, \
-            GatewayServer(gateway_config(broker, engine, name, upstreams=(relay.url,))) as gw:
+    relay.hold_marker = b"held across the swap"
+    with GatewayServer(gateway_config(broker, engine, name, upstreams=(relay.url,))) as gw:
         wait_routed(gw, 1)  # caught up on start
         thread = threading.Thread(target=old_request)
         thread.start()

@@ -1,0 +1,106 @@
+"""A TCP relay between the gateway and the session's real vLLM server, for tests that need an upstream
+to misbehave on cue: go away and come back on the same port, answer late, hang up on a reused
+connection, or keep one request in flight until the test lets it finish. It only moves bytes;
+everything behind it is real."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+from streamrl.broker.embedded import free_port
+
+
+class Relay:
+    """A TCP relay on its own event loop thread: ``open()`` listens on a fixed port, ``close()`` stops
+    listening and drops every connection, as a server that went away."""
+
+    def __init__(self, target_port: int) -> None:
+        self.port, self.target_port = free_port(), target_port
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server: asyncio.base_events.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.delay_s = 0.0
+        """Hold each new connection this long before relaying it: an upstream that answers late."""
+        self.answer_delay_s = 0.0
+        """Hold the upstream's answer this long before passing it on: an upstream that is slow to reply."""
+        self.hang_up_reused = False
+        """Close a kept-alive connection, unanswered, when a second request arrives on it: a server
+        closing an idle connection just as the client reuses it."""
+        self.hold_marker: bytes | None = None
+        """Hold back the answer to a request containing these bytes until ``release()``: a request that
+        stays in flight for as long as the test needs, on any machine."""
+        self.holding = threading.Event()
+        """Set once a request with ``hold_marker`` went upstream (its answer is now held)."""
+        self._released = asyncio.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        client: asyncio.StreamWriter, marked: asyncio.Event) -> None:
+        """Client to upstream, hanging up on the client at a reused connection's next request."""
+        requests = 0
+        with contextlib.suppress(OSError, ConnectionError):
+            while data := await reader.read(65536):
+                if data.startswith((b"GET ", b"POST ")):
+                    requests += 1
+                    if requests > 1 and self.hang_up_reused:
+                        client.close()
+                        break
+                if self.hold_marker is not None and self.hold_marker in data:  # before it goes upstream
+                    marked.set()
+                    self.holding.set()
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _answers(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       marked: asyncio.Event) -> None:
+        with contextlib.suppress(OSError, ConnectionError):
+            while data := await reader.read(65536):
+                if self.answer_delay_s:
+                    await asyncio.sleep(self.answer_delay_s)
+                if marked.is_set():
+                    await self._released.wait()
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers |= {writer, up_writer}
+        marked = asyncio.Event()
+        await asyncio.gather(self._requests(reader, up_writer, writer, marked),
+                             self._answers(up_reader, writer, marked))
+
+    async def _open(self) -> None:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
+
+    async def _close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for w in self.writers:
+            w.close()
+        self.writers.clear()
+        await self.server.wait_closed()
+
+    def open(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._open(), self.loop).result(10)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(10)
+
+    def release(self) -> None:
+        """Let the held answers through (and any later one)."""
+        self.loop.call_soon_threadsafe(self._released.set)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
