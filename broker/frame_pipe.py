@@ -77,37 +77,34 @@ class PipeWriter:
             if self.closing:
                 return False
             if self.backlog:  # the pipe may have room again: write what waits, not waiting for the drain thread
-                with contextlib.suppress(OSError):  # the child gone: the drain thread counts the loss
-                    self._flush_backlog()
-            if not self.backlog:
-                try:
-                    frame = frame[os.write(self.fd, frame):]
-                except BlockingIOError:
-                    pass
-                except OSError as exc:  # the child died: nothing will read this
-                    self.lost += count
-                    log.warning("record not handed to the producer process: %s", exc)
-                    return True
-                if not frame:
-                    return True
-            elif self.backlog_items >= self.max_buffered \
-                    or self.backlog_bytes + len(frame) > self.max_buffered_bytes:
-                return False
+                self._flush_backlog()
+                if self.backlog and (self.backlog_items >= self.max_buffered
+                                     or self.backlog_bytes + len(frame) > self.max_buffered_bytes):
+                    return False
             self.backlog.append((frame, count))
             self.backlog_items += count
             self.backlog_bytes += len(frame)
-            self.waited += count
-            self.cond.notify()
+            if len(self.backlog) == 1:  # nothing ahead of it: straight into the pipe
+                self._flush_backlog()
+            if self.backlog:  # this frame (what the pipe did not take of it) waits for the drain thread
+                self.waited += count
+                self.cond.notify()
         return True
 
     def _flush_backlog(self) -> None:
-        """Write waiting frames while the pipe takes them, without blocking (the lock held). Raises
-        OSError when the child is gone."""
+        """Write waiting frames while the pipe takes them, without blocking (the lock held). When the
+        child is gone, what waits is counted as lost."""
         while self.backlog:
             frame, n = self.backlog[0]
             try:
                 rest = frame[os.write(self.fd, frame):]
             except BlockingIOError:
+                return
+            except OSError as exc:  # the child died: nothing will read these
+                self.lost += self.backlog_items
+                self.backlog.clear()
+                self.backlog_items = self.backlog_bytes = 0
+                log.warning("records not handed to the producer process: %s", exc)
                 return
             self.backlog_bytes -= len(frame) - len(rest)
             if rest:
@@ -129,14 +126,7 @@ class PipeWriter:
                     break
             select.select([], [self.fd], [])  # wait for room, the lock released
             with self.cond:
-                try:
-                    self._flush_backlog()
-                except OSError as exc:
-                    self.lost += sum(n for _, n in self.backlog)
-                    self.backlog.clear()
-                    self.backlog_items = self.backlog_bytes = 0
-                    log.warning("records not handed to the producer process: %s", exc)
-                    break
+                self._flush_backlog()
         os.set_blocking(self.fd, True)
         with contextlib.suppress(OSError):
             os.write(self.fd, FRAME.pack(0))

@@ -145,6 +145,18 @@ def test_pipe_backlog_is_bounded_in_bytes_too() -> None:
     assert writer.buffered == 0 and writer.backlog_bytes == 0
 
 
+def test_pipe_to_a_dead_producer_process_counts_records_lost() -> None:
+    """The producer process gone (its end of the pipe closed): ``put`` neither raises nor blocks nor keeps
+    the frames; each record is counted as lost."""
+    read_fd, writer = _pipe_writer(max_buffered=100_000)
+    os.close(read_fd)
+    for _ in range(5):
+        assert writer.put(b"x" * 100_000, 2)
+    assert writer.lost == 10 and writer.buffered == 0 and writer.backlog_bytes == 0
+    writer.close(timeout_s=30)
+    assert not writer.thread.is_alive()
+
+
 @pytest.mark.parametrize("idle_s", [1.0, 0.0], ids=["polling", "sleeping-in-select"])
 def test_producer_process_empties_the_pipe_while_its_work_waits(idle_s: float) -> None:
     """The producer process's reader takes frames off the pipe while nothing consumes them (its main
