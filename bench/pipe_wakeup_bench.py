@@ -23,6 +23,8 @@ import statistics
 import threading
 import time
 
+from gateway_bench import run_delay_seconds  # bench/ is on the path when run as a script
+
 from streamrl.broker.frame_pipe import FRAME, FrameReader, enlarge_pipe
 
 MODES = {"sleeping reader": 0.0, "polling reader": 1.0}
@@ -35,8 +37,8 @@ def _consume(read_fd: int, write_fd: int, idle_s: float) -> None:
 
 
 def _run_delay_s() -> float:
-    tid = threading.get_native_id()
-    return int(open(f"/proc/self/task/{tid}/schedstat").read().split()[1]) / 1e9
+    """This thread's time runnable but off a CPU so far."""
+    return run_delay_seconds(os.getpid(), threading.get_native_id())
 
 
 def one_run(idle_s: float, rate: float, seconds: float, frame_bytes: int, work_ms: float) -> dict[str, float]:
