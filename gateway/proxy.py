@@ -360,7 +360,7 @@ class Proxy:
     async def _relay(self, call: _Call, resp: aiohttp.ClientResponse,
                      capture: StreamCapture | None) -> AsyncIterator[bytes]:
         started = call.ctx.started
-        complete = failed = False
+        failed = False
         strip = call.strip_ids or call.strip_logprobs
         buffer = b""
         try:
@@ -378,7 +378,10 @@ class Proxy:
                         continue
                     payload = event[6:]
                     if payload == b"[DONE]":
-                        complete = True
+                        # recorded before the client sees the end: the openai client closes the
+                        # connection on [DONE], and the server then cancels this generator
+                        if capture is not None and not failed:
+                            self._emit_stream(call, capture)
                         out.append(event + b"\n\n")
                         continue
                     try:
@@ -406,11 +409,12 @@ class Proxy:
             yield b"data: " + error_body(status, f"upstream stream ended: {type(exc).__name__}") + b"\n\n"
         finally:
             self.metrics.observe(call.route, 200, time.perf_counter() - started)
-        if capture is not None and complete and not failed:
-            captures = capture.captures()
-            first = min((c.first_token_s for c in captures if c.first_token_s is not None), default=None)
-            if first is not None:
-                self.metrics.ttft.observe(first - started)
-            tokens = (sum(len(c.prompt_token_ids or ()) for c in captures), sum(len(c.token_ids) for c in captures))
-            self._emit(call, captures, len(captures), tokens)
+
+    def _emit_stream(self, call: _Call, capture: StreamCapture) -> None:
+        captures = capture.captures()
+        first = min((c.first_token_s for c in captures if c.first_token_s is not None), default=None)
+        if first is not None:
+            self.metrics.ttft.observe(first - call.ctx.started)
+        tokens = (sum(len(c.prompt_token_ids or ()) for c in captures), sum(len(c.token_ids) for c in captures))
+        self._emit(call, captures, len(captures), tokens)
 

@@ -1,7 +1,7 @@
 """A TCP relay between the gateway and the session's real vLLM server, for tests that need an upstream
 to misbehave on cue: go away and come back on the same port, answer late, hang up on a reused
-connection, or keep one request in flight until the test lets it finish. It only moves bytes;
-everything behind it is real."""
+connection, keep one request in flight until the test lets it finish, or be slow to end a response.
+It only moves bytes; everything behind it is real."""
 
 from __future__ import annotations
 
@@ -33,8 +33,12 @@ class Relay:
         self.hold_marker: bytes | None = None
         """Hold back the answer to a request containing these bytes until ``release()``: a request that
         stays in flight for as long as the test needs, on any machine."""
+        self.hold_after: bytes | None = None
+        """Pass an answer on up to and including these bytes, then hold the rest until ``release()``: an
+        upstream slow to end a response whose content it has sent."""
         self.holding = threading.Event()
-        """Set once a request with ``hold_marker`` went upstream (its answer is now held)."""
+        """Set once the relay holds something back: a request with ``hold_marker`` went upstream (its
+        answer is now held), or an answer reached ``hold_after``."""
         self._released = asyncio.Event()
 
     @property
@@ -67,6 +71,13 @@ class Relay:
                     await asyncio.sleep(self.answer_delay_s)
                 if marked.is_set():
                     await self._released.wait()
+                if self.hold_after is not None and self.hold_after in data:
+                    end = data.index(self.hold_after) + len(self.hold_after)
+                    writer.write(data[:end])
+                    await writer.drain()
+                    self.holding.set()
+                    await self._released.wait()
+                    data = data[end:]
                 writer.write(data)
                 await writer.drain()
         writer.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import openai
 from relay import Relay
 from test_gateway import TopicReader
 
@@ -155,3 +156,34 @@ def test_upstream_timeout_is_504(broker: EmbeddedBroker, engine: Engine, relay: 
         r = httpx.post(f"{gw.url}/v1/completions", timeout=60, json={"model": base_model, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 504 and r.json()["error"]["code"] == 504, r.text
         assert gw.gateway.health()["producer"]["offered"] == 0
+
+
+def test_a_stream_is_recorded_when_the_client_hangs_up_on_done(broker: EmbeddedBroker, engine: Engine,
+                                                               relay: Relay) -> None:
+    """The openai client closes the connection as soon as it reads ``[DONE]``. With an upstream slow to
+    end the response after it (the relay holds back what follows ``[DONE]``), the gateway's relay of
+    the stream is cancelled by that hang-up: the call must have been recorded already."""
+    create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
+    base_model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
+    config = GatewayConfig(upstreams=(relay.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
+                           topic_prefix=TOPICS.prefix, follow_policy=False, health_interval_s=60)
+    reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
+    try:
+        with GatewayServer(config) as gw:
+            relay.hold_after = b"data: [DONE]\n\n\r\n"  # the SSE event and its chunk's end; not the last chunk
+            client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+            stream = client.completions.create(model=base_model, prompt="The weather", max_tokens=6, n=2,
+                                               stream=True, extra_headers={"X-Trajectory-Id": "traj-hang-up"})
+            texts = {0: "", 1: ""}
+            for chunk in stream:
+                for c in chunk.choices:
+                    texts[c.index] += c.text
+            assert relay.holding.is_set()  # the response had not ended when the client hung up
+            recs = reader.wait_for(lambda r: isinstance(r, CompletionRecord) and r.trajectory_id == "traj-hang-up",
+                                   count=2)
+            assert sorted(r.choice_index for r in recs) == [0, 1]
+            assert {r.choice_index: r.response_text for r in recs} == texts
+            assert all(r.completion_token_ids.size == r.logprobs.size > 0 for r in recs)
+    finally:
+        relay.release()
+        reader.close()
