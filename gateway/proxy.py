@@ -404,13 +404,13 @@ class Proxy:
             if buffer:
                 yield buffer
         except (TimeoutError, aiohttp.ClientError) as exc:
-            status = 504 if isinstance(exc, TimeoutError) else 502
-            failed = True
+            status = 504 if isinstance(exc, TimeoutError) else 502  # before [DONE]: nothing was recorded
             yield b"data: " + error_body(status, f"upstream stream ended: {type(exc).__name__}") + b"\n\n"
         finally:
             self.metrics.observe(call.route, 200, time.perf_counter() - started)
 
     def _emit_stream(self, call: _Call, capture: StreamCapture) -> None:
+        """A complete stream's records (and its time to first token), handed to the producer."""
         captures = capture.captures()
         first = min((c.first_token_s for c in captures if c.first_token_s is not None), default=None)
         if first is not None:
