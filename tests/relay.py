@@ -73,9 +73,9 @@ class Relay:
                     await self._released.wait()
                 if self.hold_after is not None and self.hold_after in data:
                     end = data.index(self.hold_after) + len(self.hold_after)
+                    self.holding.set()  # before the bytes go on: the client may act on them at once
                     writer.write(data[:end])
                     await writer.drain()
-                    self.holding.set()
                     await self._released.wait()
                     data = data[end:]
                 writer.write(data)
