@@ -42,7 +42,8 @@ class Gateway:
         self.topics = Topics(config.topic_prefix)
         self.metrics = GatewayMetrics()
         self.pool = UpstreamPool(config.upstreams, interval_s=config.health_interval_s,
-                                 timeout_s=config.health_timeout_s, eject_after=config.health_failures_to_eject)
+                                 timeout_s=config.health_timeout_s, eject_after=config.health_failures_to_eject,
+                                 token_capture=config.token_capture)
         self.router = PolicyRouter(config.policy_name, self.pool)
         self.producer: LogProducer | None = None
         self.proxy = Proxy(config, self.pool, self.router, None, self.metrics, self.topics.completions)

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
+import orjson
 
 from streamrl.broker.schema import CompletionRecord, encode
+from streamrl.engine_wire import WireError, decode_capture
 
 
 @dataclass(slots=True)
@@ -43,10 +47,11 @@ class ChoiceCapture:
     """The raw pieces of one choice as they came from vLLM (lists, not yet arrays)."""
 
     index: int
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
-    """Chat: ``logprobs.content`` entries (dicts); completions: ``token_logprobs`` floats."""
+    prompt_token_ids: list[int] | np.ndarray | None = None
+    token_ids: list[int] | np.ndarray = field(default_factory=list)
+    logprobs: list[Any] | np.ndarray = field(default_factory=list)
+    """From JSON, chat: ``logprobs.content`` entries (dicts), completions: ``token_logprobs`` floats; from
+    the engine's capture: a float32 array."""
     text: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] | list[dict[str, Any]] | None = None
     finish_reason: str | None = None
@@ -208,14 +213,13 @@ class StreamCapture:
                 c = self.choices[index] = ChoiceCapture(index=index, prompt_token_ids=None)
             ids = choice.get("token_ids")
             if ids:
-                if c.first_token_s is None:
-                    c.first_token_s = now
                 c.token_ids.extend(ids)
             lp = choice.get("logprobs")
             if self.chat:
                 if lp and lp.get("content"):
                     c.logprobs.extend(lp["content"])
                 delta = choice.get("delta") or {}
+                output = delta.get("content") or delta.get("tool_calls")
                 if delta.get("content"):
                     c.text.append(delta["content"])
                 if delta.get("tool_calls"):
@@ -223,8 +227,11 @@ class StreamCapture:
             else:
                 if lp and lp.get("token_logprobs"):
                     c.logprobs.extend(lp["token_logprobs"])
-                if choice.get("text"):
-                    c.text.append(choice["text"])
+                output = choice.get("text")
+                if output:
+                    c.text.append(output)
+            if c.first_token_s is None and (ids or output):  # the first chunk with generated tokens
+                c.first_token_s = now
                 if choice.get("prompt_token_ids") is not None:
                     c.prompt_token_ids = choice["prompt_token_ids"]
             if choice.get("finish_reason") is not None:
@@ -270,10 +277,12 @@ def build_records(ctx: CallContext, captures: list[ChoiceCapture], total_s: floa
     for c in captures:
         if c.prompt_token_ids is None:
             raise CaptureError(f"choice {c.index}: no prompt token ids")
-        logprobs = [e["logprob"] for e in c.logprobs] if c.logprobs and isinstance(c.logprobs[0], dict) \
-            else c.logprobs
-        if any(x is None for x in logprobs):
-            raise CaptureError(f"choice {c.index}: a sampled token has no logprob")
+        logprobs = c.logprobs
+        if isinstance(logprobs, list):  # from JSON: chat entries are dicts, completions floats or null
+            if logprobs and isinstance(logprobs[0], dict):
+                logprobs = [e["logprob"] for e in logprobs]
+            if any(x is None for x in logprobs):
+                raise CaptureError(f"choice {c.index}: a sampled token has no logprob")
         if len(logprobs) != len(c.token_ids):
             raise CaptureError(f"choice {c.index}: {len(c.token_ids)} token ids but {len(logprobs)} logprobs")
         records.append(CompletionRecord(
@@ -298,5 +307,51 @@ def encode_call_records(ctx: CallContext, choices: list[ChoiceCapture] | bytes,
     build and encode every choice's record, keyed by trajectory id."""
     captures = choices if not isinstance(choices, bytes) else [
         decode_choice(c, ctx.endpoint) for c in split_body(choices, ctx.endpoint, False, False)[1]]
+    key = ctx.trajectory_id.encode()
+    return [(key, encode(r)) for r in build_records(ctx, captures, total_s)]
+
+
+def sse_chunks(data: bytes) -> Iterator[dict[str, Any]]:
+    """The JSON objects of complete ``data:`` events (``[DONE]`` and comments skipped); ``CaptureError`` on an
+    event that is not JSON or is vLLM's mid-stream error (the call then has no record)."""
+    for event in data.split(b"\n\n"):
+        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+            continue
+        try:
+            chunk = orjson.loads(event[6:])
+        except orjson.JSONDecodeError:
+            raise CaptureError("a stream event is not JSON") from None
+        if not isinstance(chunk, dict) or "error" in chunk:
+            raise CaptureError("the stream carried an error")
+        yield chunk
+
+
+def encode_engine_records(ctx: CallContext, body: bytes | list[tuple[float, bytes]], capture: bytes | None,
+                          total_s: float) -> list[tuple[bytes | None, bytes]]:
+    """The producer's job for one call served by ``streamrl engine`` (``streamrl/engine_wire.py``): token ids
+    and logprobs from the engine's capture, text, tool calls and finish reason from what the client got
+    (a non-streamed body, or a stream's event bytes with their arrival times)."""
+    if capture is None:
+        raise CaptureError("the engine sent no capture (a choice did not finish, or it could not encode it)")
+    try:
+        tokens = decode_capture(capture)
+    except WireError as exc:
+        raise CaptureError(str(exc)) from None
+    if isinstance(body, bytes):
+        texts = {c.index: c for c in (decode_choice(r, ctx.endpoint) for r in split_body(body, ctx.endpoint,
+                                                                                         False, False)[1])}
+    else:
+        stream = StreamCapture(ctx.endpoint)
+        for now, data in body:
+            for chunk in sse_chunks(data):
+                stream.add(chunk, now)
+        texts = {c.index: c for c in stream.captures()}
+    if sorted(texts) != sorted(t.index for t in tokens):
+        raise CaptureError(f"choices {sorted(texts)} in the response but {[t.index for t in tokens]} captured")
+    captures = []
+    for t in sorted(tokens, key=lambda t: t.index):
+        c = texts[t.index]
+        c.prompt_token_ids, c.token_ids, c.logprobs = t.prompt_token_ids, t.token_ids, t.logprobs
+        captures.append(c)
     key = ctx.trajectory_id.encode()
     return [(key, encode(r)) for r in build_records(ctx, captures, total_s)]

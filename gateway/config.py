@@ -40,6 +40,9 @@ class GatewayConfig:
     producer_send_timeout_ms: int = 10_000
     producer_process: bool = True
     """Run the Kafka client and record encoding in a child process, off the event loop's GIL."""
+    token_capture: bool = True
+    """Take token ids and logprobs from the capture frame of upstreams that offer it (``streamrl engine``);
+    off, every upstream is asked for them in its JSON, as a plain vLLM is."""
     record_request: bool = True
     """Keep the request (messages/prompt, tools, sampling params) in each record for inspection."""
     load_retry_s: float = 1.0

@@ -25,12 +25,14 @@ from starlette.types import Receive, Scope, Send
 
 from streamrl.broker.log_producer import LogProducer
 from streamrl.broker.schema import RecordError, check_id
+from streamrl.engine_wire import BODY, CAPTURE_HEADER, FrameSplitter, WireError, capture_counts, unframe
 
 from .capture import (
     CallContext,
     ChoiceCapture,
     StreamCapture,
     encode_call_records,
+    encode_engine_records,
     usage_tokens,
 )
 from .config import GatewayConfig
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 
 JSON = "application/json"
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+_ROLE_CHUNK = b'"delta":{"role":"assistant","content":""}'
+"""vLLM's first chat chunk(s): the role, before any token (not the first output for time to first token)."""
 _RETRYABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 """Failures before any response byte: the request can go to another upstream unseen by the client."""
 
@@ -137,8 +141,8 @@ def _strip(data: dict[str, Any], chat: bool, ids: bool, logprobs: bool) -> None:
 class _Call:
     """One request's state while it is forwarded."""
 
-    __slots__ = ("chat", "ctx", "headers", "lease", "one_choice", "record", "route", "strip_ids",
-                 "strip_logprobs", "upstream")
+    __slots__ = ("chat", "ctx", "engine_capture", "headers", "lease", "one_choice", "record", "route",
+                 "strip_ids", "strip_logprobs", "upstream")
 
     def __init__(self, endpoint: str, ctx: CallContext, lease: Lease, record: bool, one_choice: bool = False) -> None:
         self.chat = endpoint == "chat"
@@ -147,12 +151,58 @@ class _Call:
         self.route = ROUTES[endpoint]
         self.ctx, self.lease, self.record = ctx, lease, record
         self.strip_ids = self.strip_logprobs = False
+        """Plain-vLLM path: what the gateway asked for in the JSON on its own behalf, to set back to null."""
+        self.engine_capture = False
+        """The upstream hands the tokens over in a capture frame (``streamrl/engine_wire.py``)."""
         self.upstream: Upstream | None = None
         self.headers = {"X-Request-Id": ctx.request_id, "X-Trajectory-Id": ctx.trajectory_id}
         if ctx.group_id is not None:
             self.headers["X-Group-Id"] = ctx.group_id
         if lease.policy_name is not None:
             self.headers["X-Policy-Version"] = str(lease.version)
+
+
+class _Payload:
+    """The body for vLLM, made for the upstream the request goes to: the engine-side model and the client's
+    body without the gateway's tags; when recording from a plain vLLM, with logprobs and token ids asked for
+    in the JSON too (``call.strip_*`` then say what to set back to ``null``)."""
+
+    __slots__ = ("_json", "_sent", "body", "call", "raw")
+
+    def __init__(self, call: _Call, body: dict[str, Any], raw: bytes, metadata: dict[str, Any] | None) -> None:
+        self.call, self.body = call, body
+        sent: dict[str, Any] | None = None
+        if call.lease.engine_model != body["model"]:
+            sent = dict(body)
+            sent["model"] = call.lease.engine_model
+        if metadata is not None and ("trajectory_id" in metadata or "group_id" in metadata):
+            sent = sent or dict(body)
+            rest = {k: v for k, v in metadata.items() if k not in ("trajectory_id", "group_id")}
+            if rest:
+                sent["metadata"] = rest
+            else:
+                del sent["metadata"]
+        self.raw = raw if sent is None else orjson.dumps(sent)
+        self._sent = sent
+        self._json: bytes | None = None
+
+    def for_upstream(self, up: Upstream) -> bytes:
+        call = self.call
+        call.engine_capture = call.record and up.token_capture is True
+        if not call.record or call.engine_capture:
+            call.strip_ids = call.strip_logprobs = False
+            return self.raw
+        body = self.body
+        call.strip_ids = not body.get("return_token_ids")
+        call.strip_logprobs = not body.get("logprobs") if call.chat else body.get("logprobs") is None
+        if self._json is None:
+            sent = dict(self._sent or body)
+            if call.strip_ids:
+                sent["return_token_ids"] = True
+            if call.strip_logprobs:
+                sent["logprobs"] = True if call.chat else 0
+            self._json = orjson.dumps(sent) if (call.strip_ids or call.strip_logprobs) else self.raw
+        return self._json
 
 
 class _Relay(StreamingResponse):
@@ -181,6 +231,7 @@ class Proxy:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s,
                                               sock_read=config.upstream_timeout_s)
         self._upstream_headers = {"Content-Type": JSON, **config.extra_headers}
+        self._capture_headers = {**self._upstream_headers, CAPTURE_HEADER: "1"}
         self._fallback_logged = False
 
     async def handle(self, request: Request, endpoint: str) -> Response:
@@ -212,7 +263,7 @@ class Proxy:
         call = _Call(endpoint, ctx, lease, record=self.producer is not None,
                      one_choice=endpoint == "chat" and body.get("n") in (None, 1))
         try:
-            payload = self._upstream_payload(call, body, raw, metadata)
+            payload = _Payload(call, body, raw, metadata)
             response = await self._forward(call, payload, bool(body.get("stream")))
         except BaseException:
             lease.release()
@@ -221,36 +272,7 @@ class Proxy:
             lease.release()
         return response
 
-    def _upstream_payload(self, call: _Call, body: dict[str, Any], raw: bytes,
-                          metadata: dict[str, Any] | None) -> bytes:
-        """The body for vLLM: the engine-side model, our tags removed, logprobs and ids when recording."""
-        sent: dict[str, Any] | None = None
-        if call.lease.engine_model != body["model"]:
-            sent = dict(body)
-            sent["model"] = call.lease.engine_model
-        if metadata is not None and ("trajectory_id" in metadata or "group_id" in metadata):
-            sent = sent or dict(body)
-            rest = {k: v for k, v in metadata.items() if k not in ("trajectory_id", "group_id")}
-            if rest:
-                sent["metadata"] = rest
-            else:
-                del sent["metadata"]
-        if call.record:
-            if not body.get("return_token_ids"):
-                sent = sent or dict(body)
-                sent["return_token_ids"] = True
-                call.strip_ids = True
-            if call.chat and not body.get("logprobs"):
-                sent = sent or dict(body)
-                sent["logprobs"] = True
-                call.strip_logprobs = True
-            elif not call.chat and body.get("logprobs") is None:
-                sent = sent or dict(body)
-                sent["logprobs"] = 0
-                call.strip_logprobs = True
-        return raw if sent is None else orjson.dumps(sent)
-
-    async def _connect(self, call: _Call, payload: bytes) -> aiohttp.ClientResponse | Response:
+    async def _connect(self, call: _Call, payload: _Payload) -> aiohttp.ClientResponse | Response:
         """Send to the least-busy upstream; on a failure before any response byte, try another."""
         assert self.session is not None
         model = call.lease.engine_model
@@ -263,8 +285,10 @@ class Proxy:
             up.in_flight += 1
             session = self.fresh_session if hung_up and self.fresh_session is not None else self.session
             try:
-                resp = await session.post(up.url + call.route, data=payload, headers=self._upstream_headers,
-                                          timeout=self._timeout)
+                data = payload.for_upstream(up)
+                resp = await session.post(up.url + call.route, data=data, timeout=self._timeout,
+                                          headers=self._capture_headers if call.engine_capture
+                                          else self._upstream_headers)
             except aiohttp.ClientConnectorError as exc:
                 up.in_flight -= 1
                 self.pool.mark_failed(up, f"connect: {exc}")
@@ -294,7 +318,7 @@ class Proxy:
             call.upstream.in_flight -= 1
             call.upstream = None
 
-    async def _forward(self, call: _Call, payload: bytes, stream: bool) -> Response:
+    async def _forward(self, call: _Call, payload: _Payload, stream: bool) -> Response:
         resp = await self._connect(call, payload)
         if isinstance(resp, Response):
             return resp
@@ -310,6 +334,8 @@ class Proxy:
             resp.release()
             self._done_with_upstream(call)
         content_type = resp.headers.get("Content-Type", JSON)
+        if resp.status == 200 and call.engine_capture:
+            return self._engine_body(call, resp, raw, content_type)
         if resp.status != 200 or not (call.record or call.strip_ids or call.strip_logprobs):
             return Response(raw, resp.status, headers=call.headers, media_type=content_type)
         try:
@@ -323,6 +349,29 @@ class Proxy:
         self._emit(call, raw, out.choices, usage_tokens(out.usage))
         return Response(out.body, 200, headers=call.headers, media_type=content_type)
 
+    def _engine_body(self, call: _Call, resp: aiohttp.ClientResponse, raw: bytes, content_type: str) -> Response:
+        """A non-streamed answer of ``streamrl engine``: vLLM's bytes to the client, the capture to the record."""
+        if resp.headers.get(CAPTURE_HEADER) != "1":  # not framed after all (e.g. restarted as a plain vLLM)
+            self._emit_engine(call, raw, None)
+            return Response(raw, 200, headers=call.headers, media_type=content_type)
+        try:
+            body, capture = unframe(raw)
+        except WireError as exc:
+            log.warning("unusable framed body from %s: %s", call.ctx.upstream, exc)
+            return error_response(502, f"upstream sent an unusable body: {exc}", headers=call.headers)
+        self._emit_engine(call, body, capture)
+        return Response(body, 200, headers=call.headers, media_type=content_type)
+
+    def _emit_engine(self, call: _Call, body: bytes | list[tuple[float, bytes]], capture: bytes | None) -> None:
+        """Hand a call served with a capture to the producer: records are built there, off the event loop.
+        A missing or malformed capture is handed on too, so that the producer counts the call as invalid."""
+        try:
+            count, prompt, completion = capture_counts(capture) if capture is not None else (1, 0, 0)
+        except WireError:
+            count, prompt, completion = 1, 0, 0
+        self._emit(call, functools.partial(encode_engine_records, call.ctx, body, capture), max(count, 1),
+                   (prompt, completion))
+
     def _log_fallback(self, reason: str) -> None:
         """The first body that the byte-level strip could not take is logged (e.g. another vLLM version's
         field order: every body then costs the msgspec pass), the rest only at debug level."""
@@ -333,20 +382,22 @@ class Proxy:
             log.info("an upstream body is not in vLLM's compact field order (%s): stripped by the slower "
                      "msgspec path; further ones are logged at debug level", reason)
 
-    def _emit(self, call: _Call, choices: list[ChoiceCapture] | bytes, count: int,
+    def _emit(self, call: _Call, choices: list[ChoiceCapture] | bytes | functools.partial[Any], count: int,
               tokens: tuple[int, int]) -> None:
-        """Hand the call's records to the producer: captured stream choices, or the non-streamed body as
-        vLLM sent it (split, decoded, built and encoded there, off the event loop)."""
+        """Hand the call's records to the producer: captured stream choices, the non-streamed body as vLLM
+        sent it, or an engine capture's builder (split, decoded, built and encoded there, off the event loop)."""
         if self.producer is None or not count:
             return
         self.metrics.tokens.labels("prompt").inc(tokens[0])
         self.metrics.tokens.labels("completion").inc(tokens[1])
         total_s = time.perf_counter() - call.ctx.started
-        build = functools.partial(encode_call_records, call.ctx, choices, total_s)
+        if isinstance(choices, functools.partial):
+            build = functools.partial(choices, total_s)
+        else:
+            build = functools.partial(encode_call_records, call.ctx, choices, total_s)
         self.producer.offer_deferred(self.topic, build, count)
 
     def _stream(self, call: _Call, resp: aiohttp.ClientResponse) -> Response:
-        capture = StreamCapture(call.ctx.endpoint) if call.record else None
 
         def on_close() -> None:
             resp.release()
@@ -355,7 +406,43 @@ class Proxy:
 
         headers = dict(call.headers)
         headers["Cache-Control"] = "no-cache"
+        if call.engine_capture and resp.headers.get(CAPTURE_HEADER) == "1":
+            return _Relay(self._relay_frames(call, resp), 200, headers, on_close)
+        capture = StreamCapture(call.ctx.endpoint) if call.record and not call.engine_capture else None
+        if call.engine_capture:  # not framed after all: pass it on, record nothing (counted)
+            self._emit_engine(call, b"", None)
         return _Relay(self._relay(call, resp, capture), 200, headers, on_close)
+
+    async def _relay_frames(self, call: _Call, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """A stream from ``streamrl engine``: ``B`` frames' bytes go to the client as they come; the events
+        are kept with their arrival times for the record, which is handed over at the ``C`` frame (it comes
+        before ``data: [DONE]``: the openai client hangs up on [DONE], which cancels this generator)."""
+        started = call.ctx.started
+        splitter = FrameSplitter()
+        events: list[tuple[float, bytes]] = []
+        first_output = False
+        try:
+            async for data in resp.content.iter_any():
+                now = time.perf_counter()
+                out = []
+                for kind, payload in splitter.feed(data):
+                    if kind == BODY:
+                        out.append(payload)
+                        events.append((now, payload))
+                        if not first_output and not (call.chat and _ROLE_CHUNK in payload):
+                            first_output = True
+                            self.metrics.ttft.observe(now - started)
+                    else:
+                        self._emit_engine(call, events, payload)
+                if out:
+                    yield out[0] if len(out) == 1 else b"".join(out)
+            if splitter.pending:
+                raise WireError(f"stream cut off inside a frame ({splitter.pending} bytes)")
+        except (TimeoutError, aiohttp.ClientError, WireError) as exc:
+            status = 504 if isinstance(exc, TimeoutError) else 502  # before the capture: nothing was recorded
+            yield b"data: " + error_body(status, f"upstream stream ended: {type(exc).__name__}") + b"\n\n"
+        finally:
+            self.metrics.observe(call.route, 200, time.perf_counter() - started)
 
     async def _relay(self, call: _Call, resp: aiohttp.ClientResponse,
                      capture: StreamCapture | None) -> AsyncIterator[bytes]:

@@ -19,6 +19,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from streamrl.engine_wire import FORMAT_VERSION, PROBE_PATH
+
 log = logging.getLogger(__name__)
 
 
@@ -26,7 +28,7 @@ class Upstream:
     """One vLLM server as the gateway sees it."""
 
     __slots__ = ("adapters", "base_models", "failed_checks", "healthy", "in_flight", "last_check", "last_error",
-                 "model_cards", "models", "url")
+                 "model_cards", "models", "token_capture", "url")
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -42,19 +44,25 @@ class Upstream:
         self.last_check = 0.0
         self.failed_checks = 0
         """Health checks failed in a row (timeouts, error statuses)."""
+        self.token_capture: bool | None = None
+        """Whether it hands over tokens as arrays (``streamrl engine``) or only in its JSON (a plain vLLM);
+        asked each time it comes into rotation, ``None`` until then."""
 
     def serves(self, model: str) -> bool:
         return model in self.adapters or model in self.models
 
     def state(self) -> dict[str, Any]:
         return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
-                "models": self.base_models, "adapters": sorted(self.adapters), "last_error": self.last_error}
+                "models": self.base_models, "adapters": sorted(self.adapters), "last_error": self.last_error,
+                "token_capture": None if self.token_capture is None else "engine" if self.token_capture else "json"}
 
 
 class UpstreamPool:
     def __init__(self, urls: tuple[str, ...], *, interval_s: float = 1.0, timeout_s: float = 2.0,
-                 eject_after: int = 2) -> None:
+                 eject_after: int = 2, token_capture: bool = True) -> None:
         self.upstreams = [Upstream(u) for u in urls]
+        self.token_capture = token_capture
+        """Ask each upstream whether it offers the engine's token capture (off: always the JSON path)."""
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.eject_after = eject_after
@@ -139,6 +147,11 @@ class UpstreamPool:
                 if r.status != 200:
                     raise RuntimeError(f"/v1/models returned {r.status}")
                 cards = orjson.loads(await r.read())["data"]
+            if not was_healthy:
+                capture = False
+                if self.token_capture:
+                    async with self._session.get(f"{up.url}{PROBE_PATH}", timeout=timeout) as r:
+                        capture = r.status == 200 and orjson.loads(await r.read()).get("format") == FORMAT_VERSION
         except Exception as exc:
             up.failed_checks += 1
             error = f"{type(exc).__name__}: {exc}"
@@ -159,7 +172,9 @@ class UpstreamPool:
         up.last_error = ""
         if not was_healthy:
             up.adapters &= up.models  # it may have restarted and lost what the gateway loaded
-            log.info("upstream %s in rotation (models %s)", up.url, up.base_models)
+            up.token_capture = capture
+            log.info("upstream %s in rotation (models %s; tokens %s)", up.url, up.base_models,
+                     "as arrays from the engine" if capture else "from its JSON (plain vLLM path)")
             up.healthy = True
             for callback in self.on_recovered:
                 callback(up)

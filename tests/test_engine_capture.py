@@ -1,0 +1,247 @@
+"""Token capture in the engine (``streamrl/vllm_capture.py``) and its wire format (``streamrl/engine_wire.py``):
+the format on its own, then the real vLLM CPU server with the middleware, directly and through the gateway."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from kafka_reader import TopicReader
+from test_gateway import TOPICS, client, direct, of_request, start_gateway
+
+from streamrl.broker.embedded import EmbeddedBroker
+from streamrl.broker.schema import CompletionRecord
+from streamrl.engine import Engine
+from streamrl.engine_wire import (
+    BODY,
+    CAPTURE,
+    CAPTURE_HEADER,
+    FORMAT_VERSION,
+    PROBE_PATH,
+    FrameSplitter,
+    WireError,
+    capture_counts,
+    decode_capture,
+    encode_capture,
+    frame,
+    unframe,
+)
+from streamrl.gateway.capture import CallContext, CaptureError, encode_engine_records
+from streamrl.gateway.server import GatewayServer
+from streamrl.vllm_capture import TESTED_VERSIONS, _version_ok
+
+# -- the wire format on its own ------------------------------------------------------------------------
+
+
+def _payload(rng: random.Random) -> tuple[bytes, list[tuple[int, int, np.ndarray, np.ndarray]], list[np.ndarray]]:
+    prompts = [np.array([rng.randrange(150_000) for _ in range(rng.randrange(0, 40))], np.int32) for _ in range(2)]
+    choices = []
+    for index in range(rng.randrange(1, 5)):
+        n = rng.randrange(0, 30)
+        choices.append((index, index % 2, np.array([rng.randrange(150_000) for _ in range(n)], np.int32),
+                        np.array([-rng.random() * 9 for _ in range(n)], np.float32)))
+    return encode_capture(prompts, choices), choices, prompts
+
+
+def test_capture_payload_round_trips_and_counts() -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        raw, choices, prompts = _payload(rng)
+        decoded = decode_capture(raw)
+        assert [c.index for c in decoded] == [c[0] for c in choices]
+        for got, (_, slot, ids, logprobs) in zip(decoded, choices, strict=True):
+            assert got.prompt_token_ids.tolist() == prompts[slot].tolist()
+            assert got.token_ids.tolist() == ids.tolist()
+            np.testing.assert_array_equal(got.logprobs, logprobs)
+        assert capture_counts(raw) == (len(choices), sum(len(p) for p in prompts), sum(len(c[2]) for c in choices))
+        assert len(raw) - 9 - 4 * len(prompts) - 4 * sum(len(p) for p in prompts) - 12 * len(choices) == 8 * sum(
+            len(c[2]) for c in choices)  # 8 bytes per sampled token, nothing else grows with the reply
+
+
+def test_malformed_capture_is_a_wire_error() -> None:
+    raw, _, _ = _payload(random.Random(1))
+    for bad in (b"", bytes([FORMAT_VERSION + 1]) + raw[1:], raw[:-1], raw + b"\0", raw[:7]):
+        with pytest.raises(WireError):
+            decode_capture(bad)
+        with pytest.raises(WireError):
+            capture_counts(bad)
+    with pytest.raises(WireError):
+        encode_capture([np.zeros(1, np.int32)], [(0, 0, np.zeros(2, np.int32), np.zeros(1, np.float32))])
+
+
+def test_frames_split_at_any_chunk_boundary() -> None:
+    rng = random.Random(2)
+    frames = [(BODY, b"data: " + bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300))) + b"\n\n")
+              for _ in range(20)]
+    frames.insert(15, (CAPTURE, _payload(rng)[0]))
+    wire = b"".join(frame(k, p) for k, p in frames)
+    for _ in range(20):
+        splitter, got, pos = FrameSplitter(), [], 0
+        while pos < len(wire):
+            step = rng.randrange(1, 64)
+            got += splitter.feed(wire[pos:pos + step])
+            pos += step
+        assert got == frames and splitter.pending == 0
+    body, capture = unframe(wire)
+    assert body == b"".join(p for k, p in frames if k == BODY) and capture == frames[15][1]
+    with pytest.raises(WireError):
+        unframe(wire[:-3])
+    with pytest.raises(WireError):
+        FrameSplitter().feed(b"X\0\0\0\0")
+
+
+def test_only_tested_vllm_versions_are_hooked() -> None:
+    for version in TESTED_VERSIONS:
+        assert _version_ok(version) and _version_ok(version + "+cpu")
+    assert not _version_ok("0.33.0") and not _version_ok("0.26.01")
+
+
+def test_a_call_without_capture_is_counted_not_recorded() -> None:
+    ctx = CallContext(trajectory_id="t", group_id=None, endpoint="chat", model="m", policy_name=None,
+                      policy_version=0, request={})
+    with pytest.raises(CaptureError):
+        encode_engine_records(ctx, b"{}", None, 0.1)
+    body = b'{"id":"x","choices":[{"index":0,"message":{"content":"hi"},"finish_reason":"stop"}]}'
+    capture = encode_capture([np.arange(3, dtype=np.int32)],
+                             [(1, 0, np.arange(2, dtype=np.int32), np.zeros(2, np.float32))])
+    with pytest.raises(CaptureError, match="captured"):  # the choice indices must agree
+        encode_engine_records(ctx, body, capture, 0.1)
+    stream = [(0.0, b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'),
+              (0.1, b'data: {"error":{"message":"boom"}}\n\n')]
+    with pytest.raises(CaptureError, match="error"):  # vLLM's mid-stream error: no record
+        encode_engine_records(ctx, stream, capture, 0.1)
+
+
+# -- the real vLLM CPU server with the middleware --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_model(engine: Engine) -> str:
+    return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
+    gw = start_gateway(broker, engine, token_capture=True)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def completions(broker: EmbeddedBroker) -> Iterator[TopicReader]:
+    reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
+    yield reader
+    reader.close()
+
+
+CHAT = [{"role": "user", "content": "Count with me: one, two"}]
+_VOLATILE = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
+
+
+def normalised(raw: bytes) -> bytes:
+    """A response's bytes with what differs between two calls (the request id, the creation time) blanked."""
+    return _VOLATILE.sub(rb'"\1":0', raw)
+
+
+def test_probe_answers_the_format(engine: Engine) -> None:
+    r = httpx.get(f"{engine.url}{PROBE_PATH}")
+    assert r.status_code == 200 and r.json()["format"] == FORMAT_VERSION
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_client_bytes_equal_vllms_for_the_plain_request(gateway, engine, base_model, endpoint, stream):
+    """The gateway's answer is byte for byte what vLLM sends for the client's own request (ids and times
+    aside), and the engine's framed answer carries those same bytes."""
+    path = "chat/completions" if endpoint == "chat" else "completions"
+    body: dict[str, Any] = {"model": base_model, "max_tokens": 24, "temperature": 0.9, "seed": 11, "n": 2,
+                            "stream": stream}
+    body |= {"messages": CHAT} if endpoint == "chat" else {"prompt": "one, two"}
+    via = httpx.post(f"{gateway.url}/v1/{path}", json=body, timeout=60)
+    plain = httpx.post(f"{engine.url}/v1/{path}", json=body, timeout=60)
+    assert via.status_code == plain.status_code == 200
+    assert CAPTURE_HEADER.lower() not in via.headers
+    assert normalised(via.content) == normalised(plain.content)
+    framed = httpx.post(f"{engine.url}/v1/{path}", json=body, headers={CAPTURE_HEADER: "1"}, timeout=60)
+    assert framed.headers[CAPTURE_HEADER] == "1"
+    client_bytes, capture = unframe(framed.content)
+    assert normalised(client_bytes) == normalised(plain.content) and capture is not None
+    assert capture_counts(capture)[0] == 2
+
+
+def test_stop_string_and_multi_prompt_batch_records_equal_vllms(gateway, engine, base_model, completions):
+    """A stop string ends a choice inside the engine's step (vLLM trims the step's tokens) and a batch of
+    prompts numbers its choices prompt by prompt: the records follow vLLM's own token ids exactly."""
+    body = {"model": base_model, "prompt": ["one, two", "three four five"], "max_tokens": 30, "n": 2,
+            "temperature": 1.0, "seed": 3, "stop": ["e", " t"]}
+    r = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    recs = completions.wait_for(of_request(r.headers["x-request-id"]), count=4)
+    exact = direct(engine, "completions", body | {"logprobs": 0, "return_token_ids": True})
+    assert sorted(rec.choice_index for rec in recs) == [0, 1, 2, 3]
+    by_index = {rec.choice_index: rec for rec in recs}
+    for choice in exact["choices"]:
+        rec = by_index[choice["index"]]
+        assert rec.completion_token_ids.tolist() == choice["token_ids"]
+        assert rec.prompt_token_ids.tolist() == choice["prompt_token_ids"]
+        np.testing.assert_array_equal(rec.logprobs, np.asarray(choice["logprobs"]["token_logprobs"], np.float32))
+        assert rec.response_text == choice["text"] and rec.finish_reason == choice["finish_reason"]
+    assert any(c["finish_reason"] == "stop" for c in exact["choices"])  # the stop strings did end choices
+
+
+def test_client_asking_for_logprobs_gets_vllms_and_the_record_equals_them(gateway, base_model, completions):
+    r = httpx.post(f"{gateway.url}/v1/completions", timeout=60,
+                   json={"model": base_model, "prompt": "one", "max_tokens": 12, "logprobs": 2, "seed": 4,
+                         "return_token_ids": True})
+    choice = r.json()["choices"][0]
+    assert len(choice["logprobs"]["top_logprobs"][0]) >= 2  # vLLM's own logprob objects, as asked
+    rec = completions.wait_for(of_request(r.headers["x-request-id"]))[0]
+    assert rec.completion_token_ids.tolist() == choice["token_ids"]
+    np.testing.assert_array_equal(rec.logprobs, np.asarray(choice["logprobs"]["token_logprobs"], np.float32))
+
+
+def test_streamed_request_with_tools_is_recorded(gateway, base_model, completions):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "number"}}}}}]
+    with client(gateway).chat.completions.with_streaming_response.create(
+            model=base_model, messages=CHAT, tools=tools, max_tokens=20, stream=True, seed=9) as raw:
+        request_id = raw.headers["x-request-id"]
+        chunks = list(raw.parse())
+    rec = completions.wait_for(of_request(request_id))[0]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert rec.response_text == text and 0 < len(rec.completion_token_ids) == len(rec.logprobs)
+    assert rec.ttft_s is not None and 0 < rec.ttft_s <= rec.total_s
+
+
+def test_logged_logprobs_are_the_sampling_distributions(gateway, tiny_model, base_model, completions):
+    """At temperature 0.7 the logged logprobs are those of softmax(logits / 0.7) (vLLM's
+    ``processed_logprobs``), which the trainer recomputes for the ratio. Tolerance: vLLM's CPU build runs
+    the model in bf16 and the trainer recomputes in fp32 here, so each token may differ by up to 1e-2 nats
+    and on average by under 2e-3; at temperature 1 they differ by far more."""
+    from streamrl.trainer.config import TrainerConfig
+    from streamrl.trainer.model import load_policy, packed_logprobs
+
+    r = client(gateway).chat.completions.with_raw_response.create(
+        model=base_model, messages=CHAT, max_tokens=40, temperature=0.7, seed=21)
+    rec: CompletionRecord = completions.wait_for(of_request(r.headers["x-request-id"]))[0]
+    model = load_policy(TrainerConfig(model=str(tiny_model), device="cpu"), torch.device("cpu"))
+    ids = np.concatenate([rec.prompt_token_ids, rec.completion_token_ids])
+    n_prompt = len(rec.prompt_token_ids)
+    with torch.no_grad():
+        recomputed = packed_logprobs(model, torch.as_tensor(ids[None], dtype=torch.long),
+                                     torch.arange(len(ids))[None], torch.arange(n_prompt, len(ids)),
+                                     temperatures=torch.full((len(ids) - n_prompt,), 0.7))
+    logged = torch.as_tensor(rec.logprobs.copy())
+    assert len(logged) > 10
+    diff = (logged - recomputed).abs()
+    assert diff.max() < 1e-2 and diff.mean() < 2e-3, (diff.max(), diff.mean())
+    with torch.no_grad():
+        at_one = packed_logprobs(model, torch.as_tensor(ids[None], dtype=torch.long), torch.arange(len(ids))[None],
+                                 torch.arange(n_prompt, len(ids)))
+    assert (logged - at_one).abs().max() > 0.05  # not the raw (temperature 1) distribution's
