@@ -7,7 +7,10 @@ this load generator. Modes, all in the same run:
 
   direct   client -> stub
   off      client -> gateway (logging off: forwards bytes) -> stub
-  on       client -> gateway (logging on: asks for ids + logprobs, strips them, records to Kafka) -> stub
+  on       client -> gateway (logging on: the client's request with the capture header; the stub answers
+           as ``streamrl engine`` does, vLLM's bytes plus a capture frame; records to Kafka) -> stub
+  on-json  client -> gateway (logging on, ``--no-token-capture``: asks for ids + logprobs in the JSON, strips
+           them, records to Kafka; the path of a plain vLLM upstream) -> stub
 
 For each mode: an open-loop run at a fixed rate (latency p50/p99 measured from each request's scheduled
 start, so a stall is not hidden) and a closed-loop run at fixed concurrency (highest sustained req/s).
@@ -96,24 +99,48 @@ def stub_stream_events(want_lp: bool, want_ids: bool) -> list[bytes]:
     return events
 
 
+def stub_capture(seed: int) -> bytes:
+    """The capture frame ``streamrl engine`` sends beside a reply of COMPLETION_TOKENS tokens."""
+    from streamrl.engine_wire import CAPTURE, encode_capture, frame
+
+    ids, lps, _ = _tokens(seed)
+    prompt = np.arange(1000, 1000 + PROMPT_TOKENS, dtype=np.int32)
+    return frame(CAPTURE, encode_capture([prompt], [(0, 0, np.asarray(ids, np.int32), np.asarray(lps, np.float32))]))
+
+
 def serve_stub(port: int) -> None:
     import uvloop
     from aiohttp import web
 
+    from streamrl.engine_wire import BODY, CAPTURE_HEADER, FORMAT_VERSION, PROBE_PATH, frame
+
     bodies = stub_bodies("chat")
     streams = {(a, b): b"".join(stub_stream_events(a, b)) for a in (False, True) for b in (False, True)}
+    # as streamrl engine answers a request with the capture header: vLLM's plain bytes in B frames, the capture
+    # in a C frame (before [DONE] when streaming)
+    framed_body = frame(BODY, bodies[(False, False)]) + stub_capture(1)
+    events = stub_stream_events(False, False)
+    framed_stream = b"".join(frame(BODY, e) for e in events[:-1]) + stub_capture(2) + frame(BODY, events[-1])
     models = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "parent": None}]})
+    probe = orjson.dumps({"format": FORMAT_VERSION})
 
     async def chat(request: web.Request) -> web.StreamResponse:
         req = orjson.loads(await request.read())
         key = (bool(req.get("logprobs")), bool(req.get("return_token_ids")))
+        framed = CAPTURE_HEADER in request.headers
+        headers = {CAPTURE_HEADER: "1"} if framed else {}
         if req.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
             await resp.prepare(request)
-            await resp.write(streams[key])  # instant: every token at once, the gateway still parses each event
+            # instant: every token at once, the gateway still handles each event
+            await resp.write(framed_stream if framed else streams[key])
             await resp.write_eof()
             return resp
-        return web.Response(body=bodies[key], content_type="application/json")
+        return web.Response(body=framed_body if framed else bodies[key], content_type="application/json",
+                            headers=headers)
+
+    async def capture_probe(_request: web.Request) -> web.Response:
+        return web.Response(body=probe, content_type="application/json")
 
     async def health(_request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -125,6 +152,7 @@ def serve_stub(port: int) -> None:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get(PROBE_PATH, capture_probe)
     uvloop.install()
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
@@ -377,10 +405,10 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def gateway_cmd(stub_url: str, port: int, bootstrap: str, logging_on: bool) -> list[str]:
+def gateway_cmd(stub_url: str, port: int, bootstrap: str, mode: str) -> list[str]:
     cmd = [sys.executable, "-m", "streamrl.cli", "--log-level", "WARNING", "gateway", "--upstream", stub_url,
            "--bootstrap-servers", bootstrap, "--port", str(port), "--topic-prefix", "bench"]
-    return cmd if logging_on else [*cmd, "--no-logging"]
+    return {"off": [*cmd, "--no-logging"], "on": cmd, "on-json": [*cmd, "--no-token-capture"]}[mode]
 
 
 def record_sizes(bootstrap: str, topic: str = "bench.completions", compress: bool = False) -> dict[str, float]:
@@ -443,7 +471,7 @@ def vllm_record_sizes(upstream: str, requests: int = 20, max_tokens: int = 256) 
 
 def print_table(results: dict[str, object]) -> None:
     """The figures of docs/benchmarks.md, one row each."""
-    modes = [m for m in ("direct", "off", "on") if m in results]
+    modes = [m for m in ("direct", "off", "on", "on-json") if m in results]
 
     def row(name: str, cell: Callable[[dict[str, object]], str]) -> None:
         cells = []
@@ -508,13 +536,12 @@ def main() -> None:
     try:
         stub_url = f"http://127.0.0.1:{stub_port}"
         _wait_http(f"{stub_url}/health")
-        targets = {"direct": None, "off": False, "on": True}
-        for mode, logging_on in targets.items():
-            if logging_on is None:
+        for mode in ("direct", "off", "on", "on-json"):
+            if mode == "direct":
                 url = f"{stub_url}/v1/chat/completions"
                 gw = None
             else:
-                gw = _spawn(gateway_cmd(stub_url, gw_port, broker.bootstrap_servers, logging_on), f"gateway-{mode}")
+                gw = _spawn(gateway_cmd(stub_url, gw_port, broker.bootstrap_servers, mode), f"gateway-{mode}")
                 procs.append(gw)
                 _wait_http(f"http://127.0.0.1:{gw_port}/health")
                 url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
@@ -571,7 +598,7 @@ def main() -> None:
         results["vllm_records"] = vllm_record_sizes(args.vllm)
     d, off, on = results["direct"], results["off"], results["on"]  # type: ignore[index]
     summary = {}
-    for mode, entry in (("off", off), ("on", on)):
+    for mode, entry in (("off", off), ("on", on), ("on-json", results["on-json"])):
         summary[mode] = {
             "added_p50_ms": entry["latency"]["p50_ms"] - d["latency"]["p50_ms"],
             "added_p99_ms": entry["latency"]["p99_ms"] - d["latency"]["p99_ms"],
@@ -596,6 +623,7 @@ def main() -> None:
     summary["direct_max_rps"] = d["throughput"]["rps"]
     summary["direct_large_body_p50_p99_ms"] = (d["large_body_latency"]["p50_ms"], d["large_body_latency"]["p99_ms"])
     summary["on_over_off_throughput"] = on["throughput"]["rps"] / off["throughput"]["rps"]
+    summary["on_json_over_off_throughput"] = results["on-json"]["throughput"]["rps"] / off["throughput"]["rps"]
     results["summary"] = summary
     print(json.dumps(results, indent=2))
     print_table(results)

@@ -104,7 +104,10 @@ class GpuSampler(threading.Thread):
 
 
 def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstreams: list[str] | None = None) -> dict:
-    """One ``streamrl up`` run; with ``upstreams`` (shared engines) it serves policy name ``mode``."""
+    """One ``streamrl up`` run; with ``upstreams`` (shared engines) it serves policy name ``mode``. A mode
+    ending in ``-json`` (``pipeline-json``) is that mode with the gateway asking vLLM for tokens in its JSON
+    instead of taking the engine's capture frames: the same run's baseline of what capture saves."""
+    json_path = mode.endswith("-json")
     engine_device, mem_frac, trainer_device = LAYOUTS[args.layout]
     run_dir = out / mode
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -112,7 +115,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
     port, trainer_port = args.port, args.port + 1
     config = {
         "up": {"model": str(model), "port": port, "work_dir": str(run_dir), "trainer_device": trainer_device,
-               "policy_name": mode, **({"upstreams": upstreams} if upstreams else {})},
+               "policy_name": mode, "token_capture": not json_path, **({"upstreams": upstreams} if upstreams else {})},
         "engine": {"device": engine_device, "gpu_memory_utilization": mem_frac,
                    "max_model_len": args.max_model_len,
                    "extra_args": args.engine_args.split() if args.engine_args else []},
@@ -122,7 +125,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
                     "micro_batch_tokens": args.micro_batch_tokens, "row_tokens": args.row_tokens},
         "demo": {"group_size": args.group_size, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                  "context_words": args.context_words, "stall_s": args.stall_s,
-                 "groups_per_step": args.groups_per_step, "max_ahead": 0 if mode == "sync" else args.max_ahead,
+                 "groups_per_step": args.groups_per_step, "max_ahead": 0 if mode.startswith("sync") else args.max_ahead,
                  "until_reward": args.until_reward, "stop_groups": args.stop_groups,
                  "max_seconds": args.max_seconds, "seed": args.seed, "summary": str(run_dir / "demo.json")},
     }
@@ -278,6 +281,7 @@ def start_shared_engines(args: argparse.Namespace, model: Path, out: Path) -> li
     for i in range(args.engines):
         config = EngineConfig(model=str(model), max_model_len=args.max_model_len, device=device,
                               gpu_memory_utilization=None if mem_frac is None else mem_frac / args.engines,
+                              token_capture=not args.no_token_capture,
                               extra_args=args.engine_args.split() if args.engine_args else [])
         engine = Engine(config, log_file=out / f"engine-{i}.log")
         try:
@@ -358,6 +362,8 @@ def main() -> int:
     p.add_argument("--port", type=int, default=18080)
     p.add_argument("--engine-args", default="", help="extra vLLM flags, e.g. --enforce-eager")
     p.add_argument("--shared-engine", action="store_true", help="one vLLM server for every mode (started once)")
+    p.add_argument("--no-token-capture", action="store_true",
+                   help="shared engines without capture frames (plain vLLM): the gateway asks for tokens in the JSON")
     p.add_argument("--engines", type=int, default=1,
                    help="with --shared-engine: vLLM replicas on the engine GPU, behind the one gateway")
     p.add_argument("--micro-batch-tokens", type=int, default=4096, help="trainer tokens per micro-batch")

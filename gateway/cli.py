@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without a byte from the upstream before a 504")
     p.add_argument("--no-logging", action="store_true",
                    help="forward only, log nothing (for measuring the gateway's overhead)")
+    p.add_argument("--no-token-capture", action="store_true",
+                   help="ask every upstream for token ids and logprobs in its JSON, even one that offers "
+                        "capture frames (streamrl engine); for comparison")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -34,7 +37,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         bootstrap_servers=None if args.no_logging else args.bootstrap_servers,
         host=args.host, port=args.port, topic_prefix=args.topic_prefix, policy_name=args.policy_name,
         max_loaded_versions=args.max_loaded_versions, max_body_bytes=args.max_body_bytes,
-        upstream_timeout_s=args.upstream_timeout,
+        upstream_timeout_s=args.upstream_timeout, token_capture=not args.no_token_capture,
     )
 
 

@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--device", default=None, help="CUDA device index for vLLM")
+    p.add_argument("--no-token-capture", action="store_true",
+                   help="a plain vLLM server: no capture frames for the gateway (it then asks for logprobs in the JSON)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="further vLLM arguments after --")
 
 
@@ -27,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
                                  max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
                                  max_model_len=args.max_model_len,
                                  gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
-                                 extra_args=extra)).start()
+                                 token_capture=not args.no_token_capture, extra_args=extra)).start()
     print(f"engine ready: {engine.url}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -64,6 +64,8 @@ class EngineSection:
     max_loras: int = 4
     max_model_len: int = 2048
     cpu_kv_cache_gb: int = 1
+    token_capture: bool = True
+    """Hand the gateway token ids and logprobs as arrays (``streamrl/vllm_capture.py``); off, a plain vLLM."""
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -86,6 +88,8 @@ class UpConfig:
     topic_prefix: str = "streamrl"
     policy_name: str = "policy"
     max_loaded_versions: int = 3
+    token_capture: bool = True
+    """The gateway takes tokens from the engines' capture frames where offered (off: from their JSON)."""
     trainer_device: str | None = None
     """Trainer device: auto, cpu, cuda, cuda:N (the [trainer] table's ``device``)."""
     trainer_nproc: int = 1
@@ -357,7 +361,7 @@ class Stack:
         config = EngineConfig(model=self.model, host=c.host, port=e.port, max_lora_rank=e.max_lora_rank,
                               max_loras=e.max_loras, max_model_len=e.max_model_len, device=e.device,
                               gpu_memory_utilization=e.gpu_memory_utilization, cpu_kv_cache_gb=e.cpu_kv_cache_gb,
-                              extra_args=list(e.extra_args))
+                              token_capture=e.token_capture, extra_args=list(e.extra_args))
         log_file = self.logs / "engine.log"
         self.engine = Engine(config, log_file=log_file)
         self.log.follow("engine", log_file, self._following)
@@ -378,6 +382,8 @@ class Stack:
                 "--policy-name", c.policy_name, "--max-loaded-versions", str(c.max_loaded_versions)]
         for url in self.upstreams:
             argv += ["--upstream", url]
+        if not c.token_capture:
+            argv.append("--no-token-capture")
         proc = self._spawn("gateway", argv)
         self.gateway_url = f"http://{c.host}:{port}"
         wait_healthy(self.gateway_url, 120, proc, what="gateway")

@@ -271,10 +271,10 @@ INVALID_REWARDS = [
 def test_invalid_rewards_are_rejected_and_produce_nothing(engine_gateway, rewards, case):
     tag = f"invalid-{case}-{time.monotonic_ns()}"
     body = orjson.loads(orjson.dumps(INVALID_REWARDS[case]).replace(b'"T', f'"{tag}'.encode()))
-    offered = engine_gateway.engine_gateway.producer.stats.offered
+    offered = engine_gateway.gateway.producer.stats.offered
     r = httpx.post(f"{engine_gateway.url}/v1/rewards", json=body)
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
-    assert engine_gateway.engine_gateway.producer.stats.offered == offered
+    assert engine_gateway.gateway.producer.stats.offered == offered
     sentinel = f"sentinel-{tag}"
     assert httpx.post(f"{engine_gateway.url}/v1/rewards", json={"trajectory_id": sentinel, "reward": 0}).status_code == 200
     rewards.wait_for(lambda x: x.trajectory_id == sentinel)

@@ -1,0 +1,283 @@
+"""What capturing tokens costs vLLM's generation: every way of asking for them, against one engine, in one run.
+
+One ``streamrl engine`` (with its capture middleware) serves every mode in turn, each the same load:
+``--requests`` chat requests of ``--max-tokens`` generated tokens (``ignore_eos``), ``--concurrency`` in
+flight, each with its own prompt. Modes:
+
+  chat               plain chat, nothing extra (the baseline: what a user gets from vLLM)
+  chat-ids           + ``return_token_ids``
+  chat-logprobs-ids  + ``logprobs`` + ``return_token_ids`` (what the gateway asks a plain vLLM for)
+  completions-ids    ``/v1/completions``, token-id prompt, ``logprobs: 0``, ``return_token_ids``
+  generate           ``/inference/v1/generate`` with ``logprobs: 1`` (skipped where the engine lacks it)
+  chat-capture       plain chat with the gateway's ``X-Streamrl-Capture`` header: vLLM's bytes + a capture frame
+  gateway            plain chat through ``streamrl gateway``, logging on (capture frames, records to Kafka)
+  gateway-json       the same with ``--no-token-capture`` (the gateway asks for logprobs + ids in the JSON)
+  gateway-stream     streamed chat through the gateway, logging on (capture frames)
+  chat-stream        streamed chat straight to vLLM (the baseline of gateway-stream)
+  chat-again         plain chat once more (drift of the engine over the run)
+
+Reported per mode: completion tokens/s and its ratio to ``chat``, response bytes on the wire per
+completion token and, where a capture frame came, its bytes per token. A check compares the first
+requests' captured tokens and logprobs with vLLM's own (``chat-logprobs-ids``, same seeds).
+
+    python bench/capture_bench.py --shape qwen2.5-1.5b [--requests 1024 --concurrency 256 --max-tokens 256]
+    python bench/capture_bench.py --model DIR ...        (an existing checkpoint)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+MODES = ("chat", "chat-ids", "chat-logprobs-ids", "completions-ids", "generate", "chat-capture", "gateway",
+         "gateway-json", "gateway-stream", "chat-stream", "chat-again")
+
+
+def prompt_messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Request {i}: write a long story about a lighthouse keeper."}]
+
+
+class Load:
+    """One mode's requests, ``concurrency`` at a time, counting tokens and bytes."""
+
+    def __init__(self, args: argparse.Namespace, model: str, prompt_ids: list[list[int]]) -> None:
+        self.args, self.model, self.prompt_ids = args, model, prompt_ids
+
+    def request(self, mode: str, i: int) -> tuple[str, dict[str, Any], dict[str, str]]:
+        a = self.args
+        sampling = {"max_tokens": a.max_tokens, "temperature": 1.0, "ignore_eos": True, "seed": i}
+        chat = {"model": self.model, "messages": prompt_messages(i), **sampling}
+        headers: dict[str, str] = {}
+        if mode in ("chat", "chat-again", "gateway", "gateway-json"):
+            return "chat", chat, headers
+        if mode in ("chat-stream", "gateway-stream"):
+            return "chat", chat | {"stream": True, "stream_options": {"include_usage": True}}, headers
+        if mode == "chat-ids":
+            return "chat", chat | {"return_token_ids": True}, headers
+        if mode == "chat-logprobs-ids":
+            return "chat", chat | {"logprobs": True, "return_token_ids": True}, headers
+        if mode == "chat-capture":
+            from streamrl.engine_wire import CAPTURE_HEADER
+
+            return "chat", chat, {CAPTURE_HEADER: "1"}
+        if mode == "completions-ids":
+            return "completions", {"model": self.model, "prompt": self.prompt_ids[i], "logprobs": 0,
+                                   "return_token_ids": True, **sampling}, headers
+        if mode == "generate":
+            return "generate", {"model": self.model, "token_ids": self.prompt_ids[i],
+                                "sampling_params": {**sampling, "logprobs": 1}}, headers
+        raise ValueError(mode)
+
+    async def run(self, mode: str, base_url: str) -> dict[str, Any]:
+        from streamrl.engine_wire import CAPTURE_HEADER, capture_counts, unframe
+
+        a = self.args
+        paths = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+                 "generate": "/inference/v1/generate"}
+        tokens = body_bytes = capture_bytes = failures = 0
+        errors: dict[str, int] = {}
+        captures: dict[int, bytes] = {}
+        queue = iter(range(a.requests))
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+            async def worker() -> None:
+                nonlocal tokens, body_bytes, capture_bytes, failures
+                for i in queue:
+                    kind, body, headers = self.request(mode, i)
+                    try:
+                        async with session.post(base_url + paths[kind], data=orjson.dumps(body),
+                                                headers={"Content-Type": "application/json", **headers}) as r:
+                            raw = await r.read()
+                            status, framed = r.status, r.headers.get(CAPTURE_HEADER) == "1"
+                    except aiohttp.ClientError as exc:
+                        status, raw, framed = type(exc).__name__, b"", False
+                    if status != 200:
+                        failures += 1
+                        errors[str(status)] = errors.get(str(status), 0) + 1
+                        continue
+                    if framed:
+                        raw, capture = unframe(raw)
+                        capture_bytes += len(capture or b"")
+                        if capture is not None and i < a.check_requests:
+                            captures[i] = capture
+                        tokens += capture_counts(capture)[2] if capture else 0
+                    else:
+                        tokens += completion_tokens(kind, raw, body.get("stream", False))
+                    body_bytes += len(raw)
+
+            started = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(a.concurrency)))
+            seconds = time.perf_counter() - started
+        out = {"requests": a.requests, "failures": failures, "errors": errors, "seconds": seconds,
+               "completion_tokens": tokens, "tokens_per_s": tokens / seconds,
+               "bytes_per_token": body_bytes / max(tokens, 1)}
+        if capture_bytes:
+            out["capture_bytes_per_token"] = capture_bytes / max(tokens, 1)
+        out["_captures"] = captures
+        return out
+
+
+def completion_tokens(kind: str, raw: bytes, stream: bool) -> int:
+    if stream:  # the usage chunk (stream_options.include_usage) comes last before [DONE]
+        last = [e for e in raw.split(b"\n\n") if e.startswith(b"data: {")][-1]
+        return int(orjson.loads(last[6:])["usage"]["completion_tokens"])
+    body = orjson.loads(raw)
+    if kind == "generate":
+        return sum(len(c.get("token_ids") or ()) for c in body.get("choices", ()))
+    return int(body["usage"]["completion_tokens"])
+
+
+async def reference(load: Load, base_url: str, n: int) -> dict[int, dict[str, Any]]:
+    """vLLM's own token ids and logprobs for the first ``n`` requests (the same seeds as every mode)."""
+    out = {}
+    async with aiohttp.ClientSession() as session:
+        for i in range(n):
+            _, body, _ = load.request("chat-logprobs-ids", i)
+            async with session.post(base_url + "/v1/chat/completions", json=body) as r:
+                choice = (await r.json())["choices"][0]
+            out[i] = {"ids": choice["token_ids"], "logprobs": [e["logprob"] for e in choice["logprobs"]["content"]]}
+    return out
+
+
+def check_captures(captures: dict[int, bytes], ref: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Same seed, same prompt: the captured ids should be vLLM's; logprobs equal up to batch-order noise."""
+    from streamrl.engine_wire import decode_capture
+
+    same_ids = 0
+    diffs = []
+    for i, raw in captures.items():
+        [c] = decode_capture(raw)
+        if c.token_ids.tolist() == ref[i]["ids"]:
+            same_ids += 1
+            diffs.append(float(np.abs(c.logprobs - np.asarray(ref[i]["logprobs"], np.float32)).max()))
+    return {"compared": len(captures), "same_token_ids": same_ids,
+            "max_abs_logprob_diff": max(diffs) if diffs else None}
+
+
+def spawn_gateway(upstream: str, bootstrap: str, port: int, json_path: bool, log_dir: Path) -> Any:
+    import subprocess
+
+    cmd = [sys.executable, "-m", "streamrl.cli", "--log-level", "WARNING", "gateway", "--upstream", upstream,
+           "--bootstrap-servers", bootstrap, "--port", str(port), "--topic-prefix", "capture-bench"]
+    if json_path:
+        cmd.append("--no-token-capture")
+    log = open(log_dir / f"gateway{'-json' if json_path else ''}.log", "wb")  # noqa: SIM115
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a checkpoint directory (default: build a random one of --shape)")
+    p.add_argument("--shape", default="qwen2.5-1.5b")
+    p.add_argument("--requests", type=int, default=1024)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--check-requests", type=int, default=16)
+    p.add_argument("--engine-args", default="", help="extra vLLM flags")
+    p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "capture-bench")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args()
+
+    import httpx
+    from gateway_bench import _stop, _wait_http
+
+    from streamrl.broker.embedded import EmbeddedBroker, free_port
+    from streamrl.broker.topics import Topics
+    from streamrl.engine import Engine, EngineConfig
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.model is None:
+        from streamrl.tiny_model import build_model
+
+        model_dir = args.out / f"model-{args.shape}"
+        if not (model_dir / "config.json").exists():
+            build_model(model_dir, args.shape, seed=0)
+        args.model = str(model_dir)
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
+                               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "modes": {}}
+    engine = Engine(EngineConfig(model=args.model, max_model_len=2048, max_loras=2,
+                                 extra_args=args.engine_args.split()), log_file=args.out / "engine.log")
+    started = time.monotonic()
+    engine.start(timeout=900)
+    results["engine_start_s"] = time.monotonic() - started
+    import vllm
+
+    results["vllm"] = vllm.__version__
+    broker = EmbeddedBroker(topics=Topics("capture-bench")).start()
+    gateways: dict[str, Any] = {}
+    try:
+        served = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
+        prompt_ids = [httpx.post(f"{engine.url}/tokenize", json={"model": served, "messages": prompt_messages(i),
+                                                                 "add_generation_prompt": True}).json()["tokens"]
+                      for i in range(args.requests)]
+        load = Load(args, served, prompt_ids)
+        modes = args.modes.split(",")
+        for name, json_path in (("gateway", False), ("gateway-json", True)):
+            if name in modes or (name == "gateway" and "gateway-stream" in modes):
+                port = free_port()
+                gateways[name] = (spawn_gateway(engine.url, broker.bootstrap_servers, port, json_path, args.out),
+                                  f"http://127.0.0.1:{port}")
+                _wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
+        print("warming up ...", flush=True)
+        asyncio.run(load.run("chat", engine.url))
+        ref = asyncio.run(reference(load, engine.url, args.check_requests))
+        for mode in modes:
+            url = gateways["gateway" if mode == "gateway-stream" else mode][1] if mode.startswith("gateway") \
+                else engine.url
+            if mode == "generate":
+                _, body, _ = load.request("generate", 0)
+                probe = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120)
+                if probe.status_code != 200:
+                    results["modes"][mode] = {"skipped": f"{probe.status_code}: {probe.text[:200]}"}
+                    print(f"[{mode}] skipped ({probe.status_code})", flush=True)
+                    continue
+            r = asyncio.run(load.run(mode, url))
+            captures = r.pop("_captures")
+            if captures:
+                r["check"] = check_captures(captures, ref)
+            if mode.startswith("gateway"):
+                r["gateway_health"] = httpx.get(f"{url}/health").json()
+            results["modes"][mode] = r
+            print(f"[{mode}] {r['tokens_per_s']:,.0f} tok/s, {r['bytes_per_token']:.1f} B/token, "
+                  f"{r['failures']} failed", flush=True)
+    finally:
+        for proc, _ in gateways.values():
+            _stop(proc)
+        broker.stop()
+        engine.stop()
+    base = results["modes"].get("chat", {}).get("tokens_per_s")
+    stream_base = results["modes"].get("chat-stream", {}).get("tokens_per_s")
+    print("\n| mode | completion tokens/s | vs plain chat | bytes per token (body / capture) | failed |")
+    print("| --- | ---: | ---: | --- | ---: |")
+    for mode, r in results["modes"].items():
+        if "skipped" in r:
+            print(f"| {mode} | skipped | | | |")
+            continue
+        ref_tps = stream_base if mode == "gateway-stream" and stream_base else base
+        r["vs_plain_chat"] = r["tokens_per_s"] / ref_tps if ref_tps else None
+        cap = f" / {r['capture_bytes_per_token']:.1f}" if "capture_bytes_per_token" in r else ""
+        print(f"| {mode} | {r['tokens_per_s']:,.0f} | {r['vs_plain_chat']:.2f}x | {r['bytes_per_token']:.1f}{cap} "
+              f"| {r['failures']} |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
