@@ -190,7 +190,6 @@ def main() -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--check-requests", type=int, default=16)
     p.add_argument("--engine-args", default="", help="extra vLLM flags")
-    p.add_argument("--api-servers", type=int, default=1, help="vLLM API server processes (--api-server-count)")
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "capture-bench")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
@@ -212,7 +211,7 @@ def main() -> int:
         args.model = str(model_dir)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
                                "machine": f"{platform.machine()}, {os.cpu_count()} cores", "modes": {}}
-    engine = Engine(EngineConfig(model=args.model, max_model_len=2048, max_loras=2, api_servers=args.api_servers,
+    engine = Engine(EngineConfig(model=args.model, max_model_len=2048, max_loras=2,
                                  extra_args=args.engine_args.split()), log_file=args.out / "engine.log")
     started = time.monotonic()
     engine.start(timeout=900)

