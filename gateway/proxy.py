@@ -388,8 +388,8 @@ class Proxy:
         sent it, or an engine capture's builder (split, decoded, built and encoded there, off the event loop)."""
         if self.producer is None or not count:
             return
-        self.metrics.tokens.labels("prompt").inc(tokens[0])
-        self.metrics.tokens.labels("completion").inc(tokens[1])
+        self.metrics.prompt_tokens.inc(tokens[0])
+        self.metrics.completion_tokens.inc(tokens[1])
         total_s = time.perf_counter() - call.ctx.started
         if isinstance(choices, functools.partial):
             build = functools.partial(choices, total_s)

@@ -153,16 +153,27 @@ class FrameSplitter:
 
 
 def unframe(raw: bytes) -> tuple[bytes, bytes | None]:
-    """A whole framed body: (vLLM's bytes, the capture payload or ``None``); ``WireError`` if cut off."""
-    splitter = FrameSplitter()
-    frames = splitter.feed(raw)
-    if splitter.pending:
-        raise WireError(f"framed body cut off ({splitter.pending} bytes of an unfinished frame)")
-    body = [p for k, p in frames if k == BODY]
-    capture = [p for k, p in frames if k == CAPTURE]
-    if len(capture) > 1:
-        raise WireError(f"{len(capture)} capture frames")
-    return (body[0] if len(body) == 1 else b"".join(body)), (capture[0] if capture else None)
+    """A whole framed body: (vLLM's bytes, the capture payload or ``None``); ``WireError`` if cut off or
+    malformed. A non-streamed answer is one ``B`` and one ``C`` frame: read in place, one copy of each."""
+    view = memoryview(raw)
+    body: list[bytes] = []
+    capture: bytes | None = None
+    pos, size = 0, len(raw)
+    while pos < size:
+        if size - pos < _FRAME.size:
+            raise WireError(f"framed body cut off ({size - pos} bytes of a frame header)")
+        kind, length = _FRAME.unpack_from(raw, pos)
+        end = pos + _FRAME.size + length
+        if end > size:
+            raise WireError(f"framed body cut off ({size - pos} bytes of a {length}-byte frame)")
+        if kind == BODY:
+            body.append(bytes(view[pos + _FRAME.size:end]))
+        elif kind == CAPTURE and capture is None:
+            capture = bytes(view[pos + _FRAME.size:end])
+        else:
+            raise WireError(f"unexpected frame {kind!r}")
+        pos = end
+    return (body[0] if len(body) == 1 else b"".join(body)), capture
 
 
 def capture_counts(payload: bytes) -> tuple[int, int, int]:

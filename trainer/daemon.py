@@ -131,6 +131,7 @@ def _publish(c, model, learner, source, announcer, metrics, state, batches, stat
     timings["checkpoint_s"] = time.monotonic() - t
     t = time.monotonic()
     if announcer is not None:
+        record.created = time.time()  # published now, after the checkpoint: publish -> served starts here
         try:
             announcer.announce(record)
         except Exception as exc:  # broker away: the next version supersedes this one; a restart re-announces
