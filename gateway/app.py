@@ -30,6 +30,7 @@ from .policy import PolicyRouter
 from .proxy import JSON, Proxy
 from .rewards import post_rewards
 from .upstreams import UpstreamPool
+from .wire import CHAT, COMPLETIONS
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +149,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await proxy.handle(request, "chat")
+        return await proxy.handle(request, CHAT)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await proxy.handle(request, "completions")
+        return await proxy.handle(request, COMPLETIONS)
 
     @app.post("/v1/rewards")
     async def rewards(request: Request) -> Response:

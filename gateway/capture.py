@@ -22,6 +22,8 @@ import orjson
 from streamrl.broker.schema import CompletionRecord, encode
 from streamrl.engine_wire import WireError, decode_capture
 
+from .wire import CHAT, COMPLETIONS, ENDPOINTS
+
 
 @dataclass(slots=True)
 class CallContext:
@@ -58,46 +60,17 @@ class ChoiceCapture:
     first_token_s: float | None = None
 
 
-class _Logprob(msgspec.Struct):
-    logprob: float | None = None
-
-
-class _ChatLogprobs(msgspec.Struct):
-    content: list[_Logprob] | None = None
-
-
-class _CompletionLogprobs(msgspec.Struct):
-    token_logprobs: list[float | None] | None = None
-
-
 _Field = msgspec.Raw | msgspec.UnsetType
-
-
-class _Top(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """The top-level keys of vLLM's chat and completions responses, in its order; absent ones stay absent."""
-
-    id: _Field = msgspec.UNSET
-    object: _Field = msgspec.UNSET
-    created: _Field = msgspec.UNSET
-    model: _Field = msgspec.UNSET
-    choices: list[dict[str, msgspec.Raw]] | msgspec.UnsetType = msgspec.UNSET
-    service_tier: _Field = msgspec.UNSET
-    system_fingerprint: _Field = msgspec.UNSET
-    usage: _Field = msgspec.UNSET
-    prompt_logprobs: _Field = msgspec.UNSET
-    prompt_token_ids: _Field = msgspec.UNSET
-    prompt_text: _Field = msgspec.UNSET
-    kv_transfer_params: _Field = msgspec.UNSET
-    ec_transfer_params: _Field = msgspec.UNSET
-    metrics: _Field = msgspec.UNSET
-
+_Top = msgspec.defstruct(
+    "_Top", [(k, list[dict[str, msgspec.Raw]] | msgspec.UnsetType if k == "choices" else _Field, msgspec.UNSET)
+             for k in dict.fromkeys(CHAT.top_keys + COMPLETIONS.top_keys)],
+    forbid_unknown_fields=True, omit_defaults=True)
+"""The top-level keys of vLLM's chat and completions responses, in its order; absent ones stay absent."""
 
 _KNOWN_TOP = msgspec.json.Decoder(_Top)
 _TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _CHOICES = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
 _IDS = msgspec.json.Decoder(list[int] | None)
-_CHAT_LP = msgspec.json.Decoder(_ChatLogprobs | None)
-_COMPLETION_LP = msgspec.json.Decoder(_CompletionLogprobs | None)
 _ANY = msgspec.json.Decoder()
 _ENCODER = msgspec.json.Encoder()
 NULL = msgspec.Raw(b"null")
@@ -117,7 +90,7 @@ def split_body(raw: bytes, endpoint: str, strip_ids: bool,
     (the producer splits the body this way, then decodes the 1,000 logprobs), and the body for the client
     with what the gateway asked for on its own behalf set back to ``null`` (the request path's fallback
     when ``fast_strip`` cannot be used). Unchanged bytes when nothing is stripped."""
-    chat = endpoint == "chat"
+    chat = not ENDPOINTS[endpoint].prompt_ids_per_choice
     try:  # one pass when every top-level key is one vLLM is known to send
         known = _KNOWN_TOP.decode(raw)
         choices = known.choices if known.choices is not msgspec.UNSET else []
@@ -169,26 +142,17 @@ def usage_tokens(usage: msgspec.Raw | None) -> tuple[int, int]:
 
 def decode_choice(choice: RawChoice, endpoint: str) -> ChoiceCapture:
     """The producer's half of ``split_body``: decode what the record needs, typed and lean."""
+    e = ENDPOINTS[endpoint]
     f = choice.fields
-    token_ids = _IDS.decode(f["token_ids"]) if "token_ids" in f else None
-    if endpoint == "chat":
-        lp = _CHAT_LP.decode(f["logprobs"]) if "logprobs" in f else None
-        logprobs = [e.logprob for e in lp.content] if lp is not None and lp.content else []
-        message = _ANY.decode(f["message"]) if "message" in f else {}
-        text = (message or {}).get("content") or ""
-        tool_calls = (message or {}).get("tool_calls") or None
-    else:
-        lp = _COMPLETION_LP.decode(f["logprobs"]) if "logprobs" in f else None
-        logprobs = list(lp.token_logprobs or []) if lp is not None else []
-        text = _ANY.decode(f["text"]) if "text" in f else ""
-        tool_calls = None
-    token_ids = token_ids or []
+    token_ids = (_IDS.decode(f["token_ids"]) if "token_ids" in f else None) or []
+    logprobs = e.decode_logprobs(f["logprobs"]) if "logprobs" in f else []
+    text, tool_calls = e.decode_output(f)
     if len(logprobs) > len(token_ids):  # completions with echo: the prompt's logprobs come first
         logprobs = logprobs[len(logprobs) - len(token_ids):]
     return ChoiceCapture(
         index=_ANY.decode(f["index"]) if "index" in f else 0,
         prompt_token_ids=_IDS.decode(choice.prompt_token_ids) if choice.prompt_token_ids is not None else None,
-        token_ids=token_ids, logprobs=logprobs, text=[text or ""], tool_calls=tool_calls,
+        token_ids=token_ids, logprobs=logprobs, text=[text], tool_calls=tool_calls,
         finish_reason=_ANY.decode(f["finish_reason"]) if "finish_reason" in f else None,
     )
 
@@ -196,15 +160,16 @@ def decode_choice(choice: RawChoice, endpoint: str) -> ChoiceCapture:
 class StreamCapture:
     """Accumulates streamed chunks per choice index."""
 
-    __slots__ = ("chat", "choices", "prompt_token_ids")
+    __slots__ = ("choices", "endpoint", "prompt_token_ids")
 
     def __init__(self, endpoint: str) -> None:
-        self.chat = endpoint == "chat"
+        self.endpoint = ENDPOINTS[endpoint]
         self.choices: dict[int, ChoiceCapture] = {}
         self.prompt_token_ids: list[int] | None = None
 
     def add(self, chunk: dict[str, Any], now: float) -> None:
-        if self.chat and chunk.get("prompt_token_ids") is not None:
+        per_choice = self.endpoint.prompt_ids_per_choice
+        if not per_choice and chunk.get("prompt_token_ids") is not None:
             self.prompt_token_ids = chunk["prompt_token_ids"]
         for choice in chunk.get("choices") or ():
             index = choice.get("index", 0)
@@ -214,26 +179,17 @@ class StreamCapture:
             ids = choice.get("token_ids")
             if ids:
                 c.token_ids.extend(ids)
-            lp = choice.get("logprobs")
-            if self.chat:
-                if lp and lp.get("content"):
-                    c.logprobs.extend(lp["content"])
-                delta = choice.get("delta") or {}
-                output = delta.get("content") or delta.get("tool_calls")
-                if delta.get("content"):
-                    c.text.append(delta["content"])
-                if delta.get("tool_calls"):
-                    _merge_tool_call_deltas(c, delta["tool_calls"])
-            else:
-                if lp and lp.get("token_logprobs"):
-                    c.logprobs.extend(lp["token_logprobs"])
-                output = choice.get("text")
-                if output:
-                    c.text.append(output)
-            if c.first_token_s is None and (ids or output):  # the first chunk with generated tokens
+            text, tool_calls, logprobs = self.endpoint.chunk_output(choice)
+            if logprobs:
+                c.logprobs.extend(logprobs)
+            if text:
+                c.text.append(text)
+            if tool_calls:
+                _merge_tool_call_deltas(c, tool_calls)
+            if c.first_token_s is None and (ids or text or tool_calls):  # the first chunk with generated tokens
                 c.first_token_s = now
-                if choice.get("prompt_token_ids") is not None:
-                    c.prompt_token_ids = choice["prompt_token_ids"]
+            if per_choice and choice.get("prompt_token_ids") is not None:
+                c.prompt_token_ids = choice["prompt_token_ids"]
             if choice.get("finish_reason") is not None:
                 c.finish_reason = choice["finish_reason"]
 
@@ -241,7 +197,7 @@ class StreamCapture:
         out = []
         for index in sorted(self.choices):
             c = self.choices[index]
-            if self.chat:
+            if not self.endpoint.prompt_ids_per_choice:
                 c.prompt_token_ids = self.prompt_token_ids
             if isinstance(c.tool_calls, dict):
                 c.tool_calls = [c.tool_calls[i] for i in sorted(c.tool_calls)]

@@ -40,13 +40,11 @@ from .metrics import GatewayMetrics
 from .policy import Lease, PolicyRouter
 from .strip import client_body
 from .upstreams import Upstream, UpstreamPool
+from .wire import Endpoint
 
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
-ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-_ROLE_CHUNK = b'"delta":{"role":"assistant","content":""}'
-"""vLLM's first chat chunk(s): the role, before any token (not the first output for time to first token)."""
 _RETRYABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 """Failures before any response byte: the request can go to another upstream unseen by the client."""
 
@@ -85,7 +83,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_request(raw: bytes, endpoint: str) -> dict[str, Any]:
+def parse_request(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     """Validate what the gateway itself relies on; vLLM validates the rest and its 400 is passed on."""
     try:
         body = orjson.loads(raw)
@@ -96,12 +94,9 @@ def parse_request(raw: bytes, endpoint: str) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest(400, "'model' must be a non-empty string", "model")
-    if endpoint == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise BadRequest(400, "'messages' must be a non-empty list of objects", "messages")
-    elif not isinstance(body.get("prompt"), str | list):
-        raise BadRequest(400, "'prompt' must be a string or a list", "prompt")
+    missing = endpoint.request_error(body)
+    if missing is not None:
+        raise BadRequest(400, *missing)
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest(400, "'stream' must be a boolean", "stream")
@@ -124,31 +119,16 @@ def _tag(request: Request, metadata: dict[str, Any] | None, header: str, key: st
         raise BadRequest(400, str(exc), key) from None
 
 
-def _strip(data: dict[str, Any], chat: bool, ids: bool, logprobs: bool) -> None:
-    """Set what the gateway asked for on its own behalf back to vLLM's ``null``."""
-    if ids and chat and "prompt_token_ids" in data:
-        data["prompt_token_ids"] = None
-    for choice in data.get("choices") or ():
-        if ids:
-            if "token_ids" in choice:
-                choice["token_ids"] = None
-            if not chat and "prompt_token_ids" in choice:
-                choice["prompt_token_ids"] = None
-        if logprobs and "logprobs" in choice:
-            choice["logprobs"] = None
-
-
 class _Call:
     """One request's state while it is forwarded."""
 
-    __slots__ = ("chat", "ctx", "engine_capture", "headers", "lease", "one_choice", "record", "route",
-                 "strip_ids", "strip_logprobs", "upstream")
+    __slots__ = ("ctx", "endpoint", "engine_capture", "headers", "lease", "one_choice", "record", "strip_ids",
+                 "strip_logprobs", "upstream")
 
-    def __init__(self, endpoint: str, ctx: CallContext, lease: Lease, record: bool, one_choice: bool = False) -> None:
-        self.chat = endpoint == "chat"
+    def __init__(self, endpoint: Endpoint, ctx: CallContext, lease: Lease, record: bool, one_choice: bool = False) -> None:
+        self.endpoint = endpoint
         self.one_choice = one_choice
-        """A chat request for one choice (``n`` absent or 1): the reply has exactly one."""
-        self.route = ROUTES[endpoint]
+        """The reply has exactly one choice (``Endpoint.one_choice``)."""
         self.ctx, self.lease, self.record = ctx, lease, record
         self.strip_ids = self.strip_logprobs = False
         """Plain-vLLM path: what the gateway asked for in the JSON on its own behalf, to set back to null."""
@@ -193,14 +173,13 @@ class _Payload:
             call.strip_ids = call.strip_logprobs = False
             return self.raw
         body = self.body
-        call.strip_ids = not body.get("return_token_ids")
-        call.strip_logprobs = not body.get("logprobs") if call.chat else body.get("logprobs") is None
+        call.strip_ids, call.strip_logprobs = call.endpoint.asks(body)
         if self._json is None:
             sent = dict(self._sent or body)
             if call.strip_ids:
                 sent["return_token_ids"] = True
             if call.strip_logprobs:
-                sent["logprobs"] = True if call.chat else 0
+                sent["logprobs"] = call.endpoint.logprobs_asked
             self._json = orjson.dumps(sent) if (call.strip_ids or call.strip_logprobs) else self.raw
         return self._json
 
@@ -234,9 +213,9 @@ class Proxy:
         self._capture_headers = {**self._upstream_headers, CAPTURE_HEADER: "1"}
         self._fallback_logged = False
 
-    async def handle(self, request: Request, endpoint: str) -> Response:
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
-        route = ROUTES[endpoint]
+        route = endpoint.route
         try:
             response = await self._handle(request, endpoint, started)
         except BadRequest as exc:
@@ -248,7 +227,7 @@ class Proxy:
             self.metrics.observe(route, response.status_code, time.perf_counter() - started)
         return response
 
-    async def _handle(self, request: Request, endpoint: str, started: float) -> Response:
+    async def _handle(self, request: Request, endpoint: Endpoint, started: float) -> Response:
         raw = await read_body(request, self.config.max_body_bytes)
         body = parse_request(raw, endpoint)
         metadata = body.get("metadata")
@@ -257,11 +236,10 @@ class Proxy:
         lease = self.router.resolve(body["model"])
         if lease is None:
             raise BadRequest(404, f"The model `{body['model']}` does not exist.", "model")
-        ctx = CallContext(trajectory_id=trajectory_id, group_id=group_id, endpoint=endpoint, model=body["model"],
+        ctx = CallContext(trajectory_id=trajectory_id, group_id=group_id, endpoint=endpoint.name, model=body["model"],
                           policy_name=lease.policy_name, policy_version=lease.version,
                           request=body if self.config.record_request else {}, started=started)
-        call = _Call(endpoint, ctx, lease, record=self.producer is not None,
-                     one_choice=endpoint == "chat" and body.get("n") in (None, 1))
+        call = _Call(endpoint, ctx, lease, record=self.producer is not None, one_choice=endpoint.one_choice(body))
         try:
             payload = _Payload(call, body, raw, metadata)
             response = await self._forward(call, payload, bool(body.get("stream")))
@@ -286,7 +264,7 @@ class Proxy:
             session = self.fresh_session if hung_up and self.fresh_session is not None else self.session
             try:
                 data = payload.for_upstream(up)
-                resp = await session.post(up.url + call.route, data=data, timeout=self._timeout,
+                resp = await session.post(up.url + call.endpoint.route, data=data, timeout=self._timeout,
                                           headers=self._capture_headers if call.engine_capture
                                           else self._upstream_headers)
             except aiohttp.ClientConnectorError as exc:
@@ -429,7 +407,7 @@ class Proxy:
                     if kind == BODY:
                         out.append(payload)
                         events.append((now, payload))
-                        if not first_output and not (call.chat and _ROLE_CHUNK in payload):
+                        if not first_output and not call.endpoint.before_output(payload):
                             first_output = True
                             self.metrics.ttft.observe(now - started)
                     else:
@@ -442,7 +420,7 @@ class Proxy:
             status = 504 if isinstance(exc, TimeoutError) else 502  # before the capture: nothing was recorded
             yield b"data: " + error_body(status, f"upstream stream ended: {type(exc).__name__}") + b"\n\n"
         finally:
-            self.metrics.observe(call.route, 200, time.perf_counter() - started)
+            self.metrics.observe(call.endpoint.route, 200, time.perf_counter() - started)
 
     async def _relay(self, call: _Call, resp: aiohttp.ClientResponse,
                      capture: StreamCapture | None) -> AsyncIterator[bytes]:
@@ -482,7 +460,7 @@ class Proxy:
                     elif capture is not None:
                         capture.add(chunk, now)
                     if strip:
-                        _strip(chunk, call.chat, call.strip_ids, call.strip_logprobs)
+                        call.endpoint.strip_chunk(chunk, call.strip_ids, call.strip_logprobs)
                         out.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
                     else:
                         out.append(event + b"\n\n")
@@ -494,7 +472,7 @@ class Proxy:
             status = 504 if isinstance(exc, TimeoutError) else 502  # before [DONE]: nothing was recorded
             yield b"data: " + error_body(status, f"upstream stream ended: {type(exc).__name__}") + b"\n\n"
         finally:
-            self.metrics.observe(call.route, 200, time.perf_counter() - started)
+            self.metrics.observe(call.endpoint.route, 200, time.perf_counter() - started)
 
     def _emit_stream(self, call: _Call, capture: StreamCapture) -> None:
         """A complete stream's records (and its time to first token), handed to the producer."""

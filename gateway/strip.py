@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from .capture import NULL, split_body
+from .wire import ENDPOINTS, Endpoint
 
 
 class _Usage(msgspec.Struct):
@@ -22,36 +23,9 @@ _TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _CHOICES = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
 _USAGE = msgspec.json.Decoder(_Usage | None)
 
-_CHAT_TOP = ("id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
-             "prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params", "ec_transfer_params",
-             "metrics")
-_COMPLETION_TOP = ("id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
-                   "kv_transfer_params", "ec_transfer_params", "metrics")
-_CHAT_CHOICE = ("index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids", "routed_experts")
-_COMPLETION_CHOICE = ("index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_logprobs",
-                      "prompt_token_ids", "routed_experts")
-"""vLLM's field order (its pydantic response models, serialised compactly by ``model_dump`` + starlette's
-``JSONResponse``); absent keys are allowed, others or another order send a body to the msgspec path."""
-
 _LOGPROBS, _FINISH = b'"logprobs":', b'"finish_reason":'
 _TOKEN_IDS, _PROMPT_IDS = b'"token_ids":', b'"prompt_token_ids":'
 _NUMBER = frozenset(b"-0123456789")
-_DIGITS = frozenset(b"0123456789")
-
-
-def _logprobs_shape(raw: bytes, start: int, end: int, chat: bool) -> bool:
-    """Whether ``raw[start:end]`` begins and ends as the logprobs the gateway asks for do (chat: no
-    ``top_logprobs``; completions: ``logprobs=0``, one ``{token: logprob}`` per token). Not a parse: it
-    catches a key that another vLLM version would put between ``logprobs`` and ``finish_reason`` unless that
-    key's value ends exactly like a logprobs value (``test_field_order_is_vllms`` pins the installed order)."""
-    if chat:
-        if raw.startswith(b'{"content":[{"token":"', start):
-            return raw.endswith((b'],"top_logprobs":[]}]}', b'null,"top_logprobs":[]}]}'), start, end)
-        return raw[start:end] in (b'{"content":null}', b'{"content":[]}')
-    if not raw.startswith(b'{"text_offset":[', start):
-        return False
-    return ((raw.endswith(b"}]}", start, end) and raw[end - 4] in _DIGITS)
-            or raw.endswith((b"null]}", b'"top_logprobs":[]}'), start, end))
 
 
 _NOT_FOUND, _UNEXPECTED = -1, -2
@@ -113,7 +87,8 @@ def fast_strip(raw: bytes, endpoint: str, strip_ids: bool, strip_logprobs: bool,
     ``logprobs`` key to look for: that forward search is the one pass over the whole ~100 KB of logprobs
     (84 -> 32 us for a 1,000-token reply, 2-core box). The check then also requires exactly one
     choice back; what it cannot see is a second choice with no tokens at all, which vLLM never sends."""
-    chat = endpoint == "chat"
+    e = ENDPOINTS[endpoint]
+    per_choice = e.prompt_ids_per_choice
     if not (raw.startswith(b'{"id":"') and raw.endswith(b"}")):
         return "not compact vLLM JSON"
     size = len(raw)
@@ -134,7 +109,7 @@ def fast_strip(raw: bytes, endpoint: str, strip_ids: bool, strip_logprobs: bool,
             if lp_end != lp + 4:
                 return f"choice {choices}: unexpected keys after logprobs"
         elif strip_logprobs:
-            if not _logprobs_shape(raw, lp, lp_end, chat):
+            if not e.logprobs_shape(raw, lp, lp_end):
                 return f"choice {choices}: logprobs not of the expected shape"
             spans.append((lp, lp_end))
         v = _value_at(raw, _TOKEN_IDS, fr, end, b"[")  # always there when recording: the gateway asks for them
@@ -144,7 +119,7 @@ def fast_strip(raw: bytes, endpoint: str, strip_ids: bool, strip_logprobs: bool,
         tokens += raw.count(b",", v, pos) + 1 if pos - v > 2 else 0
         if strip_ids:
             spans.append((v, pos))
-            if not chat:
+            if per_choice:
                 v = _value_at(raw, _PROMPT_IDS, pos, end, b"[n")
                 if v < 0:
                     return f"choice {choices}: no prompt_token_ids after token_ids"
@@ -160,7 +135,7 @@ def fast_strip(raw: bytes, endpoint: str, strip_ids: bool, strip_logprobs: bool,
     if not choices:
         return "no choices found"
     top_ids = False
-    if strip_ids and chat:
+    if strip_ids and not per_choice:
         v = _value_at(raw, _PROMPT_IDS, pos, size, b"[n")
         if v == _UNEXPECTED:
             return "top-level prompt_token_ids not a list"
@@ -179,10 +154,10 @@ def fast_strip(raw: bytes, endpoint: str, strip_ids: bool, strip_logprobs: bool,
         body = b"".join(parts)
     else:
         body = raw
-    return _checked(body, chat, choices, tokens, strip_ids, strip_logprobs, top_ids)
+    return _checked(body, e, choices, tokens, strip_ids, strip_logprobs, top_ids)
 
 
-def _checked(body: bytes, chat: bool, choices: int, tokens: int, strip_ids: bool, strip_logprobs: bool,
+def _checked(body: bytes, e: Endpoint, choices: int, tokens: int, strip_ids: bool, strip_logprobs: bool,
              top_ids: bool) -> tuple[bytes, int, msgspec.Raw | None] | str:
     """The fast path's result when the stripped body is what the msgspec path would have produced."""
     try:
@@ -191,7 +166,7 @@ def _checked(body: bytes, chat: bool, choices: int, tokens: int, strip_ids: bool
         usage = _USAGE.decode(top["usage"]) if "usage" in top else None
     except msgspec.MsgspecError as exc:
         return f"stripped body does not parse: {exc}"
-    if not _in_order(top, _CHAT_TOP if chat else _COMPLETION_TOP):
+    if not _in_order(top, e.top_keys):
         return "top-level keys unknown or not in vLLM's order"
     if len(parsed) != choices:
         return f"{len(parsed)} choices but {choices} found"
@@ -199,13 +174,11 @@ def _checked(body: bytes, chat: bool, choices: int, tokens: int, strip_ids: bool
         return f"usage does not count the {tokens} token ids found"
     if top_ids and "prompt_token_ids" not in top:
         return "prompt_token_ids found below the top level"
-    if strip_ids and chat and top.get("prompt_token_ids", NULL) != NULL:
+    if strip_ids and not e.prompt_ids_per_choice and top.get("prompt_token_ids", NULL) != NULL:
         return "top-level prompt_token_ids not stripped"
-    order = _CHAT_CHOICE if chat else _COMPLETION_CHOICE
-    stripped = ((("logprobs",) if strip_logprobs else ())
-                + ((("token_ids",) if chat else ("token_ids", "prompt_token_ids")) if strip_ids else ()))
+    stripped = e.stripped_choice_keys(strip_ids, strip_logprobs)
     for c in parsed:
-        if not _in_order(c, order) or "logprobs" not in c or "finish_reason" not in c:
+        if not _in_order(c, e.choice_keys) or "logprobs" not in c or "finish_reason" not in c:
             return "choice keys unknown or not in vLLM's order"
         if any(c.get(k) != NULL for k in stripped):
             return "a stripped field is not null"

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from streamrl.broker.schema import CompletionRecord, decode
-from streamrl.gateway import strip
 from streamrl.gateway.capture import CallContext, decode_choice, encode_call_records, split_body
 from streamrl.gateway.strip import client_body, fast_strip
+from streamrl.gateway.wire import CHAT, COMPLETIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 NASTY = ('He said "stop", then ,"logprobs":{"content":[]},"finish_reason":"stop","token_ids":[1,2]} ] } '
@@ -361,10 +361,10 @@ def vllm_protocol() -> Any:
 def test_field_order_is_vllms(vllm_protocol: Any) -> None:
     """The order the fast path checks is the order of the installed vLLM's pydantic models."""
     chat, completion = vllm_protocol
-    assert tuple(chat.ChatCompletionResponse.model_fields) == strip._CHAT_TOP
-    assert tuple(chat.ChatCompletionResponseChoice.model_fields) == strip._CHAT_CHOICE
-    assert tuple(completion.CompletionResponse.model_fields) == strip._COMPLETION_TOP
-    assert tuple(completion.CompletionResponseChoice.model_fields) == strip._COMPLETION_CHOICE
+    assert tuple(chat.ChatCompletionResponse.model_fields) == CHAT.top_keys
+    assert tuple(chat.ChatCompletionResponseChoice.model_fields) == CHAT.choice_keys
+    assert tuple(completion.CompletionResponse.model_fields) == COMPLETIONS.top_keys
+    assert tuple(completion.CompletionResponseChoice.model_fields) == COMPLETIONS.choice_keys
 
 
 def test_bodies_serialised_by_vllm(vllm_protocol: Any) -> None:
