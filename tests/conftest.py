@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kafka_reader import TopicReader
 from relay import Relay
 
 from streamrl.broker.embedded import EmbeddedBroker
@@ -46,6 +47,14 @@ def engine(tiny_model: Path) -> Iterator[Engine]:
     e = start_engine(tiny_model, "vllm-0")
     yield e
     e.stop()
+
+
+@pytest.fixture
+def completions(broker: EmbeddedBroker) -> Iterator[TopicReader]:
+    """The session broker's completions topic, read from its end (modules with topics of their own override it)."""
+    reader = TopicReader(broker.bootstrap_servers, broker.topics.completions)
+    yield reader
+    reader.close()
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from kafka_reader import TopicReader
-from test_gateway import TOPICS, client, direct, of_request, start_gateway
+from test_gateway import client, direct, of_request, start_gateway
 
 from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.schema import CompletionRecord
@@ -131,13 +130,6 @@ def gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
     gw = start_gateway(broker, engine, token_capture=True)
     yield gw
     gw.stop()
-
-
-@pytest.fixture
-def completions(broker: EmbeddedBroker) -> Iterator[TopicReader]:
-    reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
-    yield reader
-    reader.close()
 
 
 CHAT = [{"role": "user", "content": "Count with me: one, two"}]

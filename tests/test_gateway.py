@@ -63,13 +63,6 @@ def base_model(engine: Engine) -> str:
 
 
 @pytest.fixture
-def completions(broker: EmbeddedBroker) -> Iterator[TopicReader]:
-    reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
-    yield reader
-    reader.close()
-
-
-@pytest.fixture
 def rewards(broker: EmbeddedBroker) -> Iterator[TopicReader]:
     reader = TopicReader(broker.bootstrap_servers, TOPICS.rewards)
     yield reader
