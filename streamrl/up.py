@@ -33,6 +33,7 @@ from typing import IO, Any
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine import Engine, EngineConfig, wait_healthy
+from streamrl.packaged_models import MODELS, resolve
 from streamrl.producers.demo_cli import DemoConfig, run_demo
 from streamrl.producers.demo_model import build_demo_model, default_cache_dir
 from streamrl.trainer.config import TrainerConfig
@@ -312,6 +313,8 @@ class Stack:
 
     def _model(self) -> str:
         model = self.config.model
+        if model in MODELS:  # a real model shipped in a PyPI wheel: converted into the cache on first use
+            return resolve(model, default_cache_dir(), lambda s: self.log.line("up", s))
         if model is not None:
             if model.startswith((".", "/", "~")) and not Path(model).expanduser().exists():
                 raise FileNotFoundError(f"--model {model}: no such directory (omit --model for the demo model)")
@@ -458,7 +461,8 @@ class Stack:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML or JSON file with [up], [engine], [trainer], [demo] tables")
-    p.add_argument("--model", help="base model path or id (default: the demo model, built on first use)")
+    p.add_argument("--model", help="base model path or id, or a packaged model (smollm2-135m, converted on first "
+                   "use; streamrl model --list) (default: the demo model, built on first use)")
     p.add_argument("--host", help="interface for the gateway, engine and broker (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gateway port (default 8080; 0 = a free one)")
     p.add_argument("--work-dir", help="adapters, logs and history (default: a new run directory in the cache)")

@@ -136,9 +136,23 @@ CHAT = [{"role": "user", "content": "Count with me: one, two"}]
 _VOLATILE = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
 
 
+_CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
+
+
 def normalised(raw: bytes) -> bytes:
-    """A response's bytes with what differs between two calls (the request id, the creation time) blanked."""
-    return _VOLATILE.sub(rb'"\1":0', raw)
+    """A response's bytes with what differs between two calls (the request id, the creation time) blanked;
+    a stream's events put in choice order (with ``n`` > 1, how the choices' chunks interleave depends on
+    the engine's steps, and differs between two calls), each choice's own events keeping their order."""
+    raw = _VOLATILE.sub(rb'"\1":0', raw)
+    if not raw.startswith(b"data: "):
+        return raw
+    events = raw.split(b"\n\n")
+
+    def choice(event: bytes) -> int:
+        m = _CHOICE_INDEX.search(event)
+        return int(m.group(1)) if m else 1 << 30  # the usage chunk and [DONE] last, in their order
+
+    return b"\n\n".join(sorted(events, key=choice))
 
 
 def test_probe_answers_the_format(engine: Engine) -> None:

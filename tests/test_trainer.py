@@ -201,6 +201,10 @@ def test_kill_9_sigterm_and_restart_train_every_group_exactly_once(tiny_model, b
         half = group_records(groups[4], rng)
         produce(broker.bootstrap_servers, topics, half[: len(half) // 2])
         proc = trainer_process(tiny_model, broker.bootstrap_servers, topics, adapters, log)
+        # the first trainer may have made v3 before the kill landed: wait for the second one to be running
+        # (its SIGTERM handler is installed before it logs where it resumes), not only for v3
+        wait_for(lambda: log.read_text().count("resuming at version") >= 2 or proc.poll() is not None, 180,
+                 "the restarted trainer")
         wait_for(lambda: (adapters / "policy" / "v3").exists() or proc.poll() is not None, 180, "version 3")
         os.killpg(proc.pid, signal.SIGTERM)  # graceful stop: finishes what it is doing, exits 0
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]

