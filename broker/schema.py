@@ -21,7 +21,10 @@ Wire format of a record value (all integers little-endian)::
 A reader that meets an unknown magic, kind or version raises ``RecordError`` (with a ``reason`` code for
 counting) instead of guessing, so a consumer can count and skip it. Version history:
 
-* completion v1, reward v1, policy v1: the first versions (this file).
+* completion v1, reward v1, policy v1: the first versions.
+* completion v2: ``purpose`` (``train``, or ``eval`` for held-out evaluation, which no trainer may train
+  on). A v1 record reads as ``train``; a reader that knows only v1 refuses v2 records rather than
+  train on an evaluation.
 """
 
 from __future__ import annotations
@@ -39,7 +42,12 @@ MAGIC = b"SRL"
 KIND_COMPLETION = 1
 KIND_REWARD = 2
 KIND_POLICY = 3
-SCHEMA_VERSIONS = {KIND_COMPLETION: 1, KIND_REWARD: 1, KIND_POLICY: 1}
+SCHEMA_VERSIONS = {KIND_COMPLETION: 2, KIND_REWARD: 1, KIND_POLICY: 1}
+"""The version each kind is written in."""
+READABLE_VERSIONS = {KIND_COMPLETION: (1, 2), KIND_REWARD: (1,), KIND_POLICY: (1,)}
+"""The versions of each kind this module reads."""
+PURPOSES = ("train", "eval")
+"""What a completion was generated for: only ``train`` completions are trained on."""
 _HEADER = struct.Struct("<3sBBI")
 
 MAX_ID_LENGTH = 256
@@ -93,6 +101,8 @@ class CompletionRecord:
     response_text: str = ""
     tool_calls: list[dict[str, Any]] | None = None
     created: float = field(default_factory=time.time)
+    purpose: str = "train"
+    """``train``, or ``eval``: generated to evaluate a version on held-out problems, never trained on."""
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = np.ascontiguousarray(self.prompt_token_ids, dtype=np.int32)
@@ -160,6 +170,7 @@ def encode(record: Record) -> bytes:
             "response_text": record.response_text,
             "tool_calls": record.tool_calls,
             "created": record.created,
+            "purpose": record.purpose,
             "n_prompt": int(record.prompt_token_ids.size),
             "n_completion": int(record.completion_token_ids.size),
         }
@@ -216,7 +227,7 @@ def _decode(value: bytes | None) -> Record:
         raise RecordError("malformed", "bad magic")
     if kind not in SCHEMA_VERSIONS:
         raise RecordError("unknown_kind", str(kind))
-    if version != SCHEMA_VERSIONS[kind]:
+    if version not in READABLE_VERSIONS[kind]:
         raise RecordError("unknown_version", f"kind {kind} version {version}")
     end = _HEADER.size + json_len
     if end > len(value):
@@ -265,7 +276,14 @@ def _decode_completion(h: dict[str, Any], tail: memoryview) -> CompletionRecord:
         response_text=h.get("response_text") or "",
         tool_calls=h.get("tool_calls"),
         created=float(h.get("created", 0.0)),
+        purpose=check_purpose(h.get("purpose", "train")),
     )
+
+
+def check_purpose(value: Any) -> str:
+    if value not in PURPOSES:
+        raise RecordError("bad_purpose", f"purpose must be one of {', '.join(PURPOSES)}, got {value!r}")
+    return value
 
 
 def check_reward(value: Any) -> float:

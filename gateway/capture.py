@@ -42,6 +42,8 @@ class CallContext:
     request_id: str = field(default_factory=lambda: os.urandom(16).hex())
     started: float = field(default_factory=time.perf_counter)
     created: float = field(default_factory=time.time)
+    purpose: str = "train"
+    """``train``, or ``eval`` (``X-Streamrl-Purpose``): recorded, never trained on."""
 
 
 @dataclass(slots=True)
@@ -251,7 +253,7 @@ def build_records(ctx: CallContext, captures: list[ChoiceCapture], total_s: floa
             total_s=total_s,
             usage={"prompt_tokens": len(c.prompt_token_ids), "completion_tokens": len(c.token_ids)},
             request=ctx.request, response_text="".join(c.text), tool_calls=c.tool_calls or None,
-            created=ctx.created,
+            created=ctx.created, purpose=ctx.purpose,
         ))
     return records
 

@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from streamrl.broker.log_producer import LogProducer
-from streamrl.broker.schema import RecordError, check_id
+from streamrl.broker.schema import PURPOSES, RecordError, check_id
 from streamrl.engine_wire import BODY, CAPTURE_HEADER, FrameSplitter, WireError, capture_counts, unframe
 
 from .capture import (
@@ -142,6 +142,10 @@ class _Call:
             self.headers["X-Policy-Version"] = str(lease.version)
 
 
+_OUR_KEYS = frozenset(("trajectory_id", "group_id", "purpose"))
+"""The gateway's own keys in a request's ``metadata``: removed before it goes upstream."""
+
+
 class _Payload:
     """The body for vLLM, made for the upstream the request goes to: the engine-side model and the client's
     body without the gateway's tags; when recording from a plain vLLM, with logprobs and token ids asked for
@@ -155,9 +159,9 @@ class _Payload:
         if call.lease.engine_model != body["model"]:
             sent = dict(body)
             sent["model"] = call.lease.engine_model
-        if metadata is not None and ("trajectory_id" in metadata or "group_id" in metadata):
+        if metadata is not None and not _OUR_KEYS.isdisjoint(metadata):
             sent = sent or dict(body)
-            rest = {k: v for k, v in metadata.items() if k not in ("trajectory_id", "group_id")}
+            rest = {k: v for k, v in metadata.items() if k not in _OUR_KEYS}
             if rest:
                 sent["metadata"] = rest
             else:
@@ -233,12 +237,15 @@ class Proxy:
         metadata = body.get("metadata")
         trajectory_id = _tag(request, metadata, "x-trajectory-id", "trajectory_id") or os.urandom(16).hex()
         group_id = _tag(request, metadata, "x-group-id", "group_id")
+        purpose = request.headers.get("x-streamrl-purpose") or (metadata or {}).get("purpose") or "train"
+        if purpose not in PURPOSES:
+            raise BadRequest(400, f"purpose must be one of {', '.join(PURPOSES)}", "purpose")
         lease = self.router.resolve(body["model"])
         if lease is None:
             raise BadRequest(404, f"The model `{body['model']}` does not exist.", "model")
         ctx = CallContext(trajectory_id=trajectory_id, group_id=group_id, endpoint=endpoint.name, model=body["model"],
                           policy_name=lease.policy_name, policy_version=lease.version,
-                          request=body if self.config.record_request else {}, started=started)
+                          request=body if self.config.record_request else {}, started=started, purpose=purpose)
         call = _Call(endpoint, ctx, lease, record=self.producer is not None, one_choice=endpoint.one_choice(body))
         try:
             payload = _Payload(call, body, raw, metadata)

@@ -14,11 +14,13 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .arithmetic import ArithmeticTask
 from .calculator import CalculatorTask
+from .evaluate import Evaluator
 from .numbers import NumbersTask
 from .runner import Board, Pacer, RunLimits, Task, run_groups
 
-TASKS = ("numbers", "calculator")
+TASKS = ("numbers", "calculator", "arithmetic")
 
 
 @dataclass
@@ -52,6 +54,10 @@ class DemoConfig:
     seed: int = 0
     summary: str | None = None
     """Write the reward per version, failures and timings as JSON here at the end."""
+    eval_every: int = 1
+    """Tasks with a held-out set (arithmetic): evaluate every this-many-th version on it (0: never)."""
+    eval_out: str | None = None
+    """Append one JSON line per evaluated version here."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -60,10 +66,14 @@ class DemoConfig:
             raise ValueError("group_size and concurrency must be >= 1")
         if self.context_words < 0 or self.stall_s <= 0:
             raise ValueError("context_words must be >= 0 and stall_s > 0")
+        if self.eval_every < 0:
+            raise ValueError("eval_every must be >= 0")
 
     def make_task(self) -> Task:
         if self.task == "calculator":
             return CalculatorTask(model=self.model, max_tokens=max(self.max_tokens, 64))
+        if self.task == "arithmetic":
+            return ArithmeticTask(model=self.model, max_tokens=max(self.max_tokens, 32))
         return NumbersTask(model=self.model, max_tokens=self.max_tokens, context_words=self.context_words)
 
     @property
@@ -75,15 +85,33 @@ class DemoConfig:
 
 
 def run_demo(url: str, config: DemoConfig, stop: threading.Event | None = None, emit=print) -> Board:
-    """Run the demo producer to its limits; writes the summary file when configured."""
-    board = asyncio.run(run_groups(url, config.make_task(), group_size=config.group_size,
-                                   concurrency=config.concurrency, limits=config.limits,
-                                   pacer=config.pacer(), stop=stop,
-                                   seed=config.seed, emit=emit))
+    """Run the demo producer to its limits, with the held-out evaluation of each version beside it where
+    the task has a held-out set; writes the summary file when configured."""
+    task = config.make_task()
+    evaluator = Evaluator(url, task, policy_name=config.model, every=config.eval_every,  # type: ignore[arg-type]
+                          max_tokens=config.max_tokens if config.task != "arithmetic" else max(config.max_tokens, 32),
+                          out=Path(config.eval_out) if config.eval_out else None, emit=emit) \
+        if config.eval_every and hasattr(task, "held_out") else None
+
+    async def main() -> Board:
+        done = asyncio.Event()
+        evaluating = asyncio.create_task(evaluator.run(done)) if evaluator is not None else None
+        try:
+            return await run_groups(url, task, group_size=config.group_size, concurrency=config.concurrency,
+                                    limits=config.limits, pacer=config.pacer(), stop=stop, seed=config.seed,
+                                    emit=emit)
+        finally:
+            if evaluating is not None:  # the version routed last is evaluated before it returns
+                done.set()
+                await evaluating
+
+    board = asyncio.run(main())
     if config.summary:
         path = Path(config.summary)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"config": asdict(config), **board.summary()}, indent=2))
+        evaluation = [asdict(r) for r in evaluator.results] if evaluator is not None else []
+        path.write_text(json.dumps({"config": asdict(config), **board.summary(), "evaluation": evaluation},
+                                   indent=2))
     return board
 
 
@@ -110,6 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seconds", type=float, default=d.max_seconds)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--summary", default=None, help="write a JSON summary here at the end")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="tasks with a held-out set: evaluate every N-th version on it (0: never)")
+    p.add_argument("--eval-out", default=None, help="append one JSON line per evaluated version here")
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -118,7 +149,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
                       groups_per_step=args.groups_per_step, max_ahead=args.max_ahead, stall_s=args.stall_s,
                       until_version=args.until_version, until_reward=args.until_reward,
                       stop_groups=args.stop_groups, max_seconds=args.max_seconds, seed=args.seed,
-                      summary=args.summary)
+                      summary=args.summary, eval_every=args.eval_every, eval_out=args.eval_out)
 
 
 def run(args: argparse.Namespace) -> int:

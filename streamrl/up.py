@@ -34,7 +34,7 @@ from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine import Engine, EngineConfig, wait_healthy
 from streamrl.packaged_models import MODELS, resolve
-from streamrl.producers.demo_cli import DemoConfig, run_demo
+from streamrl.producers.demo_cli import TASKS, DemoConfig, run_demo
 from streamrl.producers.demo_model import build_demo_model, default_cache_dir
 from streamrl.trainer.config import TrainerConfig
 
@@ -402,6 +402,8 @@ class Stack:
     def _demo(self, demo: DemoConfig) -> None:
         if demo.summary is None:
             demo = dataclasses.replace(demo, summary=str(self.run_dir / "demo-summary.json"))
+        if demo.eval_out is None:
+            demo = dataclasses.replace(demo, eval_out=str(self.run_dir / "eval.jsonl"))
 
         def run() -> None:
             board = run_demo(self.gateway_url, demo, stop=self.demo_stop,
@@ -479,7 +481,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer-nproc", type=int, help="trainer processes, one per GPU (torchrun)")
     p.add_argument("--verbose", action="store_true", default=None, help="show the engine's INFO lines")
     p.add_argument("--demo", action="store_true", help="also run the demo producer and print reward per version")
-    p.add_argument("--demo-task", choices=("numbers", "calculator"))
+    p.add_argument("--demo-task", choices=TASKS)
     p.add_argument("--demo-until-version", type=int, help="with --demo: stop everything once this version "
                    "has served --demo-stop-groups groups")
     p.add_argument("--demo-until-reward", type=float, help="with --demo: stop everything once the last "

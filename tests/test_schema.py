@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import orjson
 import pytest
 
 from streamrl.broker import schema
@@ -89,4 +90,19 @@ def test_bad_ids_are_rejected() -> None:
 
 def test_header_layout_is_documented() -> None:
     magic, kind, version, n = struct.unpack_from("<3sBBI", encode(completion()))
-    assert (magic, kind, version) == (b"SRL", schema.KIND_COMPLETION, 1) and n > 0
+    assert (magic, kind, version) == (b"SRL", schema.KIND_COMPLETION, 2) and n > 0
+
+
+def test_purpose_round_trips_and_a_v1_completion_reads_as_train() -> None:
+    assert decode(encode(completion(purpose="eval"))).purpose == "eval"
+    v2 = encode(completion())
+    magic, kind, _, n = struct.unpack_from("<3sBBI", v2)
+    header = orjson.loads(v2[9:9 + n])
+    del header["purpose"]
+    body = orjson.dumps(header)
+    v1 = struct.pack("<3sBBI", magic, kind, 1, len(body)) + body + v2[9 + n:]  # as a v1 writer wrote it
+    assert decode(v1).purpose == "train"
+    bad = struct.pack("<3sBBI", magic, kind, 2, len(b := orjson.dumps({**header, "purpose": "x"}))) + b + v2[9 + n:]
+    with pytest.raises(RecordError) as err:
+        decode(bad)
+    assert err.value.reason == "bad_purpose"

@@ -11,6 +11,8 @@ Rules (each outcome is counted in ``Assembler.counts``):
 * Duplicate reward for a trajectory: **the first one wins** (log order, deterministic on replay);
   later ones are counted ``duplicate_reward`` and ignored. A duplicate completion (same request id and
   choice index) is counted ``duplicate_completion`` and ignored.
+* A completion generated for another purpose than training (``purpose`` ``eval``: held-out evaluation)
+  is counted ``not_trained_eval`` and never held.
 * Completions without a reward, and rewards without completions, expire after ``ttl_s``
   (``expired_completions`` / ``expired_rewards``). Beyond ``max_trajectories`` the oldest trajectory is
   evicted (``evicted``). Records for a group already trained are ``late`` and ignored.
@@ -198,6 +200,9 @@ class Assembler:
         return t
 
     def _add_completion(self, rec: CompletionRecord, raw: bytes, now: float) -> None:
+        if rec.purpose != "train":  # an evaluation of a version (held-out problems): never trained on
+            self.counts[f"not_trained_{rec.purpose}"] += 1
+            return
         if rec.group_id in self.done or rec.trajectory_id in self.done:
             self.counts["late"] += 1
             return

@@ -1,0 +1,110 @@
+"""A real task with a verifiable reward: arithmetic word problems; reward 1 when the reply's last number is
+the answer, else 0.
+
+Problems are drawn from templates and operands by a seeded generator, so a run is reproducible. A fixed
+held-out set (``HELD_OUT``, drawn from its own seed) is never sampled for training: ``sample`` skips
+those problems, and the evaluator (``producers/evaluate.py``) measures each published version on them.
+Sized for SmolLM2-135M-Instruct, which answers some of them right from the start ("What is 12 + 7?"
+-> "12 + 7 = 9" as often as "19"): a group of samples at temperature 1 then has both rewards, which is
+what GRPO needs.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .client import AsyncGateway
+from .episode import Outcome, served_version
+
+NAMES = ("Tom", "Anna", "Ravi", "Mei", "Omar", "Lena", "Sam", "Ines")
+ITEMS = ("apple", "book", "marble", "coin", "card", "shell", "pencil", "stamp")
+SUFFIX = " Answer with just the number."
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    question: str
+    answer: int
+
+    @property
+    def key(self) -> str:
+        return self.question
+
+
+def make_problem(rng: random.Random) -> Problem:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    op = rng.choice("+-*/")
+    if op == "+":
+        a, b = rng.randint(2, 30), rng.randint(2, 30)
+        q, ans = f"{name} has {a} {item}s and gets {b} more. How many {item}s does {name} have now?", a + b
+    elif op == "-":
+        a = rng.randint(5, 40)
+        b = rng.randint(1, a - 1)
+        q, ans = f"{name} had {a} {item}s and gave {b} away. How many {item}s are left?", a - b
+    elif op == "*":
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        q, ans = f"A box holds {a} {item}s. How many {item}s are in {b} boxes?", a * b
+    else:
+        b, ans = rng.randint(2, 6), rng.randint(2, 9)
+        q = f"{name} shares {ans * b} {item}s equally among {b} friends. How many {item}s does each friend get?"
+    return Problem(q + SUFFIX, ans)
+
+
+HELD_OUT_SEED = 20261201
+HELD_OUT: tuple[Problem, ...] = tuple(make_problem(random.Random(HELD_OUT_SEED + i)) for i in range(64))
+_HELD_OUT_KEYS = frozenset(p.key for p in HELD_OUT)
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> float | None:
+    """The last number written in ``text`` (``1,200`` is 1200; ``-3`` is -3), or None."""
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def reward(text: str, answer: int) -> float:
+    """1.0 when the reply's last number equals the answer, else 0.0."""
+    value = final_number(text)
+    return 1.0 if value is not None and value == answer else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ArithmeticTask:
+    """Sampling settings. temperature 1.0: the behaviour policy is the model's own distribution."""
+
+    model: str = "policy"
+    max_tokens: int = 32
+    temperature: float = 1.0
+    held_out: ClassVar[tuple[Problem, ...]] = HELD_OUT
+    """Scored by ``producers/evaluate.py`` for each version; never sampled for training."""
+
+    def score(self, problem: Problem, reply: str) -> float:
+        return reward(reply, problem.answer)
+
+    def sample(self, rng: random.Random) -> Problem:
+        """A training problem: never one of the held-out set."""
+        while True:
+            problem = make_problem(rng)
+            if problem.key not in _HELD_OUT_KEYS:
+                return problem
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        return [{"role": "user", "content": problem.question}]
+
+    async def episode(self, gateway: AsyncGateway, problem: Problem, group_id: str, group_size: int) -> Outcome:
+        async with gateway.trajectory(group_id=group_id, group_size=group_size) as t:
+            raw = await t.client.chat.completions.with_raw_response.create(
+                model=self.model, messages=self.messages(problem),  # type: ignore[arg-type]
+                max_tokens=self.max_tokens, temperature=self.temperature)
+            score = reward(raw.parse().choices[0].message.content or "", problem.answer)
+            t.reward(score)
+        return Outcome(score, served_version(raw.headers), t.trajectory_id)

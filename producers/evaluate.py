@@ -1,0 +1,112 @@
+"""Held-out evaluation of every published policy version, through the gateway, never trained on.
+
+The evaluator watches the gateway's routed policy version (``GET /health``). For each new version (every
+``every``-th; version 0, the base model, first) it sends the task's whole held-out set at once, pinned to
+that version (``policy@v<N>``: its requests hold the version loaded while they run), greedy
+(temperature 0), marked ``X-Streamrl-Purpose: eval``: the gateway records them with ``purpose`` ``eval``
+and the trainer never trains on them (``trainer/assembler.py``). No reward is posted; the score is
+computed here, written as one JSON line per version and reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from .client import VERSION_HEADER
+
+log = logging.getLogger(__name__)
+PURPOSE_HEADER = "X-Streamrl-Purpose"
+
+
+class HeldOutTask(Protocol):
+    """A task that can be scored on problems it never trains on."""
+
+    held_out: Sequence[Any]
+
+    def messages(self, problem: Any) -> list[dict[str, str]]: ...
+
+    def score(self, problem: Any, reply: str) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    version: int
+    score: float
+    """Mean score over the problems answered (accuracy for 0/1 rewards)."""
+    answered: int
+    problems: int
+    seconds: float
+    time: float
+
+
+async def evaluate_version(client: httpx.AsyncClient, task: HeldOutTask, model: str, version: int,
+                           max_tokens: int) -> EvalResult:
+    """The held-out set at once, pinned to ``model``; answers from another version do not count."""
+    started = time.monotonic()
+
+    async def one(i: int, problem: Any) -> float | None:
+        r = await client.post("/v1/chat/completions", json={
+            "model": model, "messages": task.messages(problem), "max_tokens": max_tokens, "temperature": 0.0,
+        }, headers={PURPOSE_HEADER: "eval", "X-Trajectory-Id": f"eval-v{version}-{i}"})
+        if r.status_code != 200 or r.headers.get(VERSION_HEADER) != str(version):
+            return None
+        return task.score(problem, r.json()["choices"][0]["message"]["content"] or "")
+
+    scores = [s for s in await asyncio.gather(*(one(i, p) for i, p in enumerate(task.held_out))) if s is not None]
+    return EvalResult(version, sum(scores) / len(scores) if scores else float("nan"), len(scores),
+                      len(task.held_out), time.monotonic() - started, time.time())
+
+
+class Evaluator:
+    """Evaluates each new routed version of ``policy_name`` until stopped; results go to ``out`` (JSONL)."""
+
+    def __init__(self, url: str, task: HeldOutTask, *, policy_name: str = "policy", every: int = 1,
+                 max_tokens: int = 32, out: Path | None = None, emit: Callable[[str], None] = print) -> None:
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        self.url, self.task, self.policy_name, self.every = url.rstrip("/"), task, policy_name, every
+        self.max_tokens, self.out, self.emit = max_tokens, out, emit
+        self.results: list[EvalResult] = []
+
+    async def run(self, stop: asyncio.Event, poll_s: float = 1.0) -> list[EvalResult]:
+        done: set[int] = set()
+        async with httpx.AsyncClient(base_url=self.url, timeout=600) as client:
+            while True:
+                version = await self._routed(client)
+                if version is not None and version not in done and version % self.every == 0:
+                    done.add(version)
+                    await self.evaluate(client, version)
+                if stop.is_set():
+                    return self.results
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), poll_s)
+
+    async def evaluate(self, client: httpx.AsyncClient, version: int) -> EvalResult:
+        model = self.policy_name if version == 0 else f"{self.policy_name}@v{version}"
+        result = await evaluate_version(client, self.task, model, version, self.max_tokens)
+        self.results.append(result)
+        if self.out is not None:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.out, "a") as f:
+                f.write(json.dumps(asdict(result)) + "\n")
+        self.emit(f"eval v{version}: held-out score {result.score:.3f} ({result.answered}/{result.problems} "
+                  f"answered by v{version}) in {result.seconds:.1f} s")
+        return result
+
+    async def _routed(self, client: httpx.AsyncClient) -> int | None:
+        try:
+            policy = (await client.get("/health")).json()["policy"]
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            log.debug("no policy state from the gateway: %s", exc)
+            return None
+        return int(policy["version"]) if policy.get("name") == self.policy_name else None
