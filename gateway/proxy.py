@@ -29,7 +29,6 @@ from streamrl.engine_wire import BODY, CAPTURE_HEADER, FrameSplitter, WireError,
 
 from .capture import (
     CallContext,
-    ChoiceCapture,
     StreamCapture,
     encode_call_records,
     encode_engine_records,
@@ -331,7 +330,7 @@ class Proxy:
         if out.fallback is not None:
             self.metrics.slow_strips.inc()
             self._log_fallback(out.fallback)
-        self._emit(call, raw, out.choices, usage_tokens(out.usage))
+        self._emit(call, functools.partial(encode_call_records, call.ctx, raw), out.choices, usage_tokens(out.usage))
         return Response(out.body, 200, headers=call.headers, media_type=content_type)
 
     def _engine_body(self, call: _Call, resp: aiohttp.ClientResponse, raw: bytes, content_type: str) -> Response:
@@ -367,20 +366,17 @@ class Proxy:
             log.info("an upstream body is not in vLLM's compact field order (%s): stripped by the slower "
                      "msgspec path; further ones are logged at debug level", reason)
 
-    def _emit(self, call: _Call, choices: list[ChoiceCapture] | bytes | functools.partial[Any], count: int,
+    def _emit(self, call: _Call, build: Callable[[float], list[tuple[bytes | None, bytes]]], count: int,
               tokens: tuple[int, int]) -> None:
-        """Hand the call's records to the producer: captured stream choices, the non-streamed body as vLLM
-        sent it, or an engine capture's builder (split, decoded, built and encoded there, off the event loop)."""
+        """Hand the call's ``count`` records to the producer: ``build(total_s)`` (``encode_call_records`` or
+        ``encode_engine_records`` with the call's parts bound) splits, decodes, builds and encodes them
+        there, off the event loop."""
         if self.producer is None or not count:
             return
         self.metrics.prompt_tokens.inc(tokens[0])
         self.metrics.completion_tokens.inc(tokens[1])
         total_s = time.perf_counter() - call.ctx.started
-        if isinstance(choices, functools.partial):
-            build = functools.partial(choices, total_s)
-        else:
-            build = functools.partial(encode_call_records, call.ctx, choices, total_s)
-        self.producer.offer_deferred(self.topic, build, count)
+        self.producer.offer_deferred(self.topic, functools.partial(build, total_s), count)
 
     def _stream(self, call: _Call, resp: aiohttp.ClientResponse) -> Response:
 
@@ -488,5 +484,5 @@ class Proxy:
         if first is not None:
             self.metrics.ttft.observe(first - call.ctx.started)
         tokens = (sum(len(c.prompt_token_ids or ()) for c in captures), sum(len(c.token_ids) for c in captures))
-        self._emit(call, captures, len(captures), tokens)
+        self._emit(call, functools.partial(encode_call_records, call.ctx, captures), len(captures), tokens)
 

@@ -62,9 +62,13 @@ _CURRENT: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("stre
 class _Choice:
     """One engine request (one choice) being captured."""
 
-    __slots__ = ("done", "external_id", "index", "keep_vllm_logprobs", "logprob_rows", "prompt", "token_chunks")
+    __slots__ = ("done", "external_id", "index", "keep_vllm_logprobs", "logprob_rows", "prompt", "request_id",
+                 "token_chunks")
 
-    def __init__(self, external_id: str, index: int, prompt: list[int] | None, keep_vllm_logprobs: bool) -> None:
+    def __init__(self, request_id: str, external_id: str, index: int, prompt: list[int] | None,
+                 keep_vllm_logprobs: bool) -> None:
+        self.request_id = request_id
+        """vLLM's internal id of this engine request (one per choice)."""
         self.external_id = external_id
         self.index = index
         self.prompt = prompt
@@ -136,7 +140,7 @@ class _OutputProcessorHooks:
             keep = params.logprobs is not None
             if not keep:
                 params.logprobs = 0  # the sampled token's logprob only; the engine core reads it from here
-            choice = _Choice(request.external_req_id or request.request_id, request_index,
+            choice = _Choice(request.request_id, request.external_req_id or request.request_id, request_index,
                              request.prompt_token_ids, keep)
             capture.choices.append(choice)
             self.live[request.request_id] = choice
@@ -168,8 +172,8 @@ class _OutputProcessorHooks:
 
     def forget(self, capture: _Capture) -> None:
         """Drop what an ended HTTP request left (its client went away while the engine was producing)."""
-        for key in [k for k, c in self.live.items() if c in capture.choices]:
-            del self.live[key]
+        for choice in capture.choices:
+            self.live.pop(choice.request_id, None)
 
 
 def _version_ok(version: str) -> bool:
