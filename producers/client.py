@@ -15,13 +15,14 @@ trajectories can share one ``Gateway`` (one connection pool) instead of each ope
 
 from __future__ import annotations
 
-import math
 import uuid
 from types import TracebackType
 from typing import Any
 
 import httpx
 import openai
+
+from streamrl.broker.schema import check_reward
 
 TRAJECTORY_HEADER = "X-Trajectory-Id"
 GROUP_HEADER = "X-Group-Id"
@@ -39,11 +40,9 @@ def _v1(url: str) -> str:
 
 def reward_body(trajectory_id: str, reward: float, group_id: str | None = None, group_size: int | None = None,
                 metrics: dict[str, float] | None = None) -> dict[str, Any]:
-    """The JSON the gateway's ``POST /v1/rewards`` takes. Checks finiteness here so a bad reward fails in
-    the agent, where the bug is, rather than as a 400 later."""
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        raise ValueError(f"reward must be a finite number, got {reward!r}")
-    body: dict[str, Any] = {"trajectory_id": trajectory_id, "reward": float(reward)}
+    """The JSON the gateway's ``POST /v1/rewards`` takes. Checks the reward here (the schema's rule, a
+    ``ValueError``) so a bad reward fails in the agent, where the bug is, rather than as a 400 later."""
+    body: dict[str, Any] = {"trajectory_id": trajectory_id, "reward": check_reward(reward)}
     if group_id is not None:
         body["group_id"] = group_id
     if group_size is not None:
