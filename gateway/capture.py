@@ -92,22 +92,22 @@ def split_body(raw: bytes, endpoint: str, strip_ids: bool,
     (the producer splits the body this way, then decodes the 1,000 logprobs), and the body for the client
     with what the gateway asked for on its own behalf set back to ``null`` (the request path's fallback
     when ``fast_strip`` cannot be used). Unchanged bytes when nothing is stripped."""
-    chat = not ENDPOINTS[endpoint].prompt_ids_per_choice
+    at_top = not ENDPOINTS[endpoint].prompt_ids_per_choice  # chat: the prompt's ids once, at the top
     try:  # one pass when every top-level key is one vLLM is known to send
         known = _KNOWN_TOP.decode(raw)
         choices = known.choices if known.choices is not msgspec.UNSET else []
-        top_prompt = known.prompt_token_ids if chat and known.prompt_token_ids is not msgspec.UNSET else None
+        top_prompt = known.prompt_token_ids if at_top and known.prompt_token_ids is not msgspec.UNSET else None
         usage = known.usage if known.usage is not msgspec.UNSET else None
         top: _Top | dict[str, msgspec.Raw] = known
     except msgspec.ValidationError:  # a key this code does not know: keep it, at the cost of two passes
         top = _TOP.decode(raw)
         choices = _CHOICES.decode(top["choices"]) if "choices" in top else []
-        top_prompt = top.get("prompt_token_ids") if chat else None
+        top_prompt = top.get("prompt_token_ids") if at_top else None
         usage = top.get("usage")
-    captured = [RawChoice(dict(c), top_prompt if chat else c.get("prompt_token_ids")) for c in choices]
+    captured = [RawChoice(dict(c), top_prompt if at_top else c.get("prompt_token_ids")) for c in choices]
     if not (strip_ids or strip_logprobs):
         return raw, captured, usage
-    if strip_ids and chat and top_prompt is not None:
+    if strip_ids and at_top and top_prompt is not None:
         if isinstance(top, dict):
             top["prompt_token_ids"] = NULL
         else:
@@ -116,7 +116,7 @@ def split_body(raw: bytes, endpoint: str, strip_ids: bool,
         if strip_ids:
             if "token_ids" in c:
                 c["token_ids"] = NULL
-            if not chat and "prompt_token_ids" in c:
+            if not at_top and "prompt_token_ids" in c:
                 c["prompt_token_ids"] = NULL
         if strip_logprobs and "logprobs" in c:
             c["logprobs"] = NULL

@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from streamrl.broker.log_producer import LogProducer
-from streamrl.broker.schema import PURPOSES, RecordError, check_id
+from streamrl.broker.schema import RecordError, check_id, check_purpose
 from streamrl.engine_wire import BODY, CAPTURE_HEADER, FrameSplitter, WireError, capture_counts, unframe
 
 from .capture import (
@@ -236,9 +236,11 @@ class Proxy:
         metadata = body.get("metadata")
         trajectory_id = _tag(request, metadata, "x-trajectory-id", "trajectory_id") or os.urandom(16).hex()
         group_id = _tag(request, metadata, "x-group-id", "group_id")
-        purpose = request.headers.get("x-streamrl-purpose") or (metadata or {}).get("purpose") or "train"
-        if purpose not in PURPOSES:
-            raise BadRequest(400, f"purpose must be one of {', '.join(PURPOSES)}", "purpose")
+        try:
+            purpose = check_purpose(request.headers.get("x-streamrl-purpose") or (metadata or {}).get("purpose")
+                                    or "train")
+        except RecordError as exc:
+            raise BadRequest(400, str(exc), "purpose") from None
         lease = self.router.resolve(body["model"])
         if lease is None:
             raise BadRequest(404, f"The model `{body['model']}` does not exist.", "model")

@@ -35,7 +35,6 @@ class Endpoint:
 
     name: ClassVar[str]
     route: ClassVar[str]
-    chat: ClassVar[bool]
     logprobs_asked: ClassVar[Any]
     """The ``logprobs`` value the gateway sends when it asks for the sampled tokens' logprobs itself."""
     top_keys: ClassVar[tuple[str, ...]]
@@ -104,7 +103,7 @@ class Endpoint:
 
 
 class Chat(Endpoint):
-    name, route, chat = "chat", "/v1/chat/completions", True
+    name, route = "chat", "/v1/chat/completions"
     logprobs_asked = True
     top_keys = ("id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
                 "prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params", "ec_transfer_params",
@@ -148,7 +147,7 @@ class Chat(Endpoint):
 
 
 class Completions(Endpoint):
-    name, route, chat = "completions", "/v1/completions", False
+    name, route = "completions", "/v1/completions"
     logprobs_asked = 0  # the sampled token's logprob, no alternatives
     top_keys = ("id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
                 "kv_transfer_params", "ec_transfer_params", "metrics")

@@ -89,9 +89,8 @@ def run_demo(url: str, config: DemoConfig, stop: threading.Event | None = None, 
     the task has a held-out set; writes the summary file when configured."""
     task = config.make_task()
     evaluator = Evaluator(url, task, policy_name=config.model, every=config.eval_every,  # type: ignore[arg-type]
-                          max_tokens=config.max_tokens if config.task != "arithmetic" else max(config.max_tokens, 32),
-                          out=Path(config.eval_out) if config.eval_out else None, emit=emit) \
-        if config.eval_every and hasattr(task, "held_out") else None
+                          max_tokens=task.max_tokens, out=Path(config.eval_out) if config.eval_out else None,
+                          emit=emit) if config.eval_every and hasattr(task, "held_out") else None
 
     async def main() -> Board:
         done = asyncio.Event()

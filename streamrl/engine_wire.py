@@ -120,6 +120,26 @@ def _decode_capture(buf: memoryview) -> list[ChoiceTokens]:
     return out
 
 
+def _split(buf: bytes | bytearray) -> tuple[list[tuple[bytes, bytes]], int]:
+    """The whole frames at the start of ``buf`` (each payload copied once) and where the rest begins."""
+    view = memoryview(buf)
+    frames = []
+    pos, size = 0, len(buf)
+    try:
+        while size - pos >= _FRAME.size:
+            kind, length = _FRAME.unpack_from(buf, pos)
+            if kind not in (BODY, CAPTURE):
+                raise WireError(f"unknown frame kind {kind!r}")
+            end = pos + _FRAME.size + length
+            if end > size:
+                break
+            frames.append((kind, bytes(view[pos + _FRAME.size:end])))
+            pos = end
+    finally:
+        view.release()  # a bytearray with an exported view cannot be resized
+    return frames, pos
+
+
 class FrameSplitter:
     """Cuts a framed body, fed in whatever chunks the connection delivers, into (kind, payload) frames."""
 
@@ -131,17 +151,7 @@ class FrameSplitter:
     def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
         buf = self._buffer
         buf += data
-        frames = []
-        pos, size = 0, len(buf)
-        while size - pos >= _FRAME.size:
-            kind, length = _FRAME.unpack_from(buf, pos)
-            if kind not in (BODY, CAPTURE):
-                raise WireError(f"unknown frame kind {kind!r}")
-            end = pos + _FRAME.size + length
-            if end > size:
-                break
-            frames.append((kind, bytes(buf[pos + _FRAME.size:end])))
-            pos = end
+        frames, pos = _split(buf)
         if pos:
             del buf[:pos]
         return frames
@@ -154,26 +164,15 @@ class FrameSplitter:
 
 def unframe(raw: bytes) -> tuple[bytes, bytes | None]:
     """A whole framed body: (vLLM's bytes, the capture payload or ``None``); ``WireError`` if cut off or
-    malformed. A non-streamed answer is one ``B`` and one ``C`` frame: read in place, one copy of each."""
-    view = memoryview(raw)
-    body: list[bytes] = []
-    capture: bytes | None = None
-    pos, size = 0, len(raw)
-    while pos < size:
-        if size - pos < _FRAME.size:
-            raise WireError(f"framed body cut off ({size - pos} bytes of a frame header)")
-        kind, length = _FRAME.unpack_from(raw, pos)
-        end = pos + _FRAME.size + length
-        if end > size:
-            raise WireError(f"framed body cut off ({size - pos} bytes of a {length}-byte frame)")
-        if kind == BODY:
-            body.append(bytes(view[pos + _FRAME.size:end]))
-        elif kind == CAPTURE and capture is None:
-            capture = bytes(view[pos + _FRAME.size:end])
-        else:
-            raise WireError(f"unexpected frame {kind!r}")
-        pos = end
-    return (body[0] if len(body) == 1 else b"".join(body)), capture
+    malformed. Read in place (a non-streamed answer: one ``B`` and one ``C`` frame, one copy of each)."""
+    frames, pos = _split(raw)
+    if pos != len(raw):
+        raise WireError(f"framed body cut off ({len(raw) - pos} bytes of an unfinished frame)")
+    body = [p for k, p in frames if k == BODY]
+    capture = [p for k, p in frames if k == CAPTURE]
+    if len(capture) > 1:
+        raise WireError(f"{len(capture)} capture frames")
+    return (body[0] if len(body) == 1 else b"".join(body)), (capture[0] if capture else None)
 
 
 def capture_counts(payload: bytes) -> tuple[int, int, int]:

@@ -202,14 +202,14 @@ class CaptureMiddleware:
         self._hooks: _OutputProcessorHooks | str | None = None
 
     def hooks(self, scope: Scope) -> _OutputProcessorHooks | str:
+        """Installed on the first request that needs them (the engine client exists by then)."""
         if self._hooks is None:
             engine_client = getattr(scope["app"].state, "engine_client", None)
-            self._hooks = install(engine_client) if engine_client is not None else "no engine client yet"
+            if engine_client is None:
+                return "no engine client yet"  # asked again on the next request
+            self._hooks = install(engine_client)
             if isinstance(self._hooks, str):
                 log.warning("streamrl token capture off: %s", self._hooks)
-                if engine_client is None:
-                    hooks, self._hooks = self._hooks, None
-                    return hooks
             else:
                 log.info("streamrl token capture on (format %d)", FORMAT_VERSION)
         return self._hooks

@@ -8,13 +8,16 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from kafka_reader import TopicReader
 from relay import Relay
 
-from streamrl.broker.embedded import EmbeddedBroker
+from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics
 from streamrl.engine import Engine, EngineConfig
+from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.server import GatewayServer
 from streamrl.tiny_model import build_model
 
 LOG_DIR = Path(os.environ.get("STREAMRL_TEST_LOGS", "/tmp/streamrl-test-logs"))
@@ -47,6 +50,26 @@ def engine(tiny_model: Path) -> Iterator[Engine]:
     e = start_engine(tiny_model, "vllm-0")
     yield e
     e.stop()
+
+
+def start_gateway(broker: EmbeddedBroker, engine: Engine, token_capture: bool) -> GatewayServer:
+    """A gateway in front of ``engine`` logging to the session broker's topics (no policy following: other
+    tests publish versions there), checked to take tokens the way ``token_capture`` says."""
+    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers,
+                           port=free_port(), topic_prefix=broker.topics.prefix, max_body_bytes=64 << 10,
+                           health_interval_s=0.5, follow_policy=False, token_capture=token_capture)
+    gw = GatewayServer(config).start()
+    path = httpx.get(f"{gw.url}/health").json()["upstreams"][0]["token_capture"]
+    assert path == ("engine" if token_capture else "json")
+    return gw
+
+
+@pytest.fixture(scope="module")
+def engine_gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
+    """Tokens from the engine's capture frames (``streamrl engine``'s own path)."""
+    gw = start_gateway(broker, engine, token_capture=True)
+    yield gw
+    gw.stop()
 
 
 @pytest.fixture

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from test_gateway import client, direct, of_request, start_gateway
+from test_gateway import client, direct, of_request
 
-from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.schema import CompletionRecord
 from streamrl.engine import Engine
 from streamrl.engine_wire import (
@@ -32,7 +30,6 @@ from streamrl.engine_wire import (
     unframe,
 )
 from streamrl.gateway.capture import CallContext, CaptureError, encode_engine_records
-from streamrl.gateway.server import GatewayServer
 from streamrl.vllm_capture import TESTED_VERSIONS, _version_ok
 
 # -- the wire format on its own ------------------------------------------------------------------------
@@ -125,13 +122,6 @@ def base_model(engine: Engine) -> str:
     return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
 
 
-@pytest.fixture(scope="module")
-def gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
-    gw = start_gateway(broker, engine, token_capture=True)
-    yield gw
-    gw.stop()
-
-
 CHAT = [{"role": "user", "content": "Count with me: one, two"}]
 _VOLATILE = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
 
@@ -162,14 +152,14 @@ def test_probe_answers_the_format(engine: Engine) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_client_bytes_equal_vllms_for_the_plain_request(gateway, engine, base_model, endpoint, stream):
-    """The gateway's answer is byte for byte what vLLM sends for the client's own request (ids and times
+def test_client_bytes_equal_vllms_for_the_plain_request(engine_gateway, engine, base_model, endpoint, stream):
+    """The engine_gateway's answer is byte for byte what vLLM sends for the client's own request (ids and times
     aside), and the engine's framed answer carries those same bytes."""
     path = "chat/completions" if endpoint == "chat" else "completions"
     body: dict[str, Any] = {"model": base_model, "max_tokens": 24, "temperature": 0.9, "seed": 11, "n": 2,
                             "stream": stream}
     body |= {"messages": CHAT} if endpoint == "chat" else {"prompt": "one, two"}
-    via = httpx.post(f"{gateway.url}/v1/{path}", json=body, timeout=60)
+    via = httpx.post(f"{engine_gateway.url}/v1/{path}", json=body, timeout=60)
     plain = httpx.post(f"{engine.url}/v1/{path}", json=body, timeout=60)
     assert via.status_code == plain.status_code == 200
     assert CAPTURE_HEADER.lower() not in via.headers
@@ -181,12 +171,12 @@ def test_client_bytes_equal_vllms_for_the_plain_request(gateway, engine, base_mo
     assert capture_counts(capture)[0] == 2
 
 
-def test_stop_string_and_multi_prompt_batch_records_equal_vllms(gateway, engine, base_model, completions):
+def test_stop_string_and_multi_prompt_batch_records_equal_vllms(engine_gateway, engine, base_model, completions):
     """A stop string ends a choice inside the engine's step (vLLM trims the step's tokens) and a batch of
     prompts numbers its choices prompt by prompt: the records follow vLLM's own token ids exactly."""
     body = {"model": base_model, "prompt": ["one, two", "three four five"], "max_tokens": 30, "n": 2,
             "temperature": 1.0, "seed": 3, "stop": ["e", " t"]}
-    r = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60)
+    r = httpx.post(f"{engine_gateway.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200
     recs = completions.wait_for(of_request(r.headers["x-request-id"]), count=4)
     exact = direct(engine, "completions", body | {"logprobs": 0, "return_token_ids": True})
@@ -201,8 +191,8 @@ def test_stop_string_and_multi_prompt_batch_records_equal_vllms(gateway, engine,
     assert any(c["finish_reason"] == "stop" for c in exact["choices"])  # the stop strings did end choices
 
 
-def test_client_asking_for_logprobs_gets_vllms_and_the_record_equals_them(gateway, base_model, completions):
-    r = httpx.post(f"{gateway.url}/v1/completions", timeout=60,
+def test_client_asking_for_logprobs_gets_vllms_and_the_record_equals_them(engine_gateway, base_model, completions):
+    r = httpx.post(f"{engine_gateway.url}/v1/completions", timeout=60,
                    json={"model": base_model, "prompt": "one", "max_tokens": 12, "logprobs": 2, "seed": 4,
                          "return_token_ids": True})
     choice = r.json()["choices"][0]
@@ -212,10 +202,10 @@ def test_client_asking_for_logprobs_gets_vllms_and_the_record_equals_them(gatewa
     np.testing.assert_array_equal(rec.logprobs, np.asarray(choice["logprobs"]["token_logprobs"], np.float32))
 
 
-def test_streamed_request_with_tools_is_recorded(gateway, base_model, completions):
+def test_streamed_request_with_tools_is_recorded(engine_gateway, base_model, completions):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "number"}}}}}]
-    with client(gateway).chat.completions.with_streaming_response.create(
+    with client(engine_gateway).chat.completions.with_streaming_response.create(
             model=base_model, messages=CHAT, tools=tools, max_tokens=20, stream=True, seed=9) as raw:
         request_id = raw.headers["x-request-id"]
         chunks = list(raw.parse())
@@ -225,7 +215,7 @@ def test_streamed_request_with_tools_is_recorded(gateway, base_model, completion
     assert rec.ttft_s is not None and 0 < rec.ttft_s <= rec.total_s
 
 
-def test_logged_logprobs_are_the_sampling_distributions(gateway, tiny_model, base_model, completions):
+def test_logged_logprobs_are_the_sampling_distributions(engine_gateway, tiny_model, base_model, completions):
     """At temperature 0.7 the logged logprobs are those of softmax(logits / 0.7) (vLLM's
     ``processed_logprobs``), which the trainer recomputes for the ratio. Tolerance: vLLM's CPU build runs
     the model in bf16 and the trainer recomputes in fp32 here, so each token may differ by up to 1e-2 nats
@@ -233,7 +223,7 @@ def test_logged_logprobs_are_the_sampling_distributions(gateway, tiny_model, bas
     from streamrl.trainer.config import TrainerConfig
     from streamrl.trainer.model import load_policy, packed_logprobs
 
-    r = client(gateway).chat.completions.with_raw_response.create(
+    r = client(engine_gateway).chat.completions.with_raw_response.create(
         model=base_model, messages=CHAT, max_tokens=40, temperature=0.7, seed=21)
     rec: CompletionRecord = completions.wait_for(of_request(r.headers["x-request-id"]))[0]
     model = load_policy(TrainerConfig(model=str(tiny_model), device="cpu"), torch.device("cpu"))

@@ -6,19 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_gateway import of_request, start_gateway
+from test_gateway import of_request
 
-from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.schema import RewardRecord, decode, encode
-from streamrl.engine import Engine
-from streamrl.gateway.server import GatewayServer
 from streamrl.producers.arithmetic import HELD_OUT, ArithmeticTask, final_number, make_problem, reward
 from streamrl.producers.evaluate import PURPOSE_HEADER, Evaluator
 from streamrl.trainer.assembler import Assembler
@@ -72,17 +68,10 @@ class FewHeldOut:
         return reward(reply, problem.answer)
 
 
-@pytest.fixture(scope="module")
-def gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
-    gw = start_gateway(broker, engine, token_capture=True)
-    yield gw
-    gw.stop()
-
-
-def test_evaluation_is_recorded_as_eval_and_never_held_by_the_trainer(gateway, completions, tmp_path: Path) -> None:
+def test_evaluation_is_recorded_as_eval_and_never_held_by_the_trainer(engine_gateway, completions, tmp_path: Path) -> None:
     out = tmp_path / "eval.jsonl"
     lines: list[str] = []
-    evaluator = Evaluator(gateway.url, FewHeldOut(), max_tokens=8, out=out, emit=lines.append)
+    evaluator = Evaluator(engine_gateway.url, FewHeldOut(), max_tokens=8, out=out, emit=lines.append)
     stop = asyncio.Event()
     stop.set()  # evaluate what is routed now (the base model, version 0), then return
     [result] = asyncio.run(evaluator.run(stop))
@@ -99,14 +88,14 @@ def test_evaluation_is_recorded_as_eval_and_never_held_by_the_trainer(gateway, c
     assert not assembler.trajectories or all(not t.completions for t in assembler.trajectories.values())
 
 
-def test_purpose_is_validated_and_train_is_the_default(gateway, completions, engine) -> None:
+def test_purpose_is_validated_and_train_is_the_default(engine_gateway, completions, engine) -> None:
     model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    bad = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers={PURPOSE_HEADER: "judge-me"})
+    bad = httpx.post(f"{engine_gateway.url}/v1/chat/completions", json=body, headers={PURPOSE_HEADER: "judge-me"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "purpose"
-    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=body | {"metadata": {"purpose": "eval"}})
+    r = httpx.post(f"{engine_gateway.url}/v1/chat/completions", json=body | {"metadata": {"purpose": "eval"}})
     assert r.status_code == 200
-    plain = httpx.post(f"{gateway.url}/v1/chat/completions", json=body)
+    plain = httpx.post(f"{engine_gateway.url}/v1/chat/completions", json=body)
     rec = completions.wait_for(of_request(r.headers["x-request-id"]))[0]
     assert rec.purpose == "eval"
     assert completions.wait_for(of_request(plain.headers["x-request-id"]))[0].purpose == "train"

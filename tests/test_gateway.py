@@ -11,6 +11,7 @@ import numpy as np
 import openai
 import orjson
 import pytest
+from conftest import start_gateway
 from kafka_reader import TopicReader
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
@@ -22,25 +23,6 @@ from streamrl.gateway.server import GatewayServer
 
 TOPICS = Topics("test")  # the prefix of the session's broker fixture
 CHAT = [{"role": "user", "content": "Say something about numbers."}]
-
-
-def start_gateway(broker: EmbeddedBroker, engine: Engine, token_capture: bool) -> GatewayServer:
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers,
-                           port=free_port(), topic_prefix=TOPICS.prefix, max_body_bytes=64 << 10,
-                           health_interval_s=0.5, follow_policy=False,  # others may publish "policy" here
-                           token_capture=token_capture)
-    gw = GatewayServer(config).start()
-    path = httpx.get(f"{gw.url}/health").json()["upstreams"][0]["token_capture"]
-    assert path == ("engine" if token_capture else "json")
-    return gw
-
-
-@pytest.fixture(scope="module")
-def engine_gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
-    """Tokens from the engine's capture frames (``streamrl engine``'s own path)."""
-    gw = start_gateway(broker, engine, token_capture=True)
-    yield gw
-    gw.stop()
 
 
 @pytest.fixture(scope="module")
