@@ -27,6 +27,8 @@ from streamrl.broker.schema import check_reward
 TRAJECTORY_HEADER = "X-Trajectory-Id"
 GROUP_HEADER = "X-Group-Id"
 VERSION_HEADER = "X-Policy-Version"
+PURPOSE_HEADER = "X-Streamrl-Purpose"
+"""``eval`` marks a held-out evaluation's calls: recorded, never trained on (default ``train``)."""
 
 
 class RewardError(RuntimeError):

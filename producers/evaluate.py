@@ -22,10 +22,9 @@ from typing import Any, Protocol
 
 import httpx
 
-from .client import VERSION_HEADER
+from .client import PURPOSE_HEADER, VERSION_HEADER
 
 log = logging.getLogger(__name__)
-PURPOSE_HEADER = "X-Streamrl-Purpose"
 
 
 class HeldOutTask(Protocol):

@@ -16,7 +16,8 @@ from test_gateway import of_request
 
 from streamrl.broker.schema import RewardRecord, decode, encode
 from streamrl.producers.arithmetic import HELD_OUT, ArithmeticTask, final_number, make_problem, reward
-from streamrl.producers.evaluate import PURPOSE_HEADER, Evaluator
+from streamrl.producers.client import PURPOSE_HEADER
+from streamrl.producers.evaluate import Evaluator
 from streamrl.trainer.assembler import Assembler
 
 
