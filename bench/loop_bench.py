@@ -128,7 +128,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
                  "context_words": args.context_words, "stall_s": args.stall_s,
                  "groups_per_step": args.groups_per_step, "max_ahead": 0 if mode.startswith("sync") else args.max_ahead,
                  "until_reward": args.until_reward, "stop_groups": args.stop_groups,
-                 "max_seconds": args.max_seconds, "seed": args.seed, "summary": str(run_dir / "demo.json")},
+                 "max_seconds": args.max_seconds, "seed": args.seed, "summary": str(run_dir / "demo.json"),
+                 "eval_every": args.eval_every, "eval_problems": args.eval_problems},
     }
     if mode == "warmup":  # one trained version served, not timed
         config["demo"].update(until_version=1, until_reward=None, max_ahead=0, max_seconds=300.0)
@@ -357,7 +358,11 @@ def main() -> int:
     p.add_argument("--model", help="a real model instead of a random --shape: smollm2-135m (streamrl model) or a path")
     p.add_argument("--model-cache", default="runs/model-cache",
                    help="where --model smollm2-135m is converted (and its wheel looked for in <cache>/wheels)")
-    p.add_argument("--task", default="numbers", help="the demo task: numbers, calculator or arithmetic")
+    p.add_argument("--task", default="numbers",
+                   help="the demo task: numbers, calculator or arithmetic")
+    p.add_argument("--eval-every", type=int, default=1,
+                   help="tasks with a held-out set: evaluate every N-th version (0: never)")
+    p.add_argument("--eval-problems", type=int, default=64, help="held-out problems per evaluation")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--modes", default="pipeline,sync")
     p.add_argument("--until-reward", type=float, default=0.8)
@@ -412,6 +417,9 @@ def main() -> int:
                 results["warmup"] = {"steps": result["steps"], "demo_seconds": result["demo_seconds"]}
                 continue
             results["modes"][mode] = result
+            if "pipeline" in results["modes"] and "sync" in results["modes"]:
+                results["held_out_race"] = held_out_race(results["modes"]["pipeline"]["evaluation"],
+                                                         results["modes"]["sync"]["evaluation"])
             (out / "loop_bench.json").write_text(json.dumps(results, indent=2))
     finally:
         for engine in engines:
@@ -444,6 +452,36 @@ def print_table(results: dict) -> None:
         a, b = modes["pipeline"].get("seconds_per_version"), modes["sync"].get("seconds_per_version")
         if a and b:
             print(f"pipeline published versions {b / a:.2f}x as often as sync (after the first)")
+        race = results.get("held_out_race")
+        if race:
+            print("\n| held-out accuracy | pipeline: s (version) | sync: s (version) | sync / pipeline |")
+            print("| ---: | ---: | ---: | ---: |")
+            for row in race:
+                ratio = f"{row['sync_s'] / row['pipeline_s']:.2f}x" if row["pipeline_s"] and row["sync_s"] else "-"
+                print(f"| {row['accuracy']:.3f} | {row['pipeline_s']} (v{row['pipeline_version']}) "
+                      f"| {row['sync_s']} (v{row['sync_version']}) | {ratio} |")
+
+
+def held_out_race(a: list, b: list, step: float = 0.05) -> list[dict]:
+    """Time (s since the demo's start) and version at which each mode's held-out evaluation first reached
+    each accuracy, from the base model's score up in ``step`` steps to the best either mode reached.
+    ``a`` and ``b`` are ``[(t, version, score), ...]`` of pipeline and sync; a mode that never reached a
+    level has None there."""
+    if not a or not b:
+        return []
+
+    def first(evals: list, level: float) -> tuple[float | None, int | None]:
+        return next(((t, v) for t, v, s in evals if s >= level - 1e-9), (None, None))
+
+    base = min(a[0][2], b[0][2])
+    best = max(s for _, _, s in a + b)
+    rows, level = [], base + step
+    while level <= best + 1e-9:
+        (ta, va), (tb, vb) = first(a, level), first(b, level)
+        rows.append({"accuracy": round(level, 4), "pipeline_s": ta, "pipeline_version": va,
+                     "sync_s": tb, "sync_version": vb})
+        level += step
+    return rows
 
 
 if __name__ == "__main__":

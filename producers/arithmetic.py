@@ -14,14 +14,13 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import ClassVar
 
 from .client import AsyncGateway
 from .episode import Outcome, served_version
 
 NAMES = ("Tom", "Anna", "Ravi", "Mei", "Omar", "Lena", "Sam", "Ines")
 ITEMS = ("apple", "book", "marble", "coin", "card", "shell", "pencil", "stamp")
-SUFFIX = " Answer with just the number."
+INSTRUCTION = "Answer with just the number."
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +49,22 @@ def make_problem(rng: random.Random) -> Problem:
     else:
         b, ans = rng.randint(2, 6), rng.randint(2, 9)
         q = f"{name} shares {ans * b} {item}s equally among {b} friends. How many {item}s does each friend get?"
-    return Problem(q + SUFFIX, ans)
+    return Problem(q, ans)
 
 
-HELD_OUT_SEED = 20261201
-HELD_OUT: tuple[Problem, ...] = tuple(make_problem(random.Random(HELD_OUT_SEED + i)) for i in range(64))
+def _held_out(n: int, seed: int = 20261201) -> tuple[Problem, ...]:
+    """``n`` distinct problems, the i-th drawn from its own seed: a prefix of the set never changes."""
+    problems: dict[str, Problem] = {}
+    i = 0
+    while len(problems) < n:
+        p = make_problem(random.Random(seed + i))
+        problems.setdefault(p.key, p)
+        i += 1
+    return tuple(problems.values())
+
+
+HELD_OUT: tuple[Problem, ...] = _held_out(256)
+"""Never sampled for training; an evaluation scores a prefix of it (``ArithmeticTask.held_out_size``)."""
 _HELD_OUT_KEYS = frozenset(p.key for p in HELD_OUT)
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -79,13 +89,28 @@ def reward(text: str, answer: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class ArithmeticTask:
-    """Sampling settings. temperature 1.0: the behaviour policy is the model's own distribution."""
+    """Sampling settings. temperature 1.0: the behaviour policy is the model's own distribution.
+
+    SmolLM2-135M-Instruct often ignores the instruction and explains at length: at temperature 1 its
+    replies run from 2 tokens to past 128 (mean 64 on the first held-out problems), so ``max_tokens``
+    decides how long and how varied a group's replies are (and how long a synchronous loop waits for
+    the slowest of a batch)."""
 
     model: str = "policy"
     max_tokens: int = 32
     temperature: float = 1.0
-    held_out: ClassVar[tuple[Problem, ...]] = HELD_OUT
-    """Scored by ``producers/evaluate.py`` for each version; never sampled for training."""
+    held_out_size: int = 64
+    """How many of ``HELD_OUT`` an evaluation scores (at most 256; the first 64 on a CPU, more on a GPU
+    where a larger set costs nothing and resolves smaller differences)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.held_out_size <= len(HELD_OUT):
+            raise ValueError(f"held_out_size must be 1..{len(HELD_OUT)}, not {self.held_out_size}")
+
+    @property
+    def held_out(self) -> tuple[Problem, ...]:
+        """Scored by ``producers/evaluate.py`` for each version; never sampled for training."""
+        return HELD_OUT[:self.held_out_size]
 
     def score(self, problem: Problem, reply: str) -> float:
         return reward(reply, problem.answer)
@@ -98,7 +123,7 @@ class ArithmeticTask:
                 return problem
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
-        return [{"role": "user", "content": problem.question}]
+        return [{"role": "user", "content": f"{problem.question} {INSTRUCTION}"}]
 
     async def episode(self, gateway: AsyncGateway, problem: Problem, group_id: str, group_size: int) -> Outcome:
         async with gateway.trajectory(group_id=group_id, group_size=group_size) as t:

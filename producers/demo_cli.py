@@ -58,6 +58,8 @@ class DemoConfig:
     """Tasks with a held-out set (arithmetic): evaluate every this-many-th version on it (0: never)."""
     eval_out: str | None = None
     """Append one JSON line per evaluated version here."""
+    eval_problems: int = 64
+    """Held-out problems scored per evaluated version (arithmetic: at most 256)."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -73,7 +75,8 @@ class DemoConfig:
         if self.task == "calculator":
             return CalculatorTask(model=self.model, max_tokens=max(self.max_tokens, 64))
         if self.task == "arithmetic":
-            return ArithmeticTask(model=self.model, max_tokens=max(self.max_tokens, 32))
+            return ArithmeticTask(model=self.model, max_tokens=max(self.max_tokens, 32),
+                                  held_out_size=self.eval_problems)
         return NumbersTask(model=self.model, max_tokens=self.max_tokens, context_words=self.context_words)
 
     @property
@@ -140,6 +143,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every,
                    help="tasks with a held-out set: evaluate every N-th version on it (0: never)")
     p.add_argument("--eval-out", default=None, help="append one JSON line per evaluated version here")
+    p.add_argument("--eval-problems", type=int, default=d.eval_problems,
+                   help="held-out problems scored per evaluated version")
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -148,7 +153,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
                       groups_per_step=args.groups_per_step, max_ahead=args.max_ahead, stall_s=args.stall_s,
                       until_version=args.until_version, until_reward=args.until_reward,
                       stop_groups=args.stop_groups, max_seconds=args.max_seconds, seed=args.seed,
-                      summary=args.summary, eval_every=args.eval_every, eval_out=args.eval_out)
+                      summary=args.summary, eval_every=args.eval_every, eval_out=args.eval_out,
+                      eval_problems=args.eval_problems)
 
 
 def run(args: argparse.Namespace) -> int:

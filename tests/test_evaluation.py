@@ -46,14 +46,24 @@ def test_problems_are_right_and_the_held_out_set_is_never_sampled() -> None:
         assert p.answer in (a + b, a - b, a * b) or (b * p.answer == a)  # a/b shares a in b parts
         assert p.answer > 0 and final_number(p.question) == b  # the question's own last number is an operand
     held_out = {p.key for p in HELD_OUT}
-    assert len(held_out) == len(HELD_OUT) == 64
+    assert len(held_out) == len(HELD_OUT) == 256
     task, rng = ArithmeticTask(), random.Random(1)
     assert not any(task.sample(rng).key in held_out for _ in range(5000))
     # fixed across runs and versions of this code: evaluations stay comparable (Python's Random is stable)
     assert (HELD_OUT[0].question, HELD_OUT[0].answer) == (
-        "Ravi had 19 coins and gave 7 away. How many coins are left? Answer with just the number.", 12)
+        "Ravi had 19 coins and gave 7 away. How many coins are left?", 12)
     assert (HELD_OUT[63].question, HELD_OUT[63].answer) == (
-        "Ravi has 9 coins and gets 5 more. How many coins does Ravi have now? Answer with just the number.", 14)
+        "Ravi has 9 coins and gets 5 more. How many coins does Ravi have now?", 14)
+    assert task.messages(HELD_OUT[0]) == [{"role": "user", "content": (
+        "Ravi had 19 coins and gave 7 away. How many coins are left? Answer with just the number.")}]
+
+
+def test_an_evaluation_scores_a_prefix_of_the_held_out_set() -> None:
+    assert ArithmeticTask().held_out == HELD_OUT[:64]  # the CPU default: a few seconds per version
+    assert ArithmeticTask(held_out_size=256).held_out == HELD_OUT
+    for bad in (0, 257):
+        with pytest.raises(ValueError, match=r"held_out_size must be 1\.\.256"):
+            ArithmeticTask(held_out_size=bad)
 
 
 @dataclass(frozen=True)

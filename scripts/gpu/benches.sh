@@ -3,10 +3,13 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: gateway | loop-two-gpu | loop-one-gpu | trainer
-#   env:   LR (loop learning rate, default 3e-3), ENGINES (vLLM replicas, default 1),
-#          MAX_AHEAD (pipeline's steps ahead, default 1), CONCURRENCY (groups in flight, default 16),
-#          LOOP_SECONDS (per mode, default 150), UNTIL (target reward, default 0.8)
+#   BENCH: gateway | loop-two-gpu | loop-one-gpu | loop-real | trainer
+#   env:   LR (loop learning rate, default 3e-3; loop-real 5e-4), ENGINES (vLLM replicas, default 1),
+#          MAX_AHEAD (pipeline's steps ahead, default 1; loop-real 2), CONCURRENCY (groups in flight,
+#          default 16), LOOP_SECONDS (per mode, default 150), UNTIL (target reward, default 0.8);
+#          loop-real only: GROUP (group size, 16), GPS (groups per step, 8), MAX_TOKENS (128)
+#   loop-real: SmolLM2-135M-Instruct (its wheel staged in STASH/wheels) on the arithmetic task, one GPU,
+#          held-out accuracy of every version on 256 problems
 set -uo pipefail
 stash=${1:?STASH}; out=${2:?OUT}; shift 2
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -32,6 +35,25 @@ loop() {  # loop LAYOUT NAME
   tail -8 "$out/$2.log"
 }
 
+real_loop() {  # the real model on the arithmetic task, pipeline against sync on one GPU
+  local dir=/root/lb-$1
+  rm -rf "$dir"
+  (while sleep 10; do cp "$dir/loop_bench.json" "$out/$1.json" 2>/dev/null; done) & local copier=$!
+  python3 "$repo/bench/loop_bench.py" --layout one-gpu --model smollm2-135m --model-cache "$stash" \
+      --task arithmetic --eval-problems 256 --shared-engine --modes pipeline,sync --until-reward "${UNTIL:-0.95}" \
+      --max-seconds "${LOOP_SECONDS:-150}" --learning-rate "${LR:-5e-4}" --group-size "${GROUP:-16}" \
+      --groups-per-step "${GPS:-8}" --lora-rank 16 --concurrency "${CONCURRENCY:-16}" \
+      --max-tokens "${MAX_TOKENS:-128}" --max-ahead "${MAX_AHEAD:-2}" --micro-batch-tokens 16384 \
+      --max-model-len 1024 --stall-s 10 --out "$dir" > "$out/$1.log" 2>&1
+  kill "$copier"
+  cp "$dir/loop_bench.json" "$out/$1.json" 2>/dev/null
+  for m in pipeline sync; do
+    grep -v 'HTTP/1.1" 200' "$dir/$m/up.log" 2>/dev/null | grep -v '^engine' | tail -300 > "$out/$1-$m.log"
+    cp "$dir/$m/history.jsonl" "$out/$1-$m-history.jsonl" 2>/dev/null
+  done
+  tail -40 "$out/$1.log"
+}
+
 for bench in "$@"; do
   echo "== $bench $(date -u +%T)"
   case $bench in
@@ -39,6 +61,7 @@ for bench in "$@"; do
                > "$out/gateway.log" 2>&1; tail -12 "$out/gateway.log" ;;
     loop-two-gpu) loop two-gpu loop-two-gpu ;;
     loop-one-gpu) loop one-gpu loop-one-gpu ;;
+    loop-real) real_loop "loop-real${TAG:-}" ;;
     trainer) (cd "$repo" && python3 bench/trainer_bench.py --shapes qwen2.5-1.5b --rows 4 --warmup 2 --steps 3 \
                --variants eager,compile --out "$out/trainer.json" > "$out/trainer.log" 2>&1); tail -8 "$out/trainer.log" ;;
     *) echo "unknown bench $bench" ;;
