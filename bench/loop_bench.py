@@ -252,7 +252,7 @@ def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gp
         produced = gb.get('streamrl_gateway_records_total{outcome="produced"}', 0)
         read = ("completions", "rewards", "late", "duplicate_completion", "duplicate_reward")
         consumed = sum(v for k, v in trb.items() if k.startswith("streamrl_trainer_records_total{")
-                       and (k.split('"')[1] in read or k.split('"')[1].startswith("bad_")))
+                       and (k.split('"')[1] in read or k.split('"')[1].startswith(("bad_", "not_trained_"))))
         result["kafka_lag_records_at_end"] = produced - consumed
         result["requests_failed"] = sum(v for k, v in gb.items()
                                         if k.startswith("streamrl_gateway_requests_total") and 'status="5' in k)

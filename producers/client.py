@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import openai
+from httpx_aiohttp import HttpxAiohttpClient
 
 from streamrl.broker.schema import check_reward
 
@@ -153,13 +154,18 @@ class Trajectory(_Episode):
 
 
 class AsyncGateway:
-    """``Gateway`` for asyncio agents (``openai.AsyncOpenAI``, ``httpx.AsyncClient``)."""
+    """``Gateway`` for asyncio agents (``openai.AsyncOpenAI``, ``httpx.AsyncClient``).
+
+    Its HTTP client is httpx's API on aiohttp's connection pool (``httpx-aiohttp``, the backend of
+    ``openai.DefaultAioHttpClient``): httpcore's pool scans every connection for every request, which
+    with a few hundred trajectories in flight cost the demo producer 12 ms of CPU per trajectory and
+    capped it at about 85 trajectories/s on one core (``bench/producer_bench.py``)."""
 
     def __init__(self, url: str, *, api_key: str = "unused", timeout: float = 600.0, max_retries: int = 0,
                  max_connections: int = 256) -> None:
         self.base_url = _v1(url)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.http = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.http = HttpxAiohttpClient(timeout=timeout, limits=limits)
         self.openai = openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, http_client=self.http,
                                          max_retries=max_retries)
 

@@ -77,9 +77,12 @@ class Evaluator:
         self.max_tokens, self.out, self.emit = max_tokens, out, emit
         self.results: list[EvalResult] = []
 
-    async def run(self, stop: asyncio.Event, poll_s: float = 1.0) -> list[EvalResult]:
+    async def run(self, stop: asyncio.Event, poll_s: float = 0.25) -> list[EvalResult]:
         done: set[int] = set()
-        async with httpx.AsyncClient(base_url=self.url, timeout=600) as client:
+        # every problem's request in flight at once: the gateway keeps a pinned version loaded while any
+        # request holds it, so a pool smaller than the set would let it unload between two waves
+        limits = httpx.Limits(max_connections=len(self.task.held_out) + 4)
+        async with httpx.AsyncClient(base_url=self.url, timeout=600, limits=limits) as client:
             while True:
                 version = await self._routed(client)
                 if version is not None and version not in done and version % self.every == 0:

@@ -9,6 +9,7 @@ served it (the gateway's ``X-Policy-Version``), which shows the reward climbing 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
@@ -16,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -130,6 +131,28 @@ def trainable(rewards: list[float], group_size: int) -> bool:
     return len(rewards) == group_size and max(rewards) != min(rewards)
 
 
+class VersionWatch:
+    """The version the gateway routes now, asked by one task for every waiting group (``GET /health``
+    every ``poll_s``): a waiting group reads ``version`` and costs neither side a request. Waiters
+    polling the gateway themselves (64 groups at 20 Hz) took most of the producer's CPU and slowed
+    every trajectory behind them."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str, poll_s: float = 0.1,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.http, self.url, self.poll_s, self.on_change = http, url, poll_s, on_change
+        self.version: int | None = None
+
+    async def run(self, done: asyncio.Event) -> None:
+        while not done.is_set():
+            version = await gateway_version(self.http, self.url)
+            if version != self.version:
+                self.version = version
+                if self.on_change is not None:
+                    self.on_change()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), self.poll_s)
+
+
 @dataclass
 class Pacer:
     """Bounded off-policyness (the rule AReaL uses): a new group starts only while the groups started so
@@ -139,7 +162,9 @@ class Pacer:
     of inference and training. A finished group the trainer cannot use (a failed trajectory, or equal
     rewards: no learning signal, which the trainer skips) is refunded at once, so the step still gets
     its groups; when the version does not move for ``stall_s`` anyway (the trainer dropped groups for
-    another reason) one more group is let through, so nothing deadlocks."""
+    another reason) one more group is let through, so nothing deadlocks.
+
+    Waiters sleep until ``kick`` (a new version; a refund) or the stall time, and re-check then."""
 
     groups_per_step: int
     max_ahead: int = 1
@@ -147,28 +172,36 @@ class Pacer:
     started: int = 0
     first_version: int | None = None
     last_grant: float = field(default_factory=time.monotonic)
+    _kicked: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def allowance(self, version: int) -> int:
         if self.first_version is None:
             self.first_version = version
         return (version - self.first_version + 1 + self.max_ahead) * self.groups_per_step
 
-    async def acquire(self, served_version: Callable[[], Awaitable[int | None]], done: asyncio.Event) -> bool:
-        """Wait for a group's turn; False when the run ends first. ``served_version`` asks the gateway
-        which version it serves now (``gateway_version``)."""
+    async def acquire(self, served_version: Callable[[], int | None], done: asyncio.Event) -> bool:
+        """Wait for a group's turn; False when the run ends first. ``served_version`` says which version
+        the gateway serves now (``VersionWatch.version``)."""
         while not done.is_set():
-            version = await served_version()
-            if version is None or self.started < self.allowance(version) \
-                    or time.monotonic() - self.last_grant > self.stall_s:
+            self._kicked.clear()  # nothing awaits between this check and the wait: no kick is missed
+            version = served_version()
+            stalled_for = time.monotonic() - self.last_grant
+            if version is None or self.started < self.allowance(version) or stalled_for > self.stall_s:
                 self.started += 1
                 self.last_grant = time.monotonic()
                 return True
-            await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):  # bounded, so that ``done`` is seen too
+                await asyncio.wait_for(self._kicked.wait(), min(self.stall_s - stalled_for, 0.5) + 1e-3)
         return False
+
+    def kick(self) -> None:
+        """Wake the waiters to re-check: the version moved, or a group was refunded."""
+        self._kicked.set()
 
     def refund(self) -> None:
         """Give back a started group that will not count towards a training step."""
         self.started -= 1
+        self.kick()
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,11 +266,11 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
 
     async def worker() -> None:
         while not done.is_set():
-            if pacer is not None and not await pacer.acquire(lambda: gateway_version(gateway.http, url), done):
+            if pacer is not None and not await pacer.acquire(lambda: watch.version, done):
                 break
             await one_group()
 
-    async def watch() -> None:
+    async def limit() -> None:
         while not done.is_set():
             if stop is not None and stop.is_set():
                 break
@@ -248,10 +281,14 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
         done.set()
 
     async with AsyncGateway(url, max_connections=max(64, 2 * concurrency * group_size)) as gateway:
+        watch = VersionWatch(gateway.http, url, on_change=pacer.kick if pacer is not None else None)
+        watching = asyncio.create_task(watch.run(done)) if pacer is not None else None
         workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
-        await watch()
+        await limit()
         for w in workers:  # finish the groups in flight so their rewards are posted, then stop
             await w
+        if watching is not None:
+            await watching
     if board.versions:
         emit(board.line(board.newest))
     emit(f"{board.groups} groups, {sum(s.n for s in board.versions.values())} trajectories, "

@@ -122,7 +122,7 @@ def test_pacer_holds_generation_to_the_step_and_refunds_unusable_groups() -> Non
     a group refunded (unusable for training) lets exactly one more through at once."""
     served = 0
 
-    async def version() -> int:
+    def version() -> int:
         return served
 
     async def main() -> None:
@@ -138,7 +138,8 @@ def test_pacer_holds_generation_to_the_step_and_refunds_unusable_groups() -> Non
         fourth = asyncio.create_task(pacer.acquire(version, done))
         finished, _ = await asyncio.wait({fourth}, timeout=0.3)
         assert not finished
-        served = 1  # the next version: the next step's groups
+        served = 1  # the next version (the version watch kicks the pacer): the next step's groups
+        pacer.kick()
         assert await asyncio.wait_for(fourth, 5)
         assert await pacer.acquire(version, done)
         last = asyncio.create_task(pacer.acquire(version, done))
