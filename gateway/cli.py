@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy-name", default="policy", help="stable model name of the policy being trained")
     p.add_argument("--max-loaded-versions", type=int, default=3,
                    help="at most this many policy versions stay loaded per upstream (>= 2)")
+    p.add_argument("--keep-previous-versions", type=int, default=1,
+                   help="versions before the routed one kept loaded while idle, for requests pinned to them "
+                        "(policy@vN); at most --max-loaded-versions - 2")
     p.add_argument("--max-body-bytes", type=int, default=16 << 20)
     p.add_argument("--upstream-timeout", type=float, default=600.0,
                    help="seconds without a byte from the upstream before a 504")
@@ -36,7 +39,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         upstreams=tuple(args.upstream),
         bootstrap_servers=None if args.no_logging else args.bootstrap_servers,
         host=args.host, port=args.port, topic_prefix=args.topic_prefix, policy_name=args.policy_name,
-        max_loaded_versions=args.max_loaded_versions, max_body_bytes=args.max_body_bytes,
+        max_loaded_versions=args.max_loaded_versions, keep_previous_versions=args.keep_previous_versions,
+        max_body_bytes=args.max_body_bytes,
         upstream_timeout_s=args.upstream_timeout, token_capture=not args.no_token_capture,
     )
 

@@ -18,6 +18,11 @@ class GatewayConfig:
     """The stable model name clients use for the policy being trained."""
     max_loaded_versions: int = 3
     """At most this many policy versions stay loaded in each upstream."""
+    keep_previous_versions: int = 1
+    """Versions before the routed one that stay loaded while idle, so that a request pinned to a recent
+    version (``policy@v<N>``: a held-out evaluation, an agent finishing an episode on the version it
+    began with) still finds it; older ones are unloaded once idle. At most ``max_loaded_versions - 2``
+    (the routed version and the next one being loaded need their places)."""
     follow_policy: bool = True
     """Follow the policy topic and hot-swap published versions (needs ``bootstrap_servers``)."""
     policy_catch_up_s: float = 10.0
@@ -55,6 +60,9 @@ class GatewayConfig:
             raise ValueError("at least one upstream is required")
         if self.max_loaded_versions < 2:  # the routed version plus the next one being loaded
             raise ValueError("max_loaded_versions must be >= 2")
+        if not 0 <= self.keep_previous_versions <= self.max_loaded_versions - 2:
+            raise ValueError(f"keep_previous_versions must be between 0 and max_loaded_versions - 2 "
+                             f"({self.max_loaded_versions - 2}), not {self.keep_previous_versions}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.health_failures_to_eject < 1:

@@ -3,7 +3,7 @@
 For a new version: check the sha256 of its weights file, load it into every healthy upstream under its
 own name (``<name>@v<N>``, never reused), then route the policy name to it in one assignment (see
 ``policy.py``). Requests already running finish on their version; a version that is no longer routed is
-unloaded once nothing is in flight on it. An upstream that fails to load the routed version (or comes
+unloaded once nothing is in flight on it and ``keep_previous_versions`` newer ones are loaded. An upstream that fails to load the routed version (or comes
 back empty after a restart) is retried and gets no policy requests until it has it.
 """
 
@@ -173,6 +173,7 @@ class PolicyFollower:
             await asyncio.sleep(self.config.load_retry_s)
         state.loaded_at = time.time()
         old = self.router.route(state)
+        self._trim()
         self.metrics.swaps.inc()
         self.metrics.publish_to_route.observe(max(0.0, state.loaded_at - record.created))
         log.info("policy %r now served by %s (was %s): received %.0f ms after publication, verified in %.0f ms, "
@@ -227,10 +228,23 @@ class PolicyFollower:
                 await asyncio.gather(*(self._load(u, routed) for u in missing))
 
     # -- unloading -----------------------------------------------------------------------------------
-    def _on_idle(self, state: VersionState) -> None:
-        if not state.unloading and state.loaded_at:
-            routed = self.router.routed.served_name if self.router.routed else "nothing"
-            self._spawn(self._unload(state, f"no request in flight, {routed} routed"))
+    def _on_idle(self, _state: VersionState) -> None:
+        self._trim()
+
+    def _trim(self) -> None:
+        """Unload the idle versions older than the ``keep_previous_versions`` newest ones before the
+        routed version (after each swap, and when a version no longer routed drains)."""
+        routed = self.router.routed
+        if routed is None:
+            return
+        previous = sorted((s for s in self.router.versions.values()
+                           if s is not routed and s.loaded_at and not s.unloading
+                           and s.record.version < routed.record.version),
+                          key=lambda s: s.record.version, reverse=True)
+        for state in previous[self.config.keep_previous_versions:]:
+            if state.in_flight == 0:
+                state.unloading = True  # pinned requests stop resolving to it now, not when the task runs
+                self._spawn(self._unload(state, f"no request in flight, {routed.served_name} routed"))
 
     async def _unload(self, state: VersionState, reason: str) -> None:
         state.unloading = True

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+from httpx_aiohttp import HttpxAiohttpClient
 
 from .client import PURPOSE_HEADER, VERSION_HEADER
 
@@ -80,9 +81,10 @@ class Evaluator:
     async def run(self, stop: asyncio.Event, poll_s: float = 0.25) -> list[EvalResult]:
         done: set[int] = set()
         # every problem's request in flight at once: the gateway keeps a pinned version loaded while any
-        # request holds it, so a pool smaller than the set would let it unload between two waves
+        # request holds it, so a pool smaller than the set would let it unload between two waves; aiohttp's
+        # pool, as the producer's (``client.AsyncGateway``): httpcore's costs milliseconds per request here
         limits = httpx.Limits(max_connections=len(self.task.held_out) + 4)
-        async with httpx.AsyncClient(base_url=self.url, timeout=600, limits=limits) as client:
+        async with HttpxAiohttpClient(base_url=self.url, timeout=600, limits=limits) as client:
             while True:
                 version = await self._routed(client)
                 if version is not None and version not in done and version % self.every == 0:

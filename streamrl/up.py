@@ -89,6 +89,8 @@ class UpConfig:
     topic_prefix: str = "streamrl"
     policy_name: str = "policy"
     max_loaded_versions: int = 3
+    keep_previous_versions: int = 1
+    """Versions before the routed one the gateway keeps loaded for requests pinned to them."""
     token_capture: bool = True
     """The gateway takes tokens from the engines' capture frames where offered (off: from their JSON)."""
     trainer_device: str | None = None
@@ -382,7 +384,8 @@ class Stack:
         port = c.port or free_port(c.host)
         argv = [sys.executable, "-m", "streamrl.cli", "gateway", "--host", c.host, "--port", str(port),
                 "--bootstrap-servers", self.bootstrap_servers, "--topic-prefix", c.topic_prefix,
-                "--policy-name", c.policy_name, "--max-loaded-versions", str(c.max_loaded_versions)]
+                "--policy-name", c.policy_name, "--max-loaded-versions", str(c.max_loaded_versions),
+                "--keep-previous-versions", str(c.keep_previous_versions)]
         for url in self.upstreams:
             argv += ["--upstream", url]
         if not c.token_capture:

@@ -133,10 +133,16 @@ def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model
         recs = reader.wait_for(lambda r: isinstance(r, CompletionRecord) and r.request_id in sample, count=12)
         assert {r.request_id: r.policy_version for r in recs} == sample
         assert all(r.policy_name == name for r in recs)
-        # versions no longer routed were unloaded once idle; the routed one stays
+        # versions no longer routed were unloaded once idle, but for the one before the routed version
+        # (keep_previous_versions 1), which still serves requests pinned to it
         wait_unloaded(engine, f"{name}@v1")
-        wait_unloaded(engine, f"{name}@v2")
-        assert f"{name}@v3" in engine_adapters(engine)
+        assert {f"{name}@v2", f"{name}@v3"} <= set(engine_adapters(engine))
+        pinned = httpx.post(f"{gw.url}/v1/completions", json={"model": f"{name}@v2", "prompt": "a", "max_tokens": 2},
+                            timeout=120)
+        assert pinned.status_code == 200 and pinned.headers["x-policy-version"] == "2"
+        gone = httpx.post(f"{gw.url}/v1/completions", json={"model": f"{name}@v1", "prompt": "a", "max_tokens": 2},
+                          timeout=120)
+        assert gone.status_code == 404
     reader.close()
 
 
@@ -155,7 +161,8 @@ def test_request_started_before_swap_finishes_on_old_version(broker, engine, top
             old["lines"] = [line for line in r.iter_lines() if line]
 
     relay.hold_marker = b"held across the swap"
-    with GatewayServer(gateway_config(broker, engine, name, upstreams=(relay.url,))) as gw:
+    config = gateway_config(broker, engine, name, upstreams=(relay.url,), keep_previous_versions=0)
+    with GatewayServer(config) as gw:
         wait_routed(gw, 1)  # caught up on start
         thread = threading.Thread(target=old_request)
         thread.start()
@@ -185,7 +192,7 @@ def test_catch_up_bad_checksum_and_max_loaded(broker, engine, topics, adapters, 
     name = "catchup"
     for version, path in enumerate(adapters[:2], start=1):
         publish_version(broker.bootstrap_servers, topics, name, version, path, base_model)
-    with GatewayServer(gateway_config(broker, engine, name, max_loaded_versions=2)) as gw:
+    with GatewayServer(gateway_config(broker, engine, name, max_loaded_versions=2, keep_previous_versions=0)) as gw:
         assert gw.gateway.router.version == 2  # the latest, before the first request was served
         assert f"{name}@v1" not in engine_adapters(engine)  # intermediate versions are skipped
         r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": name, "messages": CHAT, "max_tokens": 3})
@@ -208,3 +215,11 @@ def test_catch_up_bad_checksum_and_max_loaded(broker, engine, topics, adapters, 
         wait_unloaded(engine, f"{name}@v2")
         loaded = {a for a in engine_adapters(engine) if a.startswith(name)}
         assert loaded == {f"{name}@v4"} and len(gw.gateway.router.versions) <= 2
+
+
+def test_kept_versions_must_leave_room_for_the_routed_and_the_next_one() -> None:
+    assert GatewayConfig(upstreams=("http://x",), bootstrap_servers=None).keep_previous_versions == 1
+    GatewayConfig(upstreams=("http://x",), bootstrap_servers=None, max_loaded_versions=4, keep_previous_versions=2)
+    for kw in ({"max_loaded_versions": 2}, {"keep_previous_versions": -1}):
+        with pytest.raises(ValueError, match="keep_previous_versions must be between 0 and"):
+            GatewayConfig(upstreams=("http://x",), bootstrap_servers=None, **kw)
