@@ -17,9 +17,12 @@ from pathlib import Path
 def series(data: dict) -> dict[str, list[tuple[float, int, float]]]:
     """(seconds since the demo started, version, score) per run name."""
     if "modes" in data:  # a loop bench result
-        return {mode: [tuple(e) for e in r.get("evaluation", [])] for mode, r in data["modes"].items()}
-    t0 = data.get("started_at", 0.0)
-    return {"demo": [(e["time"] - t0, e["version"], e["score"]) for e in data.get("evaluation", [])]}
+        runs = {mode: [tuple(e) for e in r.get("evaluation", [])] for mode, r in data["modes"].items()}
+    else:
+        t0 = data.get("started_at", 0.0)
+        runs = {"demo": [(e["time"] - t0, e["version"], e["score"]) for e in data.get("evaluation", [])]}
+    # an evaluation none of whose answers came from its version (it was unloaded first) scores NaN
+    return {name: [p for p in points if p[2] == p[2]] for name, points in runs.items()}
 
 
 def main() -> None:

@@ -162,10 +162,11 @@ class AsyncGateway:
     capped it at about 85 trajectories/s on one core (``bench/producer_bench.py``)."""
 
     def __init__(self, url: str, *, api_key: str = "unused", timeout: float = 600.0, max_retries: int = 0,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 256, http_client: httpx.AsyncClient | None = None) -> None:
+        """``http_client``: bring your own (proxies, TLS settings); it is closed with the gateway."""
         self.base_url = _v1(url)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.http = HttpxAiohttpClient(timeout=timeout, limits=limits)
+        self.http = http_client or HttpxAiohttpClient(timeout=timeout, limits=limits)
         self.openai = openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, http_client=self.http,
                                          max_retries=max_retries)
 
