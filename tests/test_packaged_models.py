@@ -4,6 +4,7 @@ then served by the real vLLM CPU build and trained through peft. The download (9
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 from collections.abc import Iterator
@@ -92,3 +93,46 @@ def test_peft_trains_the_converted_model(smollm2: Path) -> None:
     grads = [p.grad for p in trainable_parameters(model)]
     assert grads and all(g is not None for g in grads) and any(bool(g.abs().sum() > 0) for g in grads)
     assert torch.isfinite(loss)
+
+
+def test_the_chat_template_keeps_smollm2s_own_rendering_and_adds_tools(smollm2: Path) -> None:
+    """Without tools the converted template renders as SmolLM2-Instruct's own (its default system message
+    included); with tools it lists them and renders calls and results in the Hermes format that vLLM's
+    `hermes` parser reads back."""
+    from transformers import AutoTokenizer
+
+    from streamrl.producers.calculator import SYSTEM, TOOLS
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    plain = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert plain == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                     "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "3 + 4"}'}}
+    episode = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 3 + 4?"},
+               {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "7"}]
+    text = tok.apply_chat_template(episode, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text.startswith(f"<|im_start|>system\n{SYSTEM}\n\nYou can call functions.")
+    listed = text.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0]
+    assert text.count("<|im_start|>system") == 1 and json.loads(listed) == TOOLS[0]
+    assert ('<|im_start|>assistant\n<tool_call>{"name": "calculator", "arguments": {"expression": "3 + 4"}}'
+            '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>7</tool_response><|im_end|>\n'
+            '<|im_start|>assistant\n') in text
+
+
+def test_vllm_runs_a_tool_episode_on_the_converted_model(smol_engine: Engine, smollm2: Path) -> None:
+    """Tools offered, then a tool result sent back: both turns rendered and served (the hermes parser
+    turns a well-formed <tool_call> into an OpenAI tool call; this 135M model rarely writes one unprompted)."""
+    from streamrl.producers.calculator import SYSTEM, TOOLS
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 3 + 4?"}]
+    first = httpx.post(f"{smol_engine.url}/v1/chat/completions", timeout=120, json={
+        "model": str(smollm2), "messages": messages, "tools": TOOLS, "max_tokens": 24, "temperature": 0.0})
+    assert first.status_code == 200, first.text
+    messages += [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "calculator", "arguments": '{"expression": "3 + 4"}'}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "7"}]
+    second = httpx.post(f"{smol_engine.url}/v1/chat/completions", timeout=120, json={
+        "model": str(smollm2), "messages": messages, "tools": TOOLS, "max_tokens": 8, "temperature": 0.0})
+    assert second.status_code == 200, second.text
+    assert second.json()["usage"]["prompt_tokens"] > first.json()["usage"]["prompt_tokens"] + 20
