@@ -50,6 +50,9 @@ class DemoTrainer:
     lora_rank: int = 8
     max_lag: int = 4
     group_timeout_s: float = 20.0
+    max_step_tokens: int = 0
+    """Fixed steps: the demo's producer is paced to ``groups_per_step`` groups per version (its pacer
+    counts on it), so there is never a surplus for a bigger step to take."""
 
 
 @dataclass

@@ -281,7 +281,7 @@ def test_staleness_is_judged_again_when_taken(broker) -> None:
                      RewardRecord(f"g{i}{t}", r, group_id=f"g{i}", group_size=2)]
     produce(bootstrap, topics, recs)
     config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, groups_per_step=1, max_lag=1,
-                           max_ready_groups=3)
+                           max_ready_groups=3, backlog="wait", max_step_tokens=0)  # oldest first, one per step
     s = StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}"), config)
     try:
         deadline = time.monotonic() + 30

@@ -94,6 +94,7 @@ def trained(tiny_model, broker, tmp_path_factory):
     produce(broker.bootstrap_servers, topics, [r for g in groups for r in group_records(g, rng)])
     config = TrainerConfig(model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers,
                            adapters=str(root / "adapters"), topic_prefix=topics.prefix, groups_per_step=2,
+                           max_step_tokens=0,  # two steps of two groups: the four are all ready at once
                            history=str(root / "history.jsonl"), save_batches=str(root / "batches"),
                            metrics_port=free_port(), device="cpu")
     stop = threading.Event()
@@ -178,11 +179,12 @@ def test_replay_trains_from_saved_batches(trained, tmp_path) -> None:
 
 def trainer_process(tiny_model: Path, bootstrap: str, topics: Topics, adapters: Path, log: Path) -> subprocess.Popen:
     # every sample here claims version 0 (no gateway): --max-lag 8 keeps all six groups fresh enough;
-    # --max-ready-groups 1: reads pause while a group waits, so the restarts cross paused reads too
+    # --max-ready-groups 1 with --backlog wait: reads pause while a group waits, so the restarts cross paused
+    # reads too; --max-step-tokens 0: one group per step, six versions
     cmd = [sys.executable, "-m", "streamrl.cli", "trainer", "--model", str(tiny_model), "--bootstrap-servers",
            bootstrap, "--adapters", str(adapters), "--topic-prefix", topics.prefix, "--groups-per-step", "1",
            "--max-steps", "6", "--keep-versions", "100", "--device", "cpu", "--max-lag", "8",
-           "--max-ready-groups", "1", "--history", str(adapters / "history.jsonl")]
+           "--max-ready-groups", "1", "--backlog", "wait", "--max-step-tokens", "0", "--history", str(adapters / "history.jsonl")]
     return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -1,4 +1,4 @@
-"""Backpressure in the trainer's feed, through the real embedded broker: a full ready queue pauses reads
+"""Backpressure in the trainer's feed (``backlog = "wait"``), through the real embedded broker: a full ready queue pauses reads
 from Kafka (kafka-python ``pause``) instead of dropping groups, reads resume once it drains, offsets stay
 exact across pauses and restarts, and a pause does not run the assembler's group timeouts."""
 
@@ -39,8 +39,9 @@ def one_partition_topics(bootstrap: str) -> Topics:
 
 
 def open_feed(bootstrap: str, topics: Topics, start=None, restore=(), done=(), **cfg) -> StreamGroups:
-    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, groups_per_step=1,
-                           max_ready_groups=BOUND, **cfg)
+    """A feed in ``backlog = "wait"`` with fixed one-group steps, unless ``cfg`` says otherwise."""
+    cfg = {"backlog": "wait", "max_step_tokens": 0, "max_ready_groups": BOUND, **cfg}
+    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, groups_per_step=1, **cfg)
     return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", start), config,
                         restore=restore, done=done)
 

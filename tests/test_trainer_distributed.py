@@ -35,7 +35,8 @@ def write_batches(directory: Path, n_groups: int = 4) -> None:
 
 def replay(tiny_model: Path, batches: Path, adapters: Path, nproc: int) -> dict[str, torch.Tensor]:
     args = ["-m", "streamrl.cli", "trainer", "--model", str(tiny_model), "--replay", str(batches), "--adapters",
-            str(adapters), "--groups-per-step", "2", "--device", "cpu", "--micro-batch-tokens", "128"]
+            str(adapters), "--groups-per-step", "2", "--device", "cpu", "--micro-batch-tokens", "128",
+            "--max-step-tokens", "0"]
     cmd = [sys.executable, *args] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
         str(free_port()), *args]

@@ -54,6 +54,17 @@ BATCH_SCHEMA = pa.schema(
 )
 
 
+def group_tokens(group: ReadyGroup) -> tuple[int, int]:
+    """(prompt + completion tokens, completion tokens) of a group's calls: what a step's token budget
+    counts, and what the share of generated tokens trained on counts."""
+    total = sampled = 0
+    for t in group.trajectories:
+        for c in t.completions:
+            sampled += len(c.completion_token_ids)
+            total += len(c.prompt_token_ids) + len(c.completion_token_ids)
+    return total, sampled
+
+
 def usable_group(group: ReadyGroup, *, current_version: int, max_lag: int,
                  counts: Counter[str]) -> ReadyGroup | None:
     """The group with only its trainable trajectories, judged against ``current_version``.

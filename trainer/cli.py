@@ -26,7 +26,11 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--lora-rank": ("lora_rank", int, "LoRA rank"),
     "--lora-alpha": ("lora_alpha", float, "LoRA alpha"),
     "--max-lag": ("max_lag", int, "drop samples more than this many versions old"),
-    "--max-ready-groups": ("max_ready_groups", int, "ready groups queued before reads from Kafka pause"),
+    "--max-ready-groups": ("max_ready_groups", int, "bound on ready groups not yet trained (see --backlog)"),
+    "--backlog": ("backlog", str, "freshest (default: beyond --max-ready-groups drop the oldest, train the newest "
+                                  "first) or wait (pause reads from Kafka, train oldest first)"),
+    "--max-step-tokens": ("max_step_tokens", int, "a step takes more than --groups-per-step groups when they are "
+                                                  "ready, up to this many tokens (0: exactly --groups-per-step)"),
     "--metrics-port": ("metrics_port", int, "serve Prometheus /metrics on this port"),
     "--history": ("history", str, "append one JSON line per step to this file"),
     "--save-batches": ("save_batches", str, "also write each group batch as Parquet here"),

@@ -5,18 +5,28 @@ assembler and queues each group that becomes ready. Staleness is judged when a g
 again, against the version about to be trained, before it is handed out, so no trained sample is more
 than ``max_lag`` versions behind (stale groups are dropped and counted).
 
-Backpressure, not drops: while the queue holds ``max_ready_groups`` or more, reading is paused
-(``RecordSource.set_paused``: Kafka's ``pause()`` on every partition) and resumes once the queue has
-drained below the bound, so a producer faster than the trainer leaves its records waiting in Kafka
-(visible as consumer lag) instead of being thrown away. The bound is soft by what was already read: one
-poll's records, or groups completed by a timeout, may take the queue past it, never unread records.
-Counted: ``reads_paused`` (pauses begun) and ``reads_paused_s`` (seconds paused in all). Time paused
-does not count towards the assembler's group timeouts and TTLs (its clock stops with the reads), since
-a group's missing records may be waiting unread in the log: backpressure must not turn them into
-partial groups and ``late`` records.
+What happens when generation outpaces training is ``config.backlog``:
+
+* ``wait`` (backpressure, not drops): while the queue holds ``max_ready_groups`` or more, reading is
+  paused (``RecordSource.set_paused``: Kafka's ``pause()`` on every partition) and resumes once the queue
+  has drained below the bound, so a producer faster than the trainer leaves its records waiting in Kafka
+  (visible as consumer lag); groups are trained oldest first. The bound is soft by what was already
+  read: one poll's records, or groups completed by a timeout, may take the queue past it, never unread
+  records. Counted: ``reads_paused`` (pauses begun) and ``reads_paused_s`` (seconds paused in all). Time
+  paused does not count towards the assembler's group timeouts and TTLs (its clock stops with the
+  reads), since a group's missing records may be waiting unread in the log: backpressure must not turn
+  them into partial groups and ``late`` records.
+* ``freshest``: reads never pause; before a step, whatever the log has is read, the oldest ready groups
+  beyond ``max_ready_groups`` are dropped (``groups_dropped_overload``), and the step takes the newest
+  groups first. Traffic that does not wait for the trainer is trained while it is fresh, and what cannot
+  be trained is dropped when it arrives, not after waiting until it is stale.
+
+A step takes ``groups_per_step`` groups at least and, when more are ready, more up to
+``max_step_tokens`` tokens. Counted for the share of generated tokens trained on: ``tokens_generated``
+(completion tokens of every group that became ready) and ``tokens_trained`` (of the groups handed out).
 
 Groups still queued keep their raw records, which are part of ``pending_raw()`` so that a checkpoint
-loses nothing; a dropped (stale) group's records leave with it (its id stays among the closed groups),
+loses nothing; a dropped (stale or overload) group's records leave with it (its id stays among the closed groups),
 so a restart neither retrains nor resurrects it. Pausing never moves an offset: ``offsets()`` counts
 only records returned by ``poll``, all of which are fed.
 """
@@ -32,7 +42,7 @@ import pyarrow as pa
 from streamrl.broker.schema import CompletionRecord, RecordError, RewardRecord, decode
 
 from .assembler import COMPLETION, Assembler, ReadyGroup
-from .batch import group_batch, load_batches, usable_group
+from .batch import group_batch, group_tokens, load_batches, usable_group
 from .config import TrainerConfig
 from .source import RecordSource
 
@@ -95,25 +105,69 @@ class StreamGroups(GroupSource):
         self.assembler.add(record, value, now=self._clock())  # type: ignore[arg-type]
 
     def next_groups(self, n: int, current_version: int, timeout_s: float) -> list[pa.RecordBatch]:
+        """At least ``n`` group batches once that many are ready (more up to ``max_step_tokens``), else
+        ``[]`` after at most ``timeout_s``."""
         # A caller asking for more than the bound (the daemon never does: the config forbids
         # max_ready_groups < groups_per_step) must not be starved by a pause it cannot drain.
         bound = max(self.config.max_ready_groups, n)
+        freshest = self.config.backlog == "freshest"
         deadline = time.monotonic() + timeout_s
         while True:
-            self._hold(len(self.ready) >= bound)
+            if not freshest:
+                self._hold(len(self.ready) >= bound)
             if not self.paused:  # read ahead without waiting when a step's worth is queued already
                 wait = 0.0 if len(self.ready) >= n else max(deadline - time.monotonic(), 0.0)
-                for r in self.records.poll(wait):
-                    self._feed(r.stream, r.value)
+                self._read(wait, to_the_end=freshest)
             for g in self.assembler.poll(self._clock()):
                 self._enqueue(g, current_version)
             self._rejudge(current_version)
+            if freshest:
+                self._shed(bound)
             if len(self.ready) >= n:
-                out, self.ready = self.ready[:n], self.ready[n:]
-                self._hold(len(self.ready) >= bound)
-                return [group_batch(g, std_norm=self.config.advantage_std_norm, counts=self.counts) for g, _ in out]
+                out = self._take(n, newest_first=freshest)
+                if not freshest:
+                    self._hold(len(self.ready) >= bound)
+                return [group_batch(g, std_norm=self.config.advantage_std_norm, counts=self.counts) for g in out]
             if time.monotonic() >= deadline:
                 return []
+
+    def _read(self, wait: float, *, to_the_end: bool, budget_s: float = 5.0) -> None:
+        """One poll (waiting at most ``wait`` for a first record); with ``to_the_end``, polls until the
+        log has nothing more right now (or ``budget_s`` has passed), so that the freshest groups are
+        among those read before a step chooses."""
+        stop = time.monotonic() + budget_s
+        while True:
+            got = self.records.poll(wait)
+            for r in got:
+                self._feed(r.stream, r.value)
+            if not to_the_end or not got or time.monotonic() >= stop:
+                return
+            wait = 0.0
+
+    def _take(self, n: int, *, newest_first: bool) -> list[ReadyGroup]:
+        """``n`` ready groups, then more while they fit in ``max_step_tokens``; returned (and the rest
+        kept) in the order they became ready."""
+        budget = self.config.max_step_tokens
+        order = range(len(self.ready) - 1, -1, -1) if newest_first else range(len(self.ready))
+        chosen: set[int] = set()
+        tokens = 0
+        for i in order:
+            size = group_tokens(self.ready[i][0])[0]
+            if len(chosen) >= n and (budget == 0 or tokens + size > budget):
+                break
+            chosen.add(i)
+            tokens += size
+        out = [g for i, (g, _) in enumerate(self.ready) if i in chosen]
+        self.ready = [x for i, x in enumerate(self.ready) if i not in chosen]
+        self.counts["groups_trained"] += len(out)
+        self.counts["tokens_trained"] += sum(group_tokens(g)[1] for g in out)
+        return out
+
+    def _shed(self, bound: int) -> None:
+        """Drop the oldest ready groups beyond ``bound`` (their ids stay closed: never trained later)."""
+        while len(self.ready) > bound:
+            self.ready.pop(0)
+            self.counts["groups_dropped_overload"] += 1
 
     @property
     def paused(self) -> bool:
@@ -141,7 +195,9 @@ class StreamGroups(GroupSource):
             self.records.set_paused(False)
         self.counts["reads_paused_s"] = round(self._paused_total(now), 3)
 
-    def _enqueue(self, group: ReadyGroup, version: int) -> None:
+    def _enqueue(self, group: ReadyGroup, version: int, *, fresh: bool = True) -> None:
+        if fresh:  # first judged: it counts as generated once, whatever becomes of it
+            self.counts["tokens_generated"] += group_tokens(group)[1]
         g = usable_group(group, current_version=version, max_lag=self.config.max_lag, counts=self.counts)
         if g is not None:
             self.ready.append((g, version))
@@ -155,7 +211,7 @@ class StreamGroups(GroupSource):
             if v == version:
                 self.ready.append((g, v))
             else:
-                self._enqueue(g, version)
+                self._enqueue(g, version, fresh=False)
 
     def offsets(self) -> dict[str, int]:
         return self.records.offsets()

@@ -17,6 +17,8 @@ log = logging.getLogger("streamrl.trainer")
 FEED_COUNTERS = {
     "reads_paused": ("streamrl_trainer_reads_paused", "times reading from Kafka paused (ready queue full)"),
     "reads_paused_s": ("streamrl_trainer_reads_paused_seconds", "seconds reading from Kafka was paused"),
+    "tokens_generated": ("streamrl_trainer_generated_tokens", "completion tokens of every group that became ready"),
+    "tokens_trained": ("streamrl_trainer_trained_tokens", "completion tokens of the groups trained on"),
 }
 """Counts that are not record outcomes get their own Prometheus counters (``<name>_total``)."""
 
@@ -38,12 +40,19 @@ def batch_metrics(batches: list[pa.RecordBatch], version: int) -> dict[str, floa
     }
 
 
+PER_STEP = {"groups_trained": "trained", "groups_dropped_stale": "stale", "groups_no_signal": "no signal",
+            "groups_dropped_overload": "overload"}
+"""Group outcomes reported per step (``<name>_step`` in the history and on /metrics) and in the log line."""
+
+
 class Metrics:
     """Everything a step reports goes through ``report``."""
 
     def __init__(self, port: int | None = None, history: str | None = None) -> None:
         self.history = Path(history) if history else None
         self.port = port
+        self._last: Counter[str] = Counter()
+        """``PER_STEP`` counts at the previous report."""
         self._gauges: dict[str, Any] = {}
         self._counter = None
         self.registry = None
@@ -69,8 +78,12 @@ class Metrics:
         return g
 
     def report(self, step: dict[str, Any], counts: Counter[str]) -> None:
+        step = {**step, **{f"{k}_step": counts[k] - self._last[k] for k in PER_STEP},
+                "generated_tokens_trained_share": counts["tokens_trained"] / max(counts["tokens_generated"], 1)}
+        self._last = Counter({k: counts[k] for k in PER_STEP})
         skipped = counts["groups_no_signal"]
-        dropped = sum(counts[k] for k in ("groups_dropped_stale", "groups_dropped_unusable", "incomplete_dropped"))
+        dropped = sum(counts[k] for k in ("groups_dropped_stale", "groups_dropped_unusable", "incomplete_dropped",
+                                         "groups_dropped_overload"))
         bad = sum(v for k, v in counts.items() if k.startswith("bad_"))
         log.info(
             "v%d step %d | reward %.3f±%.3f | groups %d (total skipped %d dropped %d, bad records %d) | "
@@ -79,6 +92,9 @@ class Metrics:
             bad, step["tokens"], step["tokens_per_s"], step["staleness_mean"], step["staleness_max"], step["loss"],
             step["ratio_mean"], step["truncated_frac"], step["kl_behaviour"], step["grad_norm"],
         )
+        log.info("v%d groups this step: %s | %.0f%% of generated tokens trained so far", step["version"],
+                 ", ".join(f"{label} {step[k + '_step']}" for k, label in PER_STEP.items()),
+                 100 * step["generated_tokens_trained_share"])
         if "wait_s" in step:
             log.info("v%d seconds: waited %.2f, step %.2f, adapter %.2f, checkpoint %.2f, announce %.2f", step["version"],
                      step["wait_s"], step["step_s"], step["adapter_s"], step["checkpoint_s"], step["announce_s"])

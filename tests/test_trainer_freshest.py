@@ -1,0 +1,104 @@
+"""Traffic that does not wait for the trainer (``backlog = "freshest"``, ``max_step_tokens``), through the
+real embedded broker: a step grows to take the ready groups up to its token budget, newest first; beyond
+``max_ready_groups`` the oldest groups are dropped as overload when they arrive; and a restart from a
+checkpoint taken after such drops trains every kept group once and never one that was dropped."""
+
+from __future__ import annotations
+
+import time
+
+from kafka_reader import produce
+from test_trainer_backpressure import group, one_partition_topics
+
+from streamrl.broker.topics import Topics
+from streamrl.trainer.config import TrainerConfig
+from streamrl.trainer.feed import StreamGroups
+from streamrl.trainer.source import KafkaRecordSource
+
+GROUP_TOKENS = 2 * (3 + 2)
+"""Two one-call trajectories of 3 prompt and 2 completion tokens each (``group``)."""
+
+
+def open_feed(bootstrap: str, topics: Topics, start=None, restore=(), done=(), **cfg) -> StreamGroups:
+    cfg = {"backlog": "freshest", "groups_per_step": 1, **cfg}
+    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, **cfg)
+    return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", start), config,
+                        restore=restore, done=done)
+
+
+def read_everything(s: StreamGroups, groups: int) -> None:
+    """Feed every record of ``groups`` produced groups without taking any: asks for more than exist,
+    which also lifts the bound for the while (a caller asking for n groups is never starved by it)."""
+    deadline = time.monotonic() + 30
+    while s.counts["rewards"] < 2 * groups or s.counts["completions"] < 2 * groups:
+        assert s.next_groups(1000, 0, 0.5) == [] and time.monotonic() < deadline, dict(s.counts)
+
+
+def ids(batches: list) -> list[str]:
+    return [b.column("group_id")[0].as_py() for b in batches]
+
+
+def test_a_step_grows_with_the_supply_up_to_its_token_budget(broker) -> None:
+    bootstrap = broker.bootstrap_servers
+    topics = one_partition_topics(bootstrap)
+    names = [f"a{i}" for i in range(6)]
+    produce(bootstrap, topics, [r for g in names for r in group(g)])
+    s = open_feed(bootstrap, topics, max_step_tokens=4 * GROUP_TOKENS, max_ready_groups=10)
+    try:
+        read_everything(s, len(names))
+        # one group asked for, six ready: the step takes the four newest that fit in the budget
+        assert ids(s.next_groups(1, 0, 0.5)) == ["a2", "a3", "a4", "a5"]
+        assert ids(s.next_groups(1, 0, 0.5)) == ["a0", "a1"]  # at least one, as many as fit
+        assert s.next_groups(1, 0, 0.5) == []
+        assert s.counts["groups_trained"] == 6 and s.counts["groups_dropped_overload"] == 0
+        assert s.counts["tokens_trained"] == s.counts["tokens_generated"] == 6 * 2 * 2
+    finally:
+        s.close()
+
+
+def test_fixed_steps_when_the_budget_is_zero(broker) -> None:
+    bootstrap = broker.bootstrap_servers
+    topics = one_partition_topics(bootstrap)
+    produce(bootstrap, topics, [r for g in ("b0", "b1", "b2") for r in group(g)])
+    s = open_feed(bootstrap, topics, groups_per_step=2, max_step_tokens=0)
+    try:
+        read_everything(s, 3)
+        assert ids(s.next_groups(2, 0, 0.5)) == ["b1", "b2"]  # exactly two, the newest
+        assert s.next_groups(2, 0, 0.5) == []  # one left: not a step's worth
+    finally:
+        s.close()
+
+
+def test_overload_drops_the_oldest_and_a_restart_never_trains_them(broker) -> None:
+    bootstrap = broker.bootstrap_servers
+    topics = one_partition_topics(bootstrap)
+    names = [f"c{i}" for i in range(8)]
+    produce(bootstrap, topics, [r for g in names for r in group(g)])
+    s = open_feed(bootstrap, topics, max_ready_groups=3, max_step_tokens=0)
+    try:
+        read_everything(s, len(names))  # (asking for more groups than exist: nothing is dropped yet)
+        assert ids(s.next_groups(1, 0, 0.5)) == ["c7"]  # newest first...
+        assert [g.group_id for g, _ in s.ready] == ["c5", "c6"]  # ...the oldest five beyond the bound dropped
+        assert s.counts["groups_dropped_overload"] == 5
+        assert not s.paused and not s.records.consumer.paused()  # freshest never pauses reads
+        # the checkpoint after that step: offsets past everything read, c5 and c6 held, all eight closed
+        offsets, pending, done = s.offsets(), s.pending_raw(), s.done_ids()
+        assert sum(offsets.values()) == len(names) * 2 * 2 and len(pending) == 2 * 2 * 2
+        assert set(names) <= set(done)
+    finally:
+        s.close()
+    produce(bootstrap, topics, group("c0"))  # a duplicate of a dropped group's records, after the restart
+    again = open_feed(bootstrap, topics, offsets, pending, done, max_ready_groups=3, max_step_tokens=0)
+    try:
+        taken = []
+        deadline = time.monotonic() + 30
+        while again.counts["late"] < 4:  # the duplicate c0's four records: late, never a group again
+            taken += ids(again.next_groups(1, 0, 0.5))
+            assert time.monotonic() < deadline, dict(again.counts)
+        while len(taken) < 2:
+            taken += ids(again.next_groups(1, 0, 0.5))
+            assert time.monotonic() < deadline, dict(again.counts)
+        assert sorted(taken) == ["c5", "c6"]  # the kept groups once each, no dropped one
+        assert again.next_groups(1, 0, 1.0) == [] and again.counts["groups_dropped_overload"] == 0
+    finally:
+        again.close()
