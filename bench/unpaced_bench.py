@@ -56,8 +56,8 @@ class TimedTask:
 
 def run(mode: str, rate: int, args: argparse.Namespace, out: Path) -> dict:
     run_dir = out / f"{mode}-r{rate}"
-    port = free_port()
-    trainer = {"learning_rate": 2e-2, "groups_per_step": 2, "group_size": args.group_size, "lora_rank": 8,
+    port, metrics_port = free_port(), free_port()
+    trainer = {"metrics_port": metrics_port, "learning_rate": 2e-2, "groups_per_step": 2, "group_size": args.group_size, "lora_rank": 8,
                "max_lag": 4, "group_timeout_s": 20.0, **json.loads(args.trainer), **MODES[mode]}
     config = {"up": {"port": port, "work_dir": str(run_dir), **({"model": args.model} if args.model else {})},
               "trainer": trainer}
@@ -69,11 +69,11 @@ def run(mode: str, rate: int, args: argparse.Namespace, out: Path) -> dict:
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
-        while True:  # ready: the gateway answers and the trainer is up (up prints "ready" for both)
+        while True:  # ready: the gateway answers and the trainer serves its metrics (its model is loaded)
             assert proc.poll() is None and time.monotonic() < deadline, (run_dir / "up.log").read_text()[-2000:]
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200 and \
-                        b"trainer | ready" in (run_dir / "up.log").read_bytes():
+                        httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
