@@ -46,13 +46,15 @@ class TopicReader:
         self.consumer.close()
 
 
-def produce(bootstrap: str, topics: Topics, records: list, raw: list[tuple[str, bytes]] = ()) -> None:
+def produce(bootstrap: str, topics: Topics, records: list, raw: list[tuple[str, bytes]] = (),
+            timestamp_ms: int | None = None) -> None:
     """As the gateway does: the shared schema's encoding, keyed by trajectory id (``raw``: undecodable
-    values sent as they are); acked before returning."""
+    values sent as they are); acked before returning. ``timestamp_ms``: the records' Kafka timestamp
+    (default: now), to produce records as if long ago."""
     p = make_producer(bootstrap)
     for r in records:
         topic = topics.completions if isinstance(r, CompletionRecord) else topics.rewards
-        p.send(topic, key=r.trajectory_id.encode(), value=encode(r))
+        p.send(topic, key=r.trajectory_id.encode(), value=encode(r), timestamp_ms=timestamp_ms)
     for topic, value in raw:
         p.send(topic, key=b"bad", value=value)
     p.flush()

@@ -102,3 +102,46 @@ def test_overload_drops_the_oldest_and_a_restart_never_trains_them(broker) -> No
         assert again.next_groups(1, 0, 1.0) == [] and again.counts["groups_dropped_overload"] == 0
     finally:
         again.close()
+
+
+def test_records_written_before_they_could_be_fresh_are_skipped_unread(broker) -> None:
+    """A trainer restarting behind a backlog: with max_lag 1, the checkpoint says version 1 was published
+    after the old records were written, so at version 2 they are stale whatever they hold. The feed seeks
+    past them instead of reading them, and a restart from the next checkpoint neither reads nor trains them."""
+    bootstrap = broker.bootstrap_servers
+    topics = one_partition_topics(bootstrap)
+    old = [f"s{i}" for i in range(4)]
+    produce(bootstrap, topics, [r for g in old for r in group(g, version=0)])
+    written = time.time()
+    while time.time() < written + 0.3:  # the broker indexes by its own append time: let the clock pass it
+        time.sleep(0.05)
+    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, groups_per_step=1, max_lag=1,
+                           max_step_tokens=0)
+
+    def feed(start=None, restore=(), done=(), published=None) -> StreamGroups:
+        return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", start), config,
+                            restore=restore, done=done, published=published, skip_margin_s=0.1)
+
+    s = feed(published={1: time.time()})
+    try:
+        produce(bootstrap, topics, group("fresh", version=1))
+        deadline = time.monotonic() + 30
+        got: list[str] = []
+        while not got:  # version 2: the old groups' 16 records are skipped, the fresh group comes through
+            got = ids(s.next_groups(1, 2, 0.5))
+            assert time.monotonic() < deadline, dict(s.counts)
+        assert got == ["fresh"]
+        assert s.counts["records_skipped_stale"] == len(old) * 2 * 2
+        assert s.counts["completions"] == s.counts["rewards"] == 2  # the old ones were never read
+        assert s.counts["groups_dropped_stale"] == 0 and s.counts["late"] == 0
+        offsets, pending, done, published = s.offsets(), s.pending_raw(), s.done_ids(), s.published()
+        assert sum(offsets.values()) == (len(old) + 1) * 2 * 2  # past the skipped records
+        assert sorted(published) == [1, 2]  # max_lag + 1 versions, for the checkpoint
+    finally:
+        s.close()
+    again = feed(offsets, pending, done, published)
+    try:
+        assert again.next_groups(1, 2, 1.0) == []
+        assert again.counts["completions"] == again.counts["rewards"] == 0  # nothing before the offsets
+    finally:
+        again.close()

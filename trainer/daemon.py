@@ -39,7 +39,7 @@ def open_source(c: TrainerConfig, state: TrainerState) -> GroupSource:
     from .source import KafkaRecordSource
 
     records = KafkaRecordSource(c.bootstrap_servers, Topics(c.topic_prefix), c.group_id, state.offsets)
-    return StreamGroups(records, c, restore=state.pending, done=state.done)
+    return StreamGroups(records, c, restore=state.pending, done=state.done, published=state.published)
 
 
 def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
@@ -124,6 +124,7 @@ def _publish(c, model, learner, source, announcer, metrics, state, batches, stat
                           {k: float(v) for k, v in step.items() if isinstance(v, int | float)})
     offsets = source.offsets()
     state.offsets, state.pending, state.done = offsets, source.pending_raw(), source.done_ids()
+    state.published = {**source.published(), state.version: time.time()}
     state.policy = {f: getattr(record, f) for f in record.__slots__}
     state.lora = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(model).items()}
     state.optimizer = learner.optimizer.state_dict()

@@ -21,6 +21,16 @@ What happens when generation outpaces training is ``config.backlog``:
   groups first. Traffic that does not wait for the trainer is trained while it is fresh, and what cannot
   be trained is dropped when it arrives, not after waiting until it is stale.
 
+Skipping instead of reading (``freshest``): samples served by a version more than ``max_lag`` behind the
+one being trained are stale, and every such sample was written to the log before the version after
+them was published. So once the trainer has seen version ``V - max_lag`` published (in this process),
+records written more than ``SKIP_MARGIN_S`` before that are stale whatever they hold, and the feed moves
+past them without reading them (``RecordSource.skip_before``; counted ``records_skipped_stale``). A
+reward is always written after its completions, so no usable trajectory loses its reward this way; a
+trajectory whose first calls are skipped and later ones kept is trained on the kept calls (the later
+prompts hold the earlier turns). Offsets move past the skipped records and are checkpointed as usual, so
+a restart neither reads nor trains them.
+
 A step takes ``groups_per_step`` groups at least and, when more are ready, more up to
 ``max_step_tokens`` tokens. Counted for the share of generated tokens trained on: ``tokens_generated``
 (completion tokens of every group that became ready) and ``tokens_trained`` (of the groups handed out).
@@ -67,6 +77,9 @@ class GroupSource(ABC):
     def done_ids(self) -> list[str]:
         return []
 
+    def published(self) -> dict[int, float]:
+        return {}
+
     def commit(self, offsets: dict[str, int]) -> None:  # noqa: B027 - optional for backends
         pass
 
@@ -74,9 +87,15 @@ class GroupSource(ABC):
         pass
 
 
+SKIP_MARGIN_S = 5.0
+"""Skipped records must be this much older than the publication that made them stale: room for the
+clocks of the machines that wrote them (gateways) and of the trainer to differ."""
+
+
 class StreamGroups(GroupSource):
     def __init__(self, records: RecordSource, config: TrainerConfig,
-                 restore: list[tuple[str, bytes]] = (), done: list[str] = ()) -> None:
+                 restore: list[tuple[str, bytes]] = (), done: list[str] = (),
+                 published: dict[int, float] | None = None, skip_margin_s: float = SKIP_MARGIN_S) -> None:
         self.records = records
         self.config = config
         self.assembler = Assembler(group_size=config.group_size, group_timeout_s=config.group_timeout_s,
@@ -88,6 +107,10 @@ class StreamGroups(GroupSource):
         """When reads were last paused (monotonic clock); None while reading."""
         self._paused_s = 0.0
         """Seconds paused before the current pause."""
+        self._seen_at: dict[int, float] = dict(published or {})
+        """When each policy version was published (epoch seconds): from the checkpoint, then the time it
+        was first trained against here (right after its publication)."""
+        self.skip_margin_s = skip_margin_s
         for stream, value in restore:  # before mark_done: groups ready but untrained were closed already
             self._feed(stream, value)
         self.assembler.mark_done(list(done))
@@ -112,6 +135,8 @@ class StreamGroups(GroupSource):
         bound = max(self.config.max_ready_groups, n)
         freshest = self.config.backlog == "freshest"
         deadline = time.monotonic() + timeout_s
+        if freshest:
+            self._skip_stale(current_version)
         while True:
             if not freshest:
                 self._hold(len(self.ready) >= bound)
@@ -130,6 +155,22 @@ class StreamGroups(GroupSource):
                 return [group_batch(g, std_norm=self.config.advantage_std_norm, counts=self.counts) for g in out]
             if time.monotonic() >= deadline:
                 return []
+
+    def _skip_stale(self, version: int) -> None:
+        """At a new version, move past what was written before version ``version - max_lag`` was
+        published (minus the margin): all of it is stale."""
+        if version in self._seen_at:
+            return
+        self._seen_at[version] = time.time()
+        published = self._seen_at.get(version - self.config.max_lag)
+        if published is not None:
+            skip_to = int((published - self.skip_margin_s) * 1000)
+            self.counts["records_skipped_stale"] += self.records.skip_before(skip_to)
+
+    def published(self) -> dict[int, float]:
+        """Publication times of the newest ``max_lag + 1`` versions, for the checkpoint."""
+        newest = sorted(self._seen_at)[-(self.config.max_lag + 1):]
+        return {v: self._seen_at[v] for v in newest}
 
     def _read(self, wait: float, *, to_the_end: bool, budget_s: float = 5.0) -> None:
         """One poll (waiting at most ``wait`` for a first record); with ``to_the_end``, polls until the

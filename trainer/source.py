@@ -46,6 +46,12 @@ class RecordSource(ABC):
         pause may ignore this: the feed does not poll while its queue is full.
         """
 
+    def skip_before(self, timestamp_ms: int) -> int:
+        """Move every partition's position forward past the records written before ``timestamp_ms``,
+        without reading them; returns how many records were skipped. Never moves backwards. A backend
+        that cannot look up offsets by time skips nothing (0)."""
+        return 0
+
     def commit(self, offsets: dict[str, int]) -> None:  # noqa: B027 - optional for backends
         """Record progress where monitoring can see it (Kafka group offsets)."""
 
@@ -113,6 +119,25 @@ class KafkaRecordSource(RecordSource):
 
     def offsets(self) -> dict[str, int]:
         return dict(self._next)
+
+    def skip_before(self, timestamp_ms: int) -> int:
+        """Kafka's offsets-for-times lookup (ListOffsets by timestamp), then ``seek``. A partition with no
+        record at or after the time (the lookup says None, or the embedded broker a timestamp of -1) is
+        left where it is: its end offset cannot be trusted on every broker, so those records are read
+        and judged instead. A fetch already buffered for a partition is discarded by the client on the
+        seek, so no record before the new position is returned."""
+        assignment = list(self.consumer.assignment())
+        found = self.consumer.offsets_for_times({tp: timestamp_ms for tp in assignment})
+        skipped = 0
+        for tp in assignment:
+            at = found.get(tp)
+            key = f"{tp.topic}:{tp.partition}"
+            if at is None or at.timestamp < 0 or at.offset <= self._next[key]:
+                continue
+            skipped += at.offset - self._next[key]
+            self.consumer.seek(tp, at.offset)
+            self._next[key] = at.offset
+        return skipped
 
     def set_paused(self, paused: bool) -> None:
         """kafka-python's ``pause``/``resume`` of every assigned partition. A fetch already buffered or

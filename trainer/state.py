@@ -33,6 +33,9 @@ class TrainerState:
     """The PolicyRecord of ``version`` (re-announced after a restart if it never reached the topic)."""
     lora: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer: dict[str, Any] = field(default_factory=dict)
+    published: dict[int, float] = field(default_factory=dict)
+    """When the last versions were published (epoch seconds): after a restart the feed can still skip
+    what was written before version ``V - max_lag`` without reading it (``trainer/feed.py``)."""
 
 
 def save_state(directory: Path, state: TrainerState) -> Path:
