@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from .config import GatewayConfig
 
@@ -12,21 +13,22 @@ between calls race the server's close more often)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--upstream", action="append", required=True,
-                   help="vLLM base URL without /v1 (repeat for several)")
-    p.add_argument("--bootstrap-servers", required=True, help="Kafka bootstrap servers, HOST:PORT")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--topic-prefix", default="streamrl")
-    p.add_argument("--policy-name", default="policy", help="stable model name of the policy being trained")
-    p.add_argument("--max-loaded-versions", type=int, default=3,
-                   help="at most this many policy versions stay loaded per upstream (>= 2)")
-    p.add_argument("--keep-previous-versions", type=int, default=1,
+    p.add_argument("--config", help="TOML or JSON file of GatewayConfig fields, every one of them "
+                                    "(a [gateway] table if present); the flags below override it")
+    p.add_argument("--upstream", action="append", help="vLLM base URL without /v1 (repeat for several)")
+    p.add_argument("--bootstrap-servers", help="Kafka bootstrap servers, HOST:PORT")
+    p.add_argument("--host", help="default 127.0.0.1")
+    p.add_argument("--port", type=int, help="default 8080")
+    p.add_argument("--topic-prefix", help="default streamrl")
+    p.add_argument("--policy-name", help="stable model name of the policy being trained (default policy)")
+    p.add_argument("--max-loaded-versions", type=int,
+                   help="at most this many policy versions stay loaded per upstream (>= 2; default 3)")
+    p.add_argument("--keep-previous-versions", type=int,
                    help="versions before the routed one kept loaded while idle, for requests pinned to them "
-                        "(policy@vN); at most --max-loaded-versions - 2")
-    p.add_argument("--max-body-bytes", type=int, default=16 << 20)
-    p.add_argument("--upstream-timeout", type=float, default=600.0,
-                   help="seconds without a byte from the upstream before a 504")
+                        "(policy@vN); at most --max-loaded-versions - 2 (default 1)")
+    p.add_argument("--max-body-bytes", type=int, help="default 16 MiB")
+    p.add_argument("--upstream-timeout", type=float,
+                   help="seconds without a byte from the upstream before a 504 (default 600)")
     p.add_argument("--no-logging", action="store_true",
                    help="forward only, log nothing (for measuring the gateway's overhead)")
     p.add_argument("--no-token-capture", action="store_true",
@@ -35,14 +37,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    return GatewayConfig(
-        upstreams=tuple(args.upstream),
-        bootstrap_servers=None if args.no_logging else args.bootstrap_servers,
-        host=args.host, port=args.port, topic_prefix=args.topic_prefix, policy_name=args.policy_name,
-        max_loaded_versions=args.max_loaded_versions, keep_previous_versions=args.keep_previous_versions,
-        max_body_bytes=args.max_body_bytes,
-        upstream_timeout_s=args.upstream_timeout, token_capture=not args.no_token_capture,
-    )
+    """``GatewayConfig.load``: defaults < ``--config`` < the flags given."""
+    config = GatewayConfig.load(
+        args.config, upstreams=tuple(args.upstream) if args.upstream else None,
+        bootstrap_servers=args.bootstrap_servers, host=args.host, port=args.port, topic_prefix=args.topic_prefix,
+        policy_name=args.policy_name, max_loaded_versions=args.max_loaded_versions,
+        keep_previous_versions=args.keep_previous_versions, max_body_bytes=args.max_body_bytes,
+        upstream_timeout_s=args.upstream_timeout, token_capture=False if args.no_token_capture else None)
+    if args.no_logging:
+        return dataclasses.replace(config, bootstrap_servers=None)
+    if config.bootstrap_servers is None:
+        raise SystemExit("streamrl gateway: give --bootstrap-servers (or bootstrap_servers in --config), "
+                         "or --no-logging to forward without logging")
+    return config
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamrl.config_file import load_config
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     upstreams: tuple[str, ...]
     """vLLM OpenAI base URLs, without ``/v1``."""
-    bootstrap_servers: str | None
-    """Kafka bootstrap servers; None turns logging off (used by the overhead benchmark's baseline)."""
+    bootstrap_servers: str | None = None
+    """Kafka bootstrap servers; None turns logging off (the overhead benchmark's baseline; the CLI asks
+    for ``--no-logging`` to say so)."""
     host: str = "127.0.0.1"
     port: int = 8080
     topic_prefix: str = "streamrl"
@@ -70,6 +75,12 @@ class GatewayConfig:
         if self.upstream_keepalive_s <= 0:
             raise ValueError("upstream_keepalive_s must be > 0")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> GatewayConfig:
+        """Defaults, then the file (TOML or JSON; a ``[gateway]`` table is used if present), then the
+        overrides whose value is not None."""
+        return load_config(cls, path, "gateway", overrides)
 
     @property
     def logging_enabled(self) -> bool:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from streamrl.config_file import load_config
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -146,17 +146,7 @@ class TrainerConfig:
     def load(cls, path: str | Path | None = None, **overrides: Any) -> TrainerConfig:
         """Defaults, then the file (TOML or JSON; a ``[trainer]`` table is used if present), then the
         overrides whose value is not None (flags left unset do not clobber the file)."""
-        values: dict[str, Any] = {}
-        if path:
-            text = Path(path).read_text()
-            data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
-            values.update(data.get("trainer", data))
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown trainer option(s): {', '.join(unknown)}")
-        return cls(**values)
+        return load_config(cls, path, "trainer", overrides)
 
     def describe(self) -> str:
         """The effective configuration, one ``key = value`` per line."""
