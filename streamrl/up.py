@@ -5,9 +5,10 @@ part that dies, or the demo finishing) stops each group in order, children inclu
 -> trainer -> engine -> broker. ``--bootstrap-servers`` uses an external Kafka instead of the embedded
 broker and ``--upstream`` external vLLM servers instead of starting one; nothing else changes.
 
-Configuration: defaults, then one TOML/JSON file (tables ``[up]``, ``[engine]``, ``[trainer]``,
-``[demo]``), then flags. The ``[trainer]`` table holds ``TrainerConfig`` fields; ``up`` writes the
-effective trainer configuration to ``<work-dir>/trainer.json`` and hands it to the trainer.
+Configuration: defaults, then one TOML/JSON file (tables ``[up]``, ``[engine]``, ``[gateway]``,
+``[trainer]``, ``[demo]``), then flags. The ``[gateway]`` and ``[trainer]`` tables hold ``GatewayConfig``
+and ``TrainerConfig`` fields; ``up`` adds what it owns, writes the effective configurations to
+``<work-dir>/gateway.json`` and ``<work-dir>/trainer.json`` and starts each part with ``--config``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import IO, Any
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine import Engine, EngineConfig, wait_healthy
+from streamrl.gateway.config import GatewayConfig
 from streamrl.packaged_models import MODELS, resolve
 from streamrl.producers.demo_cli import TASKS, DemoConfig, run_demo
 from streamrl.producers.demo_model import build_demo_model, default_cache_dir
@@ -91,11 +93,8 @@ class UpConfig:
     """External vLLM base URLs; empty starts one engine."""
     topic_prefix: str = "streamrl"
     policy_name: str = "policy"
-    max_loaded_versions: int = 3
-    keep_previous_versions: int = 1
-    """Versions before the routed one the gateway keeps loaded for requests pinned to them."""
     token_capture: bool = True
-    """The gateway takes tokens from the engines' capture frames where offered (off: from their JSON)."""
+    """The engine offers capture frames and the gateway takes tokens from them (off: from vLLM's JSON)."""
     trainer_device: str | None = None
     """Trainer device: auto, cpu, cuda, cuda:N (the [trainer] table's ``device``)."""
     trainer_nproc: int = 1
@@ -106,6 +105,9 @@ class UpConfig:
     demo: DemoConfig | None = None
     trainer_table: dict[str, Any] = field(default_factory=dict)
     """The config file's [trainer] table, validated against TrainerConfig when the stack is built."""
+    gateway_table: dict[str, Any] = field(default_factory=dict)
+    """The config file's [gateway] table (GatewayConfig fields: versions kept loaded, health checks,
+    record buffer, ...), validated when the stack is built."""
 
     def __post_init__(self) -> None:
         if self.trainer_nproc < 1:
@@ -116,6 +118,14 @@ class UpConfig:
     @property
     def run_dir(self) -> Path:
         return Path(str(self.work_dir))
+
+    def gateway_config(self, upstreams: list[str], bootstrap_servers: str, port: int) -> GatewayConfig:
+        """The [gateway] table < what ``up`` owns (upstreams, broker, address, topics, policy name,
+        token capture, which the engine shares)."""
+        values = {**self.gateway_table, "upstreams": tuple(upstreams), "bootstrap_servers": bootstrap_servers,
+                  "host": self.host, "port": port, "topic_prefix": self.topic_prefix,
+                  "policy_name": self.policy_name, "token_capture": self.token_capture}
+        return GatewayConfig.load(None, **values)
 
     def trainer_config(self, model: str, bootstrap_servers: str) -> TrainerConfig:
         """Demo defaults (with --demo) < the [trainer] table < what ``up`` owns (model, broker, paths)."""
@@ -145,9 +155,10 @@ def load_config(path: str | Path | None = None, **flags: Any) -> UpConfig:
     if path:
         text = Path(path).read_text()
         data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
-        extra = sorted(set(data) - {"up", "engine", "trainer", "demo"})
+        extra = sorted(set(data) - {"up", "engine", "gateway", "trainer", "demo"})
         if extra:
-            raise ValueError(f"unknown table(s) in {path}: {', '.join(extra)} (use up, engine, trainer, demo)")
+            raise ValueError(f"unknown table(s) in {path}: {', '.join(extra)} "
+                             "(use up, engine, gateway, trainer, demo)")
     up = _table(UpConfig, dict(data.get("up", {})), "up")
     engine = _table(EngineSection, dict(data.get("engine", {})), "engine")
     demo = _table(DemoConfig, dict(data.get("demo", {})), "demo")
@@ -158,7 +169,7 @@ def load_config(path: str | Path | None = None, **flags: Any) -> UpConfig:
     demo.update({k: v for k, v in demo_flags.items() if v is not None})
     up.update({k: v for k, v in flags.items() if v is not None})
     return UpConfig(**up, engine=EngineSection(**engine), demo=DemoConfig(**demo) if want_demo else None,
-                    trainer_table=dict(data.get("trainer", {})))
+                    trainer_table=dict(data.get("trainer", {})), gateway_table=dict(data.get("gateway", {})))
 
 
 # ---------------------------------------------------------------------------------------------- logs
@@ -304,6 +315,7 @@ class Stack:
         self.model = self._model()
         self.bootstrap_servers = self._broker()
         trainer = c.trainer_config(self.model, self.bootstrap_servers)  # validated before anything slow
+        c.gateway_config(c.upstreams or ["http://127.0.0.1"], self.bootstrap_servers, 1)  # (engine not up yet)
         self._trainer(trainer)
         self.upstreams = self._engine()
         self._gateway()
@@ -384,16 +396,11 @@ class Stack:
 
     def _gateway(self) -> None:
         c = self.config
-        port = c.port or free_port(c.host)
-        argv = [sys.executable, "-m", "streamrl.cli", "gateway", "--host", c.host, "--port", str(port),
-                "--bootstrap-servers", self.bootstrap_servers, "--topic-prefix", c.topic_prefix,
-                "--policy-name", c.policy_name, "--max-loaded-versions", str(c.max_loaded_versions),
-                "--keep-previous-versions", str(c.keep_previous_versions)]
-        for url in self.upstreams:
-            argv += ["--upstream", url]
-        if not c.token_capture:
-            argv.append("--no-token-capture")
-        proc = self._spawn("gateway", argv)
+        gateway = c.gateway_config(self.upstreams, self.bootstrap_servers, c.port or free_port(c.host))
+        path = self.run_dir / "gateway.json"
+        path.write_text(json.dumps(dataclasses.asdict(gateway), indent=2))
+        proc = self._spawn("gateway", [sys.executable, "-m", "streamrl.cli", "gateway", "--config", str(path)])
+        port = gateway.port
         self.gateway_url = f"http://{c.host}:{port}"
         wait_healthy(self.gateway_url, 120, proc, what="gateway")
         self.log.line("gateway", f"ready at {self.gateway_url}/v1 (model {c.policy_name!r})")

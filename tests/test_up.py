@@ -74,6 +74,19 @@ def test_config_errors_are_clear(tmp_path: Path, text: str, error: str) -> None:
         load_config(path)
 
 
+def test_the_gateway_table_reaches_the_gateway_and_up_keeps_what_it_owns(tmp_path: Path) -> None:
+    path = tmp_path / "up.toml"
+    path.write_text('[up]\npolicy_name = "agent"\ntoken_capture = false\n'
+                    '[gateway]\nkeep_previous_versions = 0\nhealth_interval_s = 0.25\nport = 1\n')
+    c = load_config(path, work_dir=str(tmp_path))
+    g = c.gateway_config(["http://e:1"], "b:1", 9300)
+    assert (g.keep_previous_versions, g.health_interval_s) == (0, 0.25)  # the table's...
+    assert (g.port, g.policy_name, g.token_capture, g.upstreams) == (9300, "agent", False, ("http://e:1",))
+    path.write_text("[gateway]\nmax_loaded_versions = 1\n")  # ...checked by GatewayConfig itself
+    with pytest.raises(ValueError, match="max_loaded_versions must be >= 2"):
+        load_config(path, work_dir=str(tmp_path)).gateway_config(["http://e:1"], "b:1", 1)
+
+
 def test_bad_trainer_table_fails_before_anything_starts(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[trainer]\nlearning_rat = 1\n")
