@@ -15,6 +15,10 @@ trained on, staleness of trained samples (mean, max), versions published, the re
 policy at the start and at the end, and the reward per 15 s against wall-clock time.
 
     .venv/bin/python bench/unpaced_bench.py --rates 1,2 --seconds 180 --json runs/unpaced.json     # CPU
+    # one H200, the real model on arithmetic (scripts/gpu/benches.sh unpaced-real):
+    python3 bench/unpaced_bench.py --model /root/stash/models/smollm2-135m --task arithmetic --group-size 16 \
+        --rates 8,32 --engine '{"device": "0", "gpu_memory_utilization": 0.35}' \
+        --trainer '{"device": "cuda:0", "learning_rate": 5e-4, "groups_per_step": 8, "lora_rank": 16}'
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pathlib import Path
 import httpx
 
 from streamrl.broker.embedded import free_port
-from streamrl.producers.numbers import NumbersTask
+from streamrl.producers.demo_cli import DemoConfig
 from streamrl.producers.runner import RunLimits, run_groups
 
 MODES = {"wait": {"backlog": "wait", "max_step_tokens": 0}, "freshest": {"backlog": "freshest"}}
@@ -42,7 +46,7 @@ MODES = {"wait": {"backlog": "wait", "max_step_tokens": 0}, "freshest": {"backlo
 class TimedTask:
     """The task, with the time, reward and serving version of every finished trajectory written down."""
 
-    def __init__(self, task: NumbersTask) -> None:
+    def __init__(self, task) -> None:
         self.task, self.samples, self.t0 = task, [], time.monotonic()
 
     def sample(self, rng: random.Random):
@@ -60,7 +64,7 @@ def run(mode: str, rate: int, args: argparse.Namespace, out: Path) -> dict:
     trainer = {"metrics_port": metrics_port, "learning_rate": 2e-2, "groups_per_step": 2, "group_size": args.group_size, "lora_rank": 8,
                "max_lag": 4, "group_timeout_s": 20.0, **json.loads(args.trainer), **MODES[mode]}
     config = {"up": {"port": port, "work_dir": str(run_dir), **({"model": args.model} if args.model else {})},
-              "trainer": trainer}
+              "trainer": trainer, **({"engine": json.loads(args.engine)} if args.engine else {})}
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     log = open(run_dir / "up.log", "wb")  # noqa: SIM115 - the child writes it
@@ -78,7 +82,7 @@ def run(mode: str, rate: int, args: argparse.Namespace, out: Path) -> dict:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        task = TimedTask(NumbersTask(max_tokens=16))
+        task = TimedTask(DemoConfig(task=args.task, max_tokens=args.max_tokens).make_task())
         board = asyncio.run(run_groups(url, task, group_size=args.group_size, concurrency=rate,
                                        limits=RunLimits(max_seconds=args.seconds), emit=lambda _: None))
         time.sleep(args.drain_s)  # the trainer's last step on what was sent (its history is read below)
@@ -118,6 +122,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=180)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--model", help="base model (default: the CPU demo's tiny model)")
+    p.add_argument("--task", default="numbers", help="the producer's task: numbers or arithmetic")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--engine", default="", help="JSON of the [engine] table, e.g. its GPU and memory share")
     p.add_argument("--trainer", default="{}", help="JSON of further [trainer] settings, e.g. for a GPU")
     p.add_argument("--drain-s", type=float, default=5.0)
     p.add_argument("--out", default="runs/unpaced-bench")

@@ -3,7 +3,7 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: gateway | loop-two-gpu | loop-one-gpu | loop-real | trainer
+#   BENCH: gateway | loop-two-gpu | loop-one-gpu | loop-real | unpaced-real | trainer
 #   env:   LR (loop learning rate, default 3e-3; loop-real 5e-4), ENGINES (vLLM replicas, default 1),
 #          MAX_AHEAD (pipeline's steps ahead, default 1; loop-real 2), CONCURRENCY (groups in flight,
 #          default 16), LOOP_SECONDS (per mode, default 150), UNTIL (target reward, default 0.8);
@@ -11,6 +11,8 @@
 #          defaults to 2 (out of reach: both modes run LOOP_SECONDS and the held-out curves are compared)
 #   loop-real: SmolLM2-135M-Instruct (its wheel staged in STASH/wheels) on the arithmetic task, one GPU,
 #          held-out accuracy of every version on 256 problems
+#   unpaced-real: the same model and task, a producer that does not wait (RATES groups in flight, default
+#          16), backlog wait against freshest, each its own `streamrl up` (about 3.5 minutes a mode)
 set -uo pipefail
 stash=${1:?STASH}; out=${2:?OUT}; shift 2
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -63,6 +65,13 @@ for bench in "$@"; do
     loop-two-gpu) loop two-gpu loop-two-gpu ;;
     loop-one-gpu) loop one-gpu loop-one-gpu ;;
     loop-real) real_loop "loop-real${TAG:-}" ;;
+    unpaced-real)  # agents that do not wait for the trainer: the real model, wait against freshest
+      streamrl model smollm2-135m /root/stash/models/smollm2-135m --cache "$stash/wheels" > "$out/model.log" 2>&1
+      python3 "$repo/bench/unpaced_bench.py" --model /root/stash/models/smollm2-135m --task arithmetic \
+          --group-size 16 --max-tokens 128 --rates "${RATES:-16}" --seconds "${LOOP_SECONDS:-90}" \
+          --engine '{"device": "0", "gpu_memory_utilization": 0.35}' --out /root/unpaced \
+          --trainer '{"device": "cuda:0", "learning_rate": 5e-4, "groups_per_step": 8, "lora_rank": 16, "micro_batch_tokens": 16384}' \
+          --json "$out/unpaced-real.json" > "$out/unpaced-real.log" 2>&1; tail -8 "$out/unpaced-real.log" ;;
     trainer) (cd "$repo" && python3 bench/trainer_bench.py --shapes qwen2.5-1.5b --rows 4 --warmup 2 --steps 3 \
                --variants eager,compile --out "$out/trainer.json" > "$out/trainer.log" 2>&1); tail -8 "$out/trainer.log" ;;
     *) echo "unknown bench $bench" ;;
