@@ -25,14 +25,14 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics, create_topics
+from streamrl.config_file import check_fields, read_file
 from streamrl.engine import Engine, EngineConfig, wait_healthy
 from streamrl.gateway.config import GatewayConfig
 from streamrl.packaged_models import MODELS, resolve
@@ -141,27 +141,18 @@ class UpConfig:
         return TrainerConfig.load(None, **values)
 
 
-def _table(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"unknown option(s) in [{where}]: {', '.join(unknown)}")
-    return data
-
-
 def load_config(path: str | Path | None = None, **flags: Any) -> UpConfig:
     """Defaults, then the file, then the flags that were given (None = not given)."""
     data: dict[str, Any] = {}
     if path:
-        text = Path(path).read_text()
-        data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
+        data = read_file(path)
         extra = sorted(set(data) - {"up", "engine", "gateway", "trainer", "demo"})
         if extra:
             raise ValueError(f"unknown table(s) in {path}: {', '.join(extra)} "
                              "(use up, engine, gateway, trainer, demo)")
-    up = _table(UpConfig, dict(data.get("up", {})), "up")
-    engine = _table(EngineSection, dict(data.get("engine", {})), "engine")
-    demo = _table(DemoConfig, dict(data.get("demo", {})), "demo")
+    up = check_fields(UpConfig, data.get("up", {}), "up")
+    engine = check_fields(EngineSection, data.get("engine", {}), "engine")
+    demo = check_fields(DemoConfig, data.get("demo", {}), "demo")
     engine_flags = {k[len("engine_"):]: flags.pop(k) for k in list(flags) if k.startswith("engine_")}
     demo_flags = {k[len("demo_"):]: flags.pop(k) for k in list(flags) if k.startswith("demo_")}
     want_demo = bool(flags.pop("demo", False)) or "demo" in data
