@@ -3,8 +3,9 @@
 For a new version: check the sha256 of its weights file, load it into every healthy upstream under its
 own name (``<name>@v<N>``, never reused), then route the policy name to it in one assignment (see
 ``policy.py``). Requests already running finish on their version; a version that is no longer routed is
-unloaded once nothing is in flight on it and ``keep_previous_versions`` newer ones are loaded. An upstream that fails to load the routed version (or comes
-back empty after a restart) is retried and gets no policy requests until it has it.
+unloaded once nothing is in flight on it and ``keep_previous_versions`` newer ones are loaded. An
+upstream that fails to load the routed version (or comes back empty after a restart) is retried and gets
+no policy requests until it has it.
 """
 
 from __future__ import annotations

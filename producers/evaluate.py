@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -24,8 +23,7 @@ import httpx
 from httpx_aiohttp import HttpxAiohttpClient
 
 from .client import PURPOSE_HEADER, VERSION_HEADER
-
-log = logging.getLogger(__name__)
+from .runner import gateway_version
 
 
 class HeldOutTask(Protocol):
@@ -86,7 +84,7 @@ class Evaluator:
         limits = httpx.Limits(max_connections=len(self.task.held_out) + 4)
         async with HttpxAiohttpClient(base_url=self.url, timeout=600, limits=limits) as client:
             while True:
-                version = await self._routed(client)
+                version = await gateway_version(client, self.url, self.policy_name)
                 if version is not None and version not in done and version % self.every == 0:
                     done.add(version)
                     await self.evaluate(client, version)
@@ -106,11 +104,3 @@ class Evaluator:
         self.emit(f"eval v{version}: held-out score {result.score:.3f} ({result.answered}/{result.problems} "
                   f"answered by v{version}) in {result.seconds:.1f} s")
         return result
-
-    async def _routed(self, client: httpx.AsyncClient) -> int | None:
-        try:
-            policy = (await client.get("/health")).json()["policy"]
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            log.debug("no policy state from the gateway: %s", exc)
-            return None
-        return int(policy["version"]) if policy.get("name") == self.policy_name else None

@@ -115,11 +115,14 @@ class Board:
         }
 
 
-async def gateway_version(http: httpx.AsyncClient, url: str) -> int | None:
-    """The policy version the gateway routes its policy name to now (``GET /health``), None if unknown."""
+async def gateway_version(http: httpx.AsyncClient, url: str, policy_name: str | None = None) -> int | None:
+    """The policy version the gateway routes its policy name to now (``GET /health``), None if unknown
+    (or, with ``policy_name``, if the gateway serves another policy)."""
     try:
         policy = (await http.get(f"{url.rstrip('/')}/health")).json().get("policy") or {}
         version = policy.get("version")
+        if policy_name is not None and policy.get("name") != policy_name:
+            return None
         return version if isinstance(version, int) else None
     except (httpx.HTTPError, ValueError, AttributeError):
         return None
@@ -172,7 +175,7 @@ class Pacer:
     started: int = 0
     first_version: int | None = None
     last_grant: float = field(default_factory=time.monotonic)
-    _kicked: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _kicked: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def allowance(self, version: int) -> int:
         if self.first_version is None:

@@ -12,7 +12,7 @@ from kafka_reader import produce
 from streamrl.broker.schema import CompletionRecord, RewardRecord
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.trainer.config import TrainerConfig
-from streamrl.trainer.feed import StreamGroups
+from streamrl.trainer.feed import SKIP_MARGIN_S, StreamGroups
 from streamrl.trainer.source import KafkaRecordSource
 
 BOUND = 3
@@ -38,12 +38,14 @@ def one_partition_topics(bootstrap: str) -> Topics:
     return t
 
 
-def open_feed(bootstrap: str, topics: Topics, start=None, restore=(), done=(), **cfg) -> StreamGroups:
-    """A feed in ``backlog = "wait"`` with fixed one-group steps, unless ``cfg`` says otherwise."""
-    cfg = {"backlog": "wait", "max_step_tokens": 0, "max_ready_groups": BOUND, **cfg}
-    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, groups_per_step=1, **cfg)
+def open_feed(bootstrap: str, topics: Topics, start=None, restore=(), done=(), published=None,
+              skip_margin_s: float = SKIP_MARGIN_S, **cfg) -> StreamGroups:
+    """A feed in ``backlog = "wait"`` with fixed one-group steps and a queue bound of ``BOUND``, unless
+    ``cfg`` (TrainerConfig fields) says otherwise; the rest as a restart passes it (``StreamGroups``)."""
+    cfg = {"backlog": "wait", "groups_per_step": 1, "max_step_tokens": 0, "max_ready_groups": BOUND, **cfg}
+    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, **cfg)
     return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", start), config,
-                        restore=restore, done=done)
+                        restore=restore, done=done, published=published, skip_margin_s=skip_margin_s)
 
 
 def take(s: StreamGroups, version: int = 0, timeout: float = 30.0) -> str:

@@ -9,21 +9,18 @@ import time
 
 from kafka_reader import produce
 from test_trainer_backpressure import group, one_partition_topics
+from test_trainer_backpressure import open_feed as backpressure_feed
 
 from streamrl.broker.topics import Topics
-from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.feed import StreamGroups
-from streamrl.trainer.source import KafkaRecordSource
 
 GROUP_TOKENS = 2 * (3 + 2)
 """Two one-call trajectories of 3 prompt and 2 completion tokens each (``group``)."""
 
 
-def open_feed(bootstrap: str, topics: Topics, start=None, restore=(), done=(), **cfg) -> StreamGroups:
-    cfg = {"backlog": "freshest", "groups_per_step": 1, **cfg}
-    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, **cfg)
-    return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", start), config,
-                        restore=restore, done=done)
+def open_feed(bootstrap: str, topics: Topics, *args, **kw) -> StreamGroups:
+    """``test_trainer_backpressure.open_feed`` with ``backlog = "freshest"``."""
+    return backpressure_feed(bootstrap, topics, *args, **{"backlog": "freshest", **kw})
 
 
 def read_everything(s: StreamGroups, groups: int) -> None:
@@ -115,12 +112,10 @@ def test_records_written_before_they_could_be_fresh_are_skipped_unread(broker) -
     written = time.time()
     while time.time() < written + 0.3:  # the broker indexes by its own append time: let the clock pass it
         time.sleep(0.05)
-    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, groups_per_step=1, max_lag=1,
-                           max_step_tokens=0)
 
     def feed(start=None, restore=(), done=(), published=None) -> StreamGroups:
-        return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", start), config,
-                            restore=restore, done=done, published=published, skip_margin_s=0.1)
+        return open_feed(bootstrap, topics, start, restore, done, published=published, skip_margin_s=0.1,
+                         max_lag=1, max_step_tokens=0)
 
     s = feed(published={1: time.time()})
     try:

@@ -190,18 +190,19 @@ class StreamGroups(GroupSource):
         kept) in the order they became ready."""
         budget = self.config.max_step_tokens
         order = range(len(self.ready) - 1, -1, -1) if newest_first else range(len(self.ready))
-        chosen: set[int] = set()
+        chosen: dict[int, int] = {}
+        """Index in ``ready`` -> the group's completion tokens."""
         tokens = 0
         for i in order:
-            size = group_tokens(self.ready[i][0])[0]
-            if len(chosen) >= n and (budget == 0 or tokens + size > budget):
+            total, sampled = group_tokens(self.ready[i][0])
+            if len(chosen) >= n and (budget == 0 or tokens + total > budget):
                 break
-            chosen.add(i)
-            tokens += size
+            chosen[i] = sampled
+            tokens += total
         out = [g for i, (g, _) in enumerate(self.ready) if i in chosen]
         self.ready = [x for i, x in enumerate(self.ready) if i not in chosen]
         self.counts["groups_trained"] += len(out)
-        self.counts["tokens_trained"] += sum(group_tokens(g)[1] for g in out)
+        self.counts["tokens_trained"] += sum(chosen.values())
         return out
 
     def _shed(self, bound: int) -> None:
