@@ -29,10 +29,12 @@ counting) instead of guessing, so a consumer can count and skip it. Version hist
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -120,6 +122,16 @@ class RewardRecord:
     group_size: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
+
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+"""The file of a published adapter directory whose sha256 ``PolicyRecord.sha256`` records."""
+
+
+def sha256_file(path: str | Path) -> str:
+    """The hex sha256 of a file (read in blocks by hashlib)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(slots=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import threading
 import time
@@ -23,7 +22,7 @@ import orjson
 from kafka import TopicPartition
 
 from streamrl.broker.clients import FETCH_MAX_WAIT_MS, make_consumer
-from streamrl.broker.schema import PolicyRecord, RecordError, decode
+from streamrl.broker.schema import WEIGHTS_FILE, PolicyRecord, RecordError, decode, sha256_file
 
 from .config import GatewayConfig
 from .metrics import GatewayMetrics
@@ -32,14 +31,8 @@ from .upstreams import Upstream, UpstreamPool
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_FILE = "adapter_model.safetensors"
 _CAUGHT_UP = object()
 """Put on the queue by the consumer thread once it has read the topic to its end."""
-
-
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class PolicyFollower:

@@ -12,10 +12,8 @@ from pathlib import Path
 from kafka import KafkaProducer
 
 from streamrl.broker.clients import make_producer
-from streamrl.broker.schema import PolicyRecord, encode
+from streamrl.broker.schema import WEIGHTS_FILE, PolicyRecord, encode, sha256_file
 from streamrl.broker.topics import Topics
-
-from .hotswap import WEIGHTS_FILE, sha256_file
 
 
 def publish_version(bootstrap_servers: str, topics: Topics, name: str, version: int, path: Path,

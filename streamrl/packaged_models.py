@@ -13,7 +13,6 @@ conversion.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -24,6 +23,8 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from streamrl.broker.schema import sha256_file
 
 MANIFEST = "streamrl-model.json"
 
@@ -85,11 +86,6 @@ MODELS = {m.name: m for m in (
 
 class ModelUnavailable(RuntimeError):
     """The package could not be had or is not what was pinned."""
-
-
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def verified(out: Path, model: PackagedModel) -> bool:

@@ -9,7 +9,6 @@ a serving engine may still read them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -19,14 +18,10 @@ from pathlib import Path
 
 from peft import PeftModel
 
-WEIGHTS_FILE = "adapter_model.safetensors"
+from streamrl.broker.schema import WEIGHTS_FILE, sha256_file
+
 META_FILE = "streamrl_trainer.json"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
-
-
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
