@@ -12,11 +12,10 @@ what GRPO needs.
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 
 from .client import AsyncGateway
-from .episode import Outcome, served_version
+from .episode import Outcome, final_number, served_version
 
 NAMES = ("Tom", "Anna", "Ravi", "Mei", "Omar", "Lena", "Sam", "Ines")
 ITEMS = ("apple", "book", "marble", "coin", "card", "shell", "pencil", "stamp")
@@ -66,20 +65,6 @@ def _held_out(n: int, seed: int = 20261201) -> tuple[Problem, ...]:
 HELD_OUT: tuple[Problem, ...] = _held_out(256)
 """Never sampled for training; an evaluation scores a prefix of it (``ArithmeticTask.held_out_size``)."""
 _HELD_OUT_KEYS = frozenset(p.key for p in HELD_OUT)
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def final_number(text: str) -> float | None:
-    """The last number written in ``text`` (``1,200`` is 1200; ``-3`` is -3), or None."""
-    found = _NUMBER.findall(text)
-    if not found:
-        return None
-    try:
-        return float(found[-1].replace(",", ""))
-    except ValueError:
-        return None
-
 
 def reward(text: str, answer: int) -> float:
     """1.0 when the reply's last number equals the answer, else 0.0."""

@@ -15,12 +15,11 @@ import ast
 import json
 import operator
 import random
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from .client import AsyncGateway
-from .episode import Outcome, newest, served_version
+from .episode import Outcome, final_number, newest, served_version
 
 TOOLS: list[dict[str, Any]] = [{
     "type": "function",
@@ -42,7 +41,6 @@ _OPS: dict[type, Any] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos,
 }
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def calculate(expression: str) -> float:
@@ -74,12 +72,6 @@ def calculate(expression: str) -> float:
 
 def format_number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:.6g}"
-
-
-def final_number(text: str) -> float | None:
-    """The last number written in ``text`` (the answer), or None."""
-    found = _NUMBER.findall(text.replace(",", ""))
-    return float(found[-1]) if found else None
 
 
 def score(answer_text: str, expected: float, used_tool: bool) -> float:

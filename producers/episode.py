@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,3 +31,12 @@ def served_version(headers: Any) -> int | None:
 
 def newest(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else max(a, b)
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def final_number(text: str) -> float | None:
+    """The last number written in ``text`` (the answer; ``1,200`` is 1200), or None."""
+    found = _NUMBER.findall(text.replace(",", ""))
+    return float(found[-1]) if found else None
