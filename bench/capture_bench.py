@@ -18,7 +18,11 @@ flight, each with its own prompt. Modes:
 
 Reported per mode: completion tokens/s and its ratio to ``chat``, response bytes on the wire per
 completion token and, where a capture frame came, its bytes per token. A check compares the first
-requests' captured tokens and logprobs with vLLM's own (``chat-logprobs-ids``, same seeds).
+requests' captured tokens and logprobs with vLLM's own (``chat-logprobs-ids``, same seeds). With
+``--rounds`` N the modes run N times in turn (the engine's speed drifts over a run; interleaving spreads
+the drift over every mode) and each mode reports the median of its rounds. ``--py-spy SECONDS`` samples
+the engine's processes (API server and engine core, ``py-spy record --subprocesses``) for that long
+during each listed mode's last round, into ``--out``/py-spy-MODE.txt (collapsed stacks).
 
     python bench/capture_bench.py --shape qwen2.5-1.5b [--requests 1024 --concurrency 256 --max-tokens 256]
     python bench/capture_bench.py --model DIR ...        (an existing checkpoint)
@@ -31,6 +35,7 @@ import asyncio
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -170,14 +175,36 @@ def check_captures(captures: dict[int, bytes], ref: dict[int, dict[str, Any]]) -
 
 
 def spawn_gateway(upstream: str, bootstrap: str, port: int, json_path: bool, log_dir: Path) -> Any:
-    import subprocess
-
     cmd = [sys.executable, "-m", "streamrl.cli", "--log-level", "WARNING", "gateway", "--upstream", upstream,
            "--bootstrap-servers", bootstrap, "--port", str(port), "--topic-prefix", "capture-bench"]
     if json_path:
         cmd.append("--no-token-capture")
     log = open(log_dir / f"gateway{'-json' if json_path else ''}.log", "wb")  # noqa: SIM115
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mode's figures over its rounds: the last round's details, the median speed, every round's speed."""
+    speeds = [r["tokens_per_s"] for r in rounds]
+    return {**rounds[-1], "tokens_per_s": float(np.median(speeds)), "rounds_tokens_per_s": speeds}
+
+
+def start_py_spy(engine: Any, args: argparse.Namespace, mode: str) -> tuple[subprocess.Popen, Path]:
+    """Sample the engine's API server and its children (the engine core) for ``--py-spy`` seconds."""
+    out = args.out / f"py-spy-{mode}.txt"
+    cmd = ["py-spy", "record", "--pid", str(engine.proc.pid), "--subprocesses", "--nonblocking", "--rate", "100",
+           "--duration", str(int(args.py_spy)), "--format", "raw", "--output", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out
+
+
+def finish_py_spy(profiler: tuple[subprocess.Popen, Path]) -> dict[str, Any]:
+    proc, out = profiler
+    try:
+        log = proc.communicate(timeout=120)[0].decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        log = "py-spy did not finish"
+    return {"file": str(out), "exit": proc.returncode, "log": log[-2000:]}
 
 
 def main() -> int:
@@ -192,6 +219,9 @@ def main() -> int:
     p.add_argument("--engine-args", default="", help="extra vLLM flags")
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "capture-bench")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--rounds", type=int, default=1, help="run the modes this many times in turn; report medians")
+    p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
+                   help="profile the engine during each mode's last round (needs py-spy on the PATH)")
     args = p.parse_args()
 
     import httpx
@@ -237,25 +267,31 @@ def main() -> int:
         print("warming up ...", flush=True)
         asyncio.run(load.run("chat", engine.url))
         ref = asyncio.run(reference(load, engine.url, args.check_requests))
-        for mode in modes:
-            url = gateways["gateway" if mode == "gateway-stream" else mode][1] if mode.startswith("gateway") \
-                else engine.url
-            if mode == "generate":
-                _, body, _ = load.request("generate", 0)
-                probe = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120)
-                if probe.status_code != 200:
-                    results["modes"][mode] = {"skipped": f"{probe.status_code}: {probe.text[:200]}"}
-                    print(f"[{mode}] skipped ({probe.status_code})", flush=True)
-                    continue
-            r = asyncio.run(load.run(mode, url))
-            captures = r.pop("_captures")
-            if captures:
-                r["check"] = check_captures(captures, ref)
-            if mode.startswith("gateway"):
-                r["gateway_health"] = httpx.get(f"{url}/health").json()
-            results["modes"][mode] = r
-            print(f"[{mode}] {r['tokens_per_s']:,.0f} tok/s, {r['bytes_per_token']:.1f} B/token, "
-                  f"{r['failures']} failed", flush=True)
+        rounds: dict[str, list[dict[str, Any]]] = {}
+        for round_ in range(args.rounds):
+            for mode in modes:
+                url = gateways["gateway" if mode == "gateway-stream" else mode][1] if mode.startswith("gateway") \
+                    else engine.url
+                if mode == "generate":
+                    _, body, _ = load.request("generate", 0)
+                    probe = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120)
+                    if probe.status_code != 200:
+                        results["modes"][mode] = {"skipped": f"{probe.status_code}: {probe.text[:200]}"}
+                        print(f"[{mode}] skipped ({probe.status_code})", flush=True)
+                        continue
+                profiler = start_py_spy(engine, args, mode) if args.py_spy and round_ == args.rounds - 1 else None
+                r = asyncio.run(load.run(mode, url))
+                if profiler is not None:
+                    r["py_spy"] = finish_py_spy(profiler)
+                captures = r.pop("_captures")
+                if captures:
+                    r["check"] = check_captures(captures, ref)
+                if mode.startswith("gateway"):
+                    r["gateway_health"] = httpx.get(f"{url}/health").json()
+                rounds.setdefault(mode, []).append(r)
+                results["modes"][mode] = median_round(rounds[mode])
+                print(f"[{mode}] {r['tokens_per_s']:,.0f} tok/s, {r['bytes_per_token']:.1f} B/token, "
+                      f"{r['failures']} failed", flush=True)
     finally:
         for proc, _ in gateways.values():
             _stop(proc)

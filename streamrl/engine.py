@@ -82,7 +82,8 @@ class Engine:
             "--max-model-len", str(c.max_model_len), "--seed", str(c.seed),
         ]
         if c.token_capture:
-            cmd += ["--middleware", "streamrl.vllm_capture.CaptureMiddleware"]
+            cmd += ["--middleware", "streamrl.vllm_capture.CaptureMiddleware",
+                    "--scheduler-cls", "streamrl.vllm_capture_scheduler.capture_scheduler"]
         if c.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
         if c.served_model_name:

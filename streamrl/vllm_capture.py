@@ -4,15 +4,17 @@ Loaded by ``streamrl engine`` through vLLM's own extension point, ``--middleware
 streamrl.vllm_capture.CaptureMiddleware``; the protocol it speaks to the gateway is in
 ``streamrl/engine_wire.py``. Why it exists: a request with ``logprobs`` makes vLLM's API server process
 build Python objects per sampled token (a ``Logprob`` with its decoded string in the output processor,
-then pydantic models and JSON in the serving layer) and that process, not the GPU, bounded generation at
-0.46x of plain chat on an H200. Here a request marked by the gateway is served exactly as the plain
+then pydantic models and JSON in the serving layer) and that process, not the GPU, bounded generation
+(docs/benchmarks.md, "Token capture"). Here a request marked by the gateway is served exactly as the plain
 request it is (same body, same response bytes), while:
 
 1. its ``SamplingParams.logprobs`` is set to 0 as it enters the output processor, before it is sent to
-   the engine core, so the sampler returns the sampled token's logprob (under ``--logprobs-mode``);
-2. each step's engine-core output of such a request gives up its logprob array (a numpy row per token)
-   and its new token ids here, before the output processor would turn them into objects; vLLM's own
-   logprob handling then sees none (unless the client asked for logprobs itself: then it gets them too);
+   the engine core, so the sampler returns the sampled token's logprob (under ``--logprobs-mode``), and
+   its ``extra_args`` carry ``vllm_capture_scheduler.MARK``, so that the engine core's scheduler sends
+   those logprobs as plain floats rather than numpy arrays (``streamrl/vllm_capture_scheduler.py``);
+2. each step's engine-core output of such a request gives up those floats and its new token ids here,
+   before the output processor would turn them into objects; vLLM's own logprob handling then sees none
+   (unless the client asked for logprobs itself: then it gets them too, from vLLM's arrays);
 3. when the response ends, the arrays go to the gateway in a ``C`` frame.
 
 Two methods of the server's one ``OutputProcessor`` instance are wrapped (``add_request``,
@@ -42,6 +44,7 @@ from streamrl.engine_wire import (
     encode_capture,
     frame,
 )
+from streamrl.vllm_capture_scheduler import LOGPROBS_KEY, MARK
 
 log = logging.getLogger("streamrl.vllm_capture")
 
@@ -62,7 +65,7 @@ _CURRENT: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("stre
 class _Choice:
     """One engine request (one choice) being captured."""
 
-    __slots__ = ("done", "external_id", "index", "keep_vllm_logprobs", "logprob_rows", "prompt", "request_id",
+    __slots__ = ("done", "external_id", "index", "keep_vllm_logprobs", "logprobs", "prompt", "request_id",
                  "token_chunks")
 
     def __init__(self, request_id: str, external_id: str, index: int, prompt: list[int] | None,
@@ -76,8 +79,8 @@ class _Choice:
         self.token_chunks: list[list[int]] = []
         """The engine outputs' own ``new_token_ids`` lists: vLLM trims one in place when a stop string ends
         the choice inside a step, and the capture sees the trim."""
-        self.logprob_rows: list[np.ndarray] = []
-        """Per step ``[tokens, 1 + top-k]`` arrays; column 0 is the sampled token's logprob."""
+        self.logprobs: list[float] = []
+        """The sampled tokens' logprobs, step after step."""
         self.done = False
 
 
@@ -111,8 +114,7 @@ class _Capture:
                 raise ValueError("an engine request without prompt token ids (prompt embeddings)")
             prompts[slot] = np.asarray(c.prompt, np.int32)
             ids = np.fromiter(itertools.chain.from_iterable(c.token_chunks), np.int32)
-            rows = [r[:, 0] for r in c.logprob_rows]
-            logprobs = np.concatenate(rows) if rows else np.zeros(0, np.float32)
+            logprobs = np.asarray(c.logprobs, np.float32)
             if len(logprobs) < len(ids):
                 raise ValueError(f"choice {c.index}: {len(ids)} tokens but {len(logprobs)} logprobs")
             index = slot * n + c.index if self.endpoint == "completions" else c.index
@@ -127,6 +129,10 @@ class _OutputProcessorHooks:
         self.processor = processor
         self.live: dict[str, _Choice] = {}
         """Internal engine request id -> its choice, while the engine produces it."""
+        self.float_steps = 0
+        """Captured steps whose logprobs came as floats (the engine core runs ``capture_scheduler``)."""
+        self.array_steps = 0
+        """Captured steps whose logprobs came as vLLM's arrays (a client's own ``logprobs``, or a plain core)."""
         self._add_request = processor.add_request
         self._process_outputs = processor.process_outputs
         processor.add_request = self.add_request
@@ -140,6 +146,7 @@ class _OutputProcessorHooks:
             keep = params.logprobs is not None
             if not keep:
                 params.logprobs = 0  # the sampled token's logprob only; the engine core reads it from here
+                params.extra_args = {**(params.extra_args or {}), MARK: True}  # ... and sends it as floats
             choice = _Choice(request.request_id, request.external_req_id or request.request_id, request_index,
                              request.prompt_token_ids, keep)
             capture.choices.append(choice)
@@ -157,9 +164,15 @@ class _OutputProcessorHooks:
                 continue
             seen.append((out.request_id, choice))
             choice.token_chunks.append(out.new_token_ids)
-            rows = out.new_logprobs
-            if rows is not None:
-                choice.logprob_rows.append(rows.logprobs)
+            extra = out.kv_transfer_params
+            if extra is not None and LOGPROBS_KEY in extra:  # the engine core ran capture_scheduler
+                choice.logprobs += extra.pop(LOGPROBS_KEY)
+                self.float_steps += 1
+                if not extra:
+                    out.kv_transfer_params = None
+            elif out.new_logprobs is not None:  # a client's own logprobs, or an engine core without it
+                choice.logprobs += out.new_logprobs.logprobs[:, 0].tolist()
+                self.array_steps += 1
                 if not choice.keep_vllm_logprobs:
                     out.new_logprobs = None
         result = self._process_outputs(engine_core_outputs, *args, **kwargs)
@@ -241,7 +254,8 @@ class CaptureMiddleware:
         if isinstance(hooks, str):
             status, body = 404, {"error": {"message": f"token capture off: {hooks}", "code": 404}}
         else:
-            status, body = 200, {"format": FORMAT_VERSION, "vllm": vllm.__version__}
+            status, body = 200, {"format": FORMAT_VERSION, "vllm": vllm.__version__,
+                                 "logprob_steps": {"floats": hooks.float_steps, "arrays": hooks.array_steps}}
         raw = orjson.dumps(body)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})

@@ -150,6 +150,26 @@ def test_probe_answers_the_format(engine: Engine) -> None:
     assert r.status_code == 200 and r.json()["format"] == FORMAT_VERSION
 
 
+def _logprob_steps(engine: Engine) -> dict[str, int]:
+    return httpx.get(f"{engine.url}{PROBE_PATH}").json()["logprob_steps"]
+
+
+def test_engine_core_sends_the_gateways_logprobs_as_floats(engine_gateway, engine, base_model, completions):
+    """The engine core's ``capture_scheduler`` moves a captured request's logprobs out of vLLM's per-request
+    numpy arrays (``streamrl/vllm_capture_scheduler.py``): every step of a gateway call arrives as floats;
+    a client that asks for logprobs itself still gets vLLM's arrays, and they are what is logged."""
+    before = _logprob_steps(engine)
+    r = client(engine_gateway).chat.completions.with_raw_response.create(
+        model=base_model, messages=CHAT, max_tokens=16, temperature=1.0, seed=5, n=2)
+    recs = completions.wait_for(of_request(r.headers["x-request-id"]), count=2)
+    after = _logprob_steps(engine)
+    tokens = sum(len(rec.completion_token_ids) for rec in recs)
+    assert after["floats"] - before["floats"] == tokens and after["arrays"] == before["arrays"]
+    httpx.post(f"{engine_gateway.url}/v1/completions", timeout=60,
+               json={"model": base_model, "prompt": "one", "max_tokens": 5, "logprobs": 1, "seed": 4})
+    assert _logprob_steps(engine)["arrays"] > after["arrays"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_client_bytes_equal_vllms_for_the_plain_request(engine_gateway, engine, base_model, endpoint, stream):

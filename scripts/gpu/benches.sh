@@ -3,7 +3,7 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: gateway | loop-two-gpu | loop-one-gpu | loop-real | unpaced-real | trainer
+#   BENCH: capture | gateway | loop-two-gpu | loop-one-gpu | loop-real | unpaced-real | trainer
 #   env:   LR (loop learning rate, default 3e-3; loop-real 5e-4), ENGINES (vLLM replicas, default 1),
 #          MAX_AHEAD (pipeline's steps ahead, default 1; loop-real 2), CONCURRENCY (groups in flight,
 #          default 16), LOOP_SECONDS (per mode, default 150), UNTIL (target reward, default 0.8);
@@ -60,6 +60,11 @@ real_loop() {  # the real model on the arithmetic task, pipeline against sync on
 for bench in "$@"; do
   echo "== $bench $(date -u +%T)"
   case $bench in
+    capture)  # every way of asking for tokens, chat / capture / gateway interleaved over ROUNDS (default 3)
+      python3 "$repo/bench/capture_bench.py" --shape qwen2.5-1.5b --requests 1024 --concurrency 256 --max-tokens 256 \
+          --modes "${CAPTURE_MODES:-chat,chat-capture,gateway}" --rounds "${ROUNDS:-3}" \
+          --py-spy "${PY_SPY:-0}" --out /root/cb --json "$out/capture.json" > "$out/capture.log" 2>&1
+      cp /root/cb/py-spy-*.txt "$out/" 2>/dev/null; tail -12 "$out/capture.log" ;;
     gateway) python3 "$repo/bench/gateway_bench.py" --seconds 8 --stream-rate 20 --json "$out/gateway.json" \
                > "$out/gateway.log" 2>&1; tail -12 "$out/gateway.log" ;;
     loop-two-gpu) loop two-gpu loop-two-gpu ;;

@@ -1,0 +1,85 @@
+"""Token capture's engine-core half: the sampled tokens' logprobs leave the engine core as plain floats.
+
+``streamrl engine`` names :func:`capture_scheduler` in vLLM's own ``--scheduler-cls`` option; the API
+server half is ``streamrl/vllm_capture.py``. Why it exists: for a request with ``logprobs`` vLLM's scheduler
+gives every step's output of every request its own ``LogprobsLists`` (three numpy arrays), and its msgpack
+encoder and decoder handle each array in Python, a cost per request and step in both processes that at
+hundreds of requests in flight bounds generation (``bench/engine_output_bench.py``; figures in
+docs/benchmarks.md). For the requests the API server marks (:data:`MARK` in ``extra_args``: the
+gateway's capture, not a client's own ``logprobs``), this scheduler moves the sampled tokens' logprobs
+from ``new_logprobs`` into ``kv_transfer_params[LOGPROBS_KEY]`` as a list of floats, which msgpack encodes
+and decodes natively; the API server half takes them out before vLLM's output processor looks.
+
+Pinned like the API server half (``TESTED_VERSIONS`` there): the subclass relies on the shapes of
+``EngineCoreOutput`` and ``LogprobsLists`` of vLLM 0.26 and 0.32. The base class follows vLLM's own choice
+(``AsyncScheduler`` when async scheduling is on), so nothing else about scheduling changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MARK = "streamrl_capture"
+"""``SamplingParams.extra_args`` key the API server half sets on the requests whose logprobs are its own."""
+
+LOGPROBS_KEY = "streamrl_logprobs"
+"""``EngineCoreOutput.kv_transfer_params`` key carrying a step's sampled-token logprobs of a marked request."""
+
+
+def _marked(scheduler: Any, request_ids: Any) -> set[str]:
+    """The scheduled requests the API server marked; read before the step frees its finished requests."""
+    marked = set()
+    requests = scheduler.requests
+    for request_id in request_ids:
+        request = requests.get(request_id)
+        params = request.sampling_params if request is not None else None
+        if params is not None and params.extra_args and params.extra_args.get(MARK):
+            marked.add(request_id)
+    return marked
+
+
+def _move_logprobs(outputs_by_client: dict[int, Any], marked: set[str]) -> None:
+    """Replace each marked output's ``LogprobsLists`` by its column of sampled-token logprobs as floats."""
+    for outputs in outputs_by_client.values():
+        for out in outputs.outputs:
+            rows = out.new_logprobs
+            if rows is None or out.request_id not in marked:
+                continue
+            params = out.kv_transfer_params
+            if params is None:
+                params = out.kv_transfer_params = {}
+            params[LOGPROBS_KEY] = rows.logprobs[:, 0].tolist()
+            out.new_logprobs = None
+
+
+class _CaptureMixin:
+    """``update_from_output`` of vLLM's scheduler, then the marked outputs' logprobs made plain floats."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
+        marked = _marked(self, scheduler_output.num_scheduled_tokens) if model_runner_output.logprobs else set()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if marked:
+            _move_logprobs(outputs, marked)
+        return outputs
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def capture_scheduler(*args: Any, vllm_config: Any, **kwargs: Any) -> Any:
+    """What ``--scheduler-cls`` names: vLLM's own scheduler class for this config, with the capture mixin.
+
+    vLLM calls the named object with the scheduler's arguments, so a factory can pick the base class that
+    vLLM itself would have picked (it chooses ``AsyncScheduler`` only when no scheduler class is named).
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    base: type = Scheduler
+    if vllm_config.scheduler_config.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        base = AsyncScheduler
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(f"Capture{base.__name__}", (_CaptureMixin, base), {})
+    return cls(*args, vllm_config=vllm_config, **kwargs)
