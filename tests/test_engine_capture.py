@@ -30,7 +30,7 @@ from streamrl.engine_wire import (
     unframe,
 )
 from streamrl.gateway.capture import CallContext, CaptureError, encode_engine_records
-from streamrl.vllm_capture import TESTED_VERSIONS, _version_ok
+from streamrl.vllm_capture_scheduler import TESTED_VERSIONS, version_ok
 
 # -- the wire format on its own ------------------------------------------------------------------------
 
@@ -94,8 +94,8 @@ def test_frames_split_at_any_chunk_boundary() -> None:
 
 def test_only_tested_vllm_versions_are_hooked() -> None:
     for version in TESTED_VERSIONS:
-        assert _version_ok(version) and _version_ok(version + "+cpu")
-    assert not _version_ok("0.33.0") and not _version_ok("0.26.01")
+        assert version_ok(version) and version_ok(version + "+cpu")
+    assert not version_ok("0.33.0") and not version_ok("0.26.01")
 
 
 def test_a_call_without_capture_is_counted_not_recorded() -> None:
