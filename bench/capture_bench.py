@@ -88,7 +88,9 @@ class Load:
                                 "sampling_params": {**sampling, "logprobs": 1}}, headers
         raise ValueError(mode)
 
-    async def run(self, mode: str, base_url: str) -> dict[str, Any]:
+    async def run(self, mode: str, base_url: str, engine_url: str | None = None) -> dict[str, Any]:
+        """One mode's load; with ``engine_url``, the engine's running requests are sampled meanwhile (a
+        mode that keeps fewer requests in the engine than the load sends shows it here)."""
         from streamrl.engine_wire import CAPTURE_HEADER, capture_counts, unframe
 
         a = self.args
@@ -97,6 +99,8 @@ class Load:
         tokens = body_bytes = capture_bytes = failures = 0
         errors: dict[str, int] = {}
         captures: dict[int, bytes] = {}
+        latencies: list[float] = []
+        running: list[float] = []
         queue = iter(range(a.requests))
         timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
@@ -104,6 +108,7 @@ class Load:
                 nonlocal tokens, body_bytes, capture_bytes, failures
                 for i in queue:
                     kind, body, headers = self.request(mode, i)
+                    sent = time.perf_counter()
                     try:
                         async with session.post(base_url + paths[kind], data=orjson.dumps(body),
                                                 headers={"Content-Type": "application/json", **headers}) as r:
@@ -111,6 +116,7 @@ class Load:
                             status, framed = r.status, r.headers.get(CAPTURE_HEADER) == "1"
                     except aiohttp.ClientError as exc:
                         status, raw, framed = type(exc).__name__, b"", False
+                    latencies.append(time.perf_counter() - sent)
                     if status != 200:
                         failures += 1
                         errors[str(status)] = errors.get(str(status), 0) + 1
@@ -125,16 +131,57 @@ class Load:
                         tokens += completion_tokens(kind, raw, body.get("stream", False))
                     body_bytes += len(raw)
 
+            async def sample_running() -> None:
+                while True:
+                    await asyncio.sleep(0.25)
+                    async with session.get(f"{engine_url}/metrics") as r:
+                        running.append(running_requests(await r.text()))
+
+            async def engine_e2e() -> tuple[float, float]:
+                async with session.get(f"{engine_url}/metrics") as r:
+                    return histogram_totals(await r.text(), "vllm:e2e_request_latency_seconds")
+
+            sampler = asyncio.ensure_future(sample_running()) if engine_url else None
+            e2e_before = await engine_e2e() if engine_url else (0.0, 0.0)
             started = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(a.concurrency)))
             seconds = time.perf_counter() - started
+            if sampler is not None:
+                sampler.cancel()
+                e2e_after = await engine_e2e()
+                done = e2e_after[1] - e2e_before[1]
+                engine_latency = (e2e_after[0] - e2e_before[0]) / done if done else None
+        lat = np.asarray(latencies) if latencies else np.zeros(1)
         out = {"requests": a.requests, "failures": failures, "errors": errors, "seconds": seconds,
                "completion_tokens": tokens, "tokens_per_s": tokens / seconds,
-               "bytes_per_token": body_bytes / max(tokens, 1)}
+               "bytes_per_token": body_bytes / max(tokens, 1),
+               "latency_s": {"mean": float(lat.mean()), "p50": float(np.percentile(lat, 50)),
+                             "p99": float(np.percentile(lat, 99))}}
+        if running:
+            out["engine_running_mean"] = float(np.mean(running))
+        if engine_url:
+            out["latency_s"]["engine_e2e_mean"] = engine_latency  # in the engine: what the client saw, less HTTP
         if capture_bytes:
             out["capture_bytes_per_token"] = capture_bytes / max(tokens, 1)
         out["_captures"] = captures
         return out
+
+
+def histogram_totals(metrics: str, name: str) -> tuple[float, float]:
+    """A Prometheus histogram's ``_sum`` and ``_count`` summed over its series."""
+    total = count = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name + "_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(name + "_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def running_requests(metrics: str) -> float:
+    """``vllm:num_requests_running`` summed over its series, from the engine's Prometheus text."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("vllm:num_requests_running"))
 
 
 def completion_tokens(kind: str, raw: bytes, stream: bool) -> int:
@@ -280,7 +327,7 @@ def main() -> int:
                         print(f"[{mode}] skipped ({probe.status_code})", flush=True)
                         continue
                 profiler = start_py_spy(engine, args, mode) if args.py_spy and round_ == args.rounds - 1 else None
-                r = asyncio.run(load.run(mode, url))
+                r = asyncio.run(load.run(mode, url, engine.url))
                 if profiler is not None:
                     r["py_spy"] = finish_py_spy(profiler)
                 captures = r.pop("_captures")
@@ -291,7 +338,9 @@ def main() -> int:
                 rounds.setdefault(mode, []).append(r)
                 results["modes"][mode] = median_round(rounds[mode])
                 print(f"[{mode}] {r['tokens_per_s']:,.0f} tok/s, {r['bytes_per_token']:.1f} B/token, "
-                      f"{r['failures']} failed", flush=True)
+                      f"latency mean {r['latency_s']['mean']:.2f} s (engine "
+                      f"{r['latency_s'].get('engine_e2e_mean') or float('nan'):.2f} s), engine running "
+                      f"{r.get('engine_running_mean', float('nan')):.0f}, {r['failures']} failed", flush=True)
     finally:
         for proc, _ in gateways.values():
             _stop(proc)
