@@ -28,7 +28,7 @@ from streamrl.broker.embedded import free_port
 from streamrl.broker.schema import CompletionRecord, PolicyRecord, RewardRecord, decode
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.trainer.config import TrainerConfig
-from streamrl.trainer.daemon import run_trainer
+from streamrl.trainer.daemon import cpu_threads, run_trainer
 from streamrl.trainer.state import load_state
 
 GROUP_SIZE = 4
@@ -172,6 +172,7 @@ def test_replay_trains_from_saved_batches(trained, tmp_path) -> None:
     config = TrainerConfig(model=trained["config"].model, adapters=str(tmp_path), replay=str(trained["root"] / "batches"),
                            groups_per_step=2, device="cpu", history=str(tmp_path / "h.jsonl"))
     assert run_trainer(config) == 0
+    assert torch.get_num_threads() == cpu_threads(config) == max(1, len(os.sched_getaffinity(0)) // 2)
     history = [json.loads(line) for line in Path(config.history).read_text().splitlines()]
     assert sorted(g for h in history for g in h["group_ids"]) == trained["groups"]
     assert sorted(p.name for p in config.policy_dir.glob("v*")) == ["v1", "v2"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -33,6 +34,19 @@ def test_json_and_bad_values(tmp_path) -> None:
         TrainerConfig.load(path)
     with pytest.raises(ValueError, match="is_mode"):
         TrainerConfig(is_mode="nope")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cpu_threads"):
+        TrainerConfig(cpu_threads=-1)
+
+
+def test_cpu_threads_leave_the_engine_its_cores() -> None:
+    from streamrl.trainer.daemon import cpu_threads
+
+    assert cpu_threads(TrainerConfig(cpu_threads=3)) == 3
+    assert cpu_threads(TrainerConfig()) == max(1, len(os.sched_getaffinity(0)) // 2)
+    parser, _ = build_parser()
+    args = parser.parse_args(["trainer", "--model", "m", "--bootstrap-servers", "h:1", "--adapters", "a",
+                              "--cpu-threads", "2"])
+    assert config_from_args(args).cpu_threads == 2
 
 
 def test_asdict_json_round_trip(tmp_path) -> None:

@@ -36,6 +36,7 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--save-batches": ("save_batches", str, "also write each group batch as Parquet here"),
     "--replay": ("replay", str, "train from Parquet batches in this directory instead of Kafka"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
+    "--cpu-threads": ("cpu_threads", int, "torch threads when training on the CPU (0: half the cores)"),
     "--seed": ("seed", int, "random seed"),
     "--state-dir": ("state_dir", str, "checkpoint directory (default <adapters>/<name>/.state)"),
     "--group-timeout": ("group_timeout_s", float, "seconds before an incomplete group is trained or dropped"),

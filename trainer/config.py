@@ -34,6 +34,10 @@ class TrainerConfig:
     history: str | None = None
     metrics_port: int | None = None
     device: str = "auto"
+    cpu_threads: int = 0
+    """torch's threads when training on the CPU; 0: half the machine's cores (at least one). vLLM's CPU
+    engine binds its own threads to the cores, and a trainer whose threads wait on a core the engine
+    holds trains tens of times slower (docs/trainer.md, "On the CPU")."""
     seed: int = 0
 
     # groups
@@ -121,6 +125,8 @@ class TrainerConfig:
                              "so a smaller bound would pause them before a step's groups are ready")
         if self.backlog not in ("freshest", "wait"):
             raise ValueError(f"backlog must be freshest or wait, not {self.backlog!r}")
+        if self.cpu_threads < 0:
+            raise ValueError("cpu_threads must be >= 0 (0: half the machine's cores)")
         if self.max_step_tokens < 0:
             raise ValueError("max_step_tokens must be >= 0 (0: exactly groups_per_step groups per step)")
         if self.is_mode not in ("truncated_is", "ppo_clip"):

@@ -42,6 +42,11 @@ def open_source(c: TrainerConfig, state: TrainerState) -> GroupSource:
     return StreamGroups(records, c, restore=state.pending, done=state.done, published=state.published)
 
 
+def cpu_threads(c: TrainerConfig) -> int:
+    """The trainer's torch threads on the CPU: as configured, else half the cores it may run on."""
+    return c.cpu_threads or max(1, len(os.sched_getaffinity(0)) // 2)
+
+
 def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
     """Run until ``stop`` is set, SIGTERM/SIGINT arrives, ``max_steps`` is reached or a replay ends."""
     stop = stop or threading.Event()
@@ -53,6 +58,8 @@ def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = pick_device(c.device) if world == 1 or c.device != "auto" else torch.device(
         f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(c))
     torch.manual_seed(c.seed)
     model = load_policy(c, device)
     learner = Learner(model, c, device)
