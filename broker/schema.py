@@ -313,18 +313,34 @@ def check_group_size(value: Any) -> int | None:
     return value
 
 
-def _decode_reward(h: dict[str, Any]) -> RewardRecord:
-    metrics = h.get("metrics") or {}
-    if not isinstance(metrics, dict):
-        raise RecordError("malformed", "metrics must be an object")
+def check_metrics(value: Any) -> dict[str, float]:
+    """A reward's metrics: names mapped to finite numbers (bools are not numbers here)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+            for k, v in value.items()):
+        raise RecordError("bad_metrics", "metrics must map names to finite numbers")
+    return {k: float(v) for k, v in value.items()}
+
+
+def reward_record(fields: dict[str, Any], created: float | None = None) -> RewardRecord:
+    """A ``RewardRecord`` from its fields, every rule of a reward checked here and nowhere else: the
+    gateway's ``POST /v1/rewards`` items, the producer SDK's bodies and decoded records all come through."""
+    if "trajectory_id" not in fields or "reward" not in fields:
+        raise RecordError("missing", "trajectory_id and reward are required")
     return RewardRecord(
-        trajectory_id=check_id(h["trajectory_id"], "trajectory_id"),  # type: ignore[arg-type]
-        reward=check_reward(h["reward"]),
-        group_id=check_id(h.get("group_id"), "group_id", optional=True),
-        group_size=check_group_size(h.get("group_size")),
-        metrics=metrics,
-        created=float(h.get("created", 0.0)),
+        trajectory_id=check_id(fields["trajectory_id"], "trajectory_id"),  # type: ignore[arg-type]
+        reward=check_reward(fields["reward"]),
+        group_id=check_id(fields.get("group_id"), "group_id", optional=True),
+        group_size=check_group_size(fields.get("group_size")),
+        metrics=check_metrics(fields.get("metrics")),
+        **({} if created is None else {"created": created}),
     )
+
+
+def _decode_reward(h: dict[str, Any]) -> RewardRecord:
+    return reward_record(h, created=float(h.get("created", 0.0)))
 
 
 def _decode_policy(h: dict[str, Any]) -> PolicyRecord:

@@ -6,7 +6,7 @@ nothing is produced.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import Any
 
 import orjson
@@ -14,11 +14,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from streamrl.broker.log_producer import LogProducer
-from streamrl.broker.schema import RecordError, RewardRecord, check_group_size, check_id, check_reward, encode
+from streamrl.broker.schema import RecordError, RewardRecord, encode, reward_record
 
 from .proxy import JSON, BadRequest, error_response, read_body
 
-FIELDS = frozenset({"trajectory_id", "reward", "group_id", "group_size", "metrics"})
+FIELDS = frozenset(f.name for f in dataclasses.fields(RewardRecord)) - {"created"}
+"""What a posted reward may carry: the record's fields but its creation time, which the gateway stamps."""
 MAX_ITEMS = 10_000
 
 
@@ -28,21 +29,8 @@ def parse_reward(item: Any, where: str) -> RewardRecord:
     unknown = set(item) - FIELDS
     if unknown:
         raise BadRequest(400, f"{where}: unknown fields {sorted(unknown)}", sorted(unknown)[0])
-    metrics = item.get("metrics") or {}
     try:
-        if "trajectory_id" not in item or "reward" not in item:
-            raise RecordError("missing", "trajectory_id and reward are required")
-        if not isinstance(metrics, dict) or not all(
-                isinstance(k, str) and not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
-                for k, v in metrics.items()):
-            raise RecordError("bad_metrics", "metrics must map names to finite numbers")
-        return RewardRecord(
-            trajectory_id=check_id(item["trajectory_id"], "trajectory_id"),  # type: ignore[arg-type]
-            reward=check_reward(item["reward"]),
-            group_id=check_id(item.get("group_id"), "group_id", optional=True),
-            group_size=check_group_size(item.get("group_size")),
-            metrics={k: float(v) for k, v in metrics.items()},
-        )
+        return reward_record(item)
     except RecordError as exc:
         raise BadRequest(400, f"{where}: {exc}") from None
 

@@ -23,7 +23,7 @@ import httpx
 import openai
 from httpx_aiohttp import HttpxAiohttpClient
 
-from streamrl.broker.schema import check_reward
+from streamrl.broker.schema import reward_record
 
 TRAJECTORY_HEADER = "X-Trajectory-Id"
 GROUP_HEADER = "X-Group-Id"
@@ -43,15 +43,20 @@ def _v1(url: str) -> str:
 
 def reward_body(trajectory_id: str, reward: float, group_id: str | None = None, group_size: int | None = None,
                 metrics: dict[str, float] | None = None) -> dict[str, Any]:
-    """The JSON the gateway's ``POST /v1/rewards`` takes. Checks the reward here (the schema's rule, a
-    ``ValueError``) so a bad reward fails in the agent, where the bug is, rather than as a 400 later."""
-    body: dict[str, Any] = {"trajectory_id": trajectory_id, "reward": check_reward(reward)}
+    """The JSON the gateway's ``POST /v1/rewards`` takes, checked here by the schema's own rules
+    (``reward_record``; a ``ValueError``) so a bad reward fails in the agent, where the bug is, rather than
+    as a 400 later."""
+    body: dict[str, Any] = {"trajectory_id": trajectory_id, "reward": reward}
     if group_id is not None:
         body["group_id"] = group_id
     if group_size is not None:
         body["group_size"] = group_size
     if metrics:
         body["metrics"] = metrics
+    checked = reward_record(body)
+    body["reward"] = checked.reward
+    if metrics:
+        body["metrics"] = checked.metrics
     return body
 
 
@@ -108,7 +113,7 @@ class _Episode:
 
     def reward(self, value: float, **metrics: float) -> None:
         """Set the reward (and optional numeric metrics); it is posted when the block ends."""
-        reward_body(self.trajectory_id, value)  # validate now, where the bug is
+        reward_body(self.trajectory_id, value, self.group_id, self.group_size, metrics)  # now, where the bug is
         self._reward = float(value)
         self._metrics = {k: float(v) for k, v in metrics.items()}
 

@@ -91,6 +91,18 @@ def test_reward_body_validates() -> None:
             reward_body("t1", bad)  # type: ignore[arg-type]
 
 
+def test_one_reward_rule_for_the_sdk_and_the_log() -> None:
+    """The SDK's bodies and decoded reward records are checked by the same function (``reward_record``)."""
+    from streamrl.broker import schema
+
+    for fields in ({"metrics": {"m": math.nan}}, {"metrics": {"m": True}}, {"group_size": 0}, {"group_id": ""}):
+        with pytest.raises(schema.RecordError) as from_log:
+            schema.decode(schema._pack(schema.KIND_REWARD, {"trajectory_id": "t", "reward": 1.0, **fields}))
+        with pytest.raises(schema.RecordError) as from_sdk:
+            reward_body("t", 1.0, fields.get("group_id"), fields.get("group_size"), fields.get("metrics"))
+        assert from_log.value.reason == from_sdk.value.reason
+
+
 def test_version_helpers_and_board() -> None:
     assert served_version({"X-Policy-Version": "3"}) == 3
     assert served_version({}) is None
