@@ -198,12 +198,11 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
-    from streamrl.broker.clients import make_producer
     from streamrl.broker.embedded import EmbeddedBroker, free_port
+    from streamrl.broker.policy_log import PolicyLog, adapter_record
     from streamrl.broker.topics import Topics
     from streamrl.engine import Engine, EngineConfig, wait_healthy
-    from streamrl.gateway.publish import publish_version, random_adapter
-    from streamrl.tiny_model import build_model
+    from streamrl.tiny_model import build_model, random_adapter
 
     work = Path(tempfile.mkdtemp(prefix="hotswap-bench-"))
     engine = gateway = upstream = None
@@ -221,14 +220,13 @@ def main() -> None:
         print("writing adapters ...", flush=True)
         distinct = [random_adapter(model, work / "distinct" / str(i), seed=i) for i in range(3)]
 
-        producer = make_producer(broker.bootstrap_servers, linger_ms=0)
+        policy_log = PolicyLog(broker.bootstrap_servers, Topics("hsbench"))
 
         def publish(version: int) -> float:
             """Write the version's directory, publish it; returns when the record was sent."""
             path = work / "adapters" / f"v{version}"
             shutil.copytree(distinct[version % len(distinct)], path)  # every version its own directory
-            record = publish_version(broker.bootstrap_servers, Topics("hsbench"), NAME, version, path, base_model,
-                                     producer=producer)
+            record = policy_log.publish(adapter_record(NAME, version, path, base_model))
             return time.perf_counter() - (time.time() - record.created)
 
         port = free_port()

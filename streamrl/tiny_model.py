@@ -478,3 +478,21 @@ def build_model(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     ).save_pretrained(out)
     return out
+
+
+def random_adapter(model_dir: Path, out_dir: Path, *, seed: int, rank: int = 8, scale: float = 0.5) -> Path:
+    """A LoRA adapter (q_proj, v_proj) on ``model_dir`` whose B matrices are random, so that each seed
+    changes the model's outputs. Written with peft, loadable by vLLM (the hot-swap tests and benchmark)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for pname, param in peft_model.named_parameters():
+            if "lora_B" in pname:
+                param.normal_(0.0, scale)
+    peft_model.save_pretrained(out_dir)
+    return Path(out_dir)

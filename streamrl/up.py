@@ -57,22 +57,8 @@ class DemoTrainer:
     counts on it), so there is never a surplus for a bigger step to take."""
 
 
-@dataclass
-class EngineSection:
-    """The vLLM engine that ``up`` starts when no ``--upstream`` is given, and where it runs."""
-
-    device: str | None = None
-    """CUDA device index(es) for vLLM (CUDA_VISIBLE_DEVICES), e.g. "0"; None = vLLM's default."""
-    gpu_memory_utilization: float | None = None
-    """Fraction of the GPU vLLM may take; lower it when the trainer shares the GPU."""
-    port: int | None = None
-    max_lora_rank: int = 16
-    max_loras: int = 4
-    max_model_len: int = 2048
-    cpu_kv_cache_gb: int = 1
-    token_capture: bool = True
-    """Hand the gateway token ids and logprobs as arrays (``streamrl/vllm_capture.py``); off, a plain vLLM."""
-    extra_args: list[str] = field(default_factory=list)
+ENGINE_OWNED = ("model", "host")
+"""``EngineConfig`` fields ``up`` sets itself; an ``[engine]`` table may set every other one."""
 
 
 @dataclass
@@ -101,7 +87,9 @@ class UpConfig:
     """Trainer processes (torchrun, one per GPU) for multi-GPU data-parallel training."""
     verbose: bool = False
     """Show the engine's INFO lines in the combined log too (they are always in its log file)."""
-    engine: EngineSection = field(default_factory=EngineSection)
+    engine_table: dict[str, Any] = field(default_factory=dict)
+    """The config file's [engine] table and ``--engine-*`` flags: ``EngineConfig`` fields but model and host
+    (device, gpu_memory_utilization, max_model_len, extra_args, ...), checked on load."""
     demo: DemoConfig | None = None
     trainer_table: dict[str, Any] = field(default_factory=dict)
     """The config file's [trainer] table, validated against TrainerConfig when the stack is built."""
@@ -118,6 +106,10 @@ class UpConfig:
     @property
     def run_dir(self) -> Path:
         return Path(str(self.work_dir))
+
+    def engine_config(self, model: str) -> EngineConfig:
+        """The [engine] table < what ``up`` owns (the model, the host)."""
+        return EngineConfig(**{**self.engine_table, "model": model, "host": self.host})
 
     def gateway_config(self, upstreams: list[str], bootstrap_servers: str, port: int) -> GatewayConfig:
         """The [gateway] table < what ``up`` owns (upstreams, broker, address, topics, policy name,
@@ -151,7 +143,10 @@ def load_config(path: str | Path | None = None, **flags: Any) -> UpConfig:
             raise ValueError(f"unknown table(s) in {path}: {', '.join(extra)} "
                              "(use up, engine, gateway, trainer, demo)")
     up = check_fields(UpConfig, data.get("up", {}), "up")
-    engine = check_fields(EngineSection, data.get("engine", {}), "engine")
+    engine = check_fields(EngineConfig, data.get("engine", {}), "engine")
+    owned = sorted(set(engine) & set(ENGINE_OWNED))
+    if owned:
+        raise ValueError(f"[engine]: {', '.join(owned)} is set by [up] (model, host), not here")
     demo = check_fields(DemoConfig, data.get("demo", {}), "demo")
     engine_flags = {k[len("engine_"):]: flags.pop(k) for k in list(flags) if k.startswith("engine_")}
     demo_flags = {k[len("demo_"):]: flags.pop(k) for k in list(flags) if k.startswith("demo_")}
@@ -159,7 +154,7 @@ def load_config(path: str | Path | None = None, **flags: Any) -> UpConfig:
     engine.update({k: v for k, v in engine_flags.items() if v is not None})
     demo.update({k: v for k, v in demo_flags.items() if v is not None})
     up.update({k: v for k, v in flags.items() if v is not None})
-    return UpConfig(**up, engine=EngineSection(**engine), demo=DemoConfig(**demo) if want_demo else None,
+    return UpConfig(**up, engine_table=engine, demo=DemoConfig(**demo) if want_demo else None,
                     trainer_table=dict(data.get("trainer", {})), gateway_table=dict(data.get("gateway", {})))
 
 
@@ -368,11 +363,7 @@ class Stack:
         if c.upstreams:
             self.log.line("engine", f"external upstream(s): {', '.join(c.upstreams)}")
             return list(c.upstreams)
-        e = c.engine
-        config = EngineConfig(model=self.model, host=c.host, port=e.port, max_lora_rank=e.max_lora_rank,
-                              max_loras=e.max_loras, max_model_len=e.max_model_len, device=e.device,
-                              gpu_memory_utilization=e.gpu_memory_utilization, cpu_kv_cache_gb=e.cpu_kv_cache_gb,
-                              token_capture=e.token_capture, extra_args=list(e.extra_args))
+        config = c.engine_config(self.model)
         log_file = self.logs / "engine.log"
         self.engine = Engine(config, log_file=log_file)
         self.log.follow("engine", log_file, self._following)

@@ -20,12 +20,13 @@ from relay import Relay
 from test_gateway import TopicReader
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.policy_log import publish_version
 from streamrl.broker.schema import CompletionRecord
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine import Engine
 from streamrl.gateway.config import GatewayConfig
-from streamrl.gateway.publish import publish_version, random_adapter
 from streamrl.gateway.server import GatewayServer
+from streamrl.tiny_model import random_adapter
 
 TOPICS = Topics("upstreams")
 CHAT = [{"role": "user", "content": "hello"}]

@@ -17,12 +17,13 @@ from test_gateway import TopicReader
 
 from streamrl.broker.clients import make_producer
 from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.policy_log import publish_version
 from streamrl.broker.schema import CompletionRecord, PolicyRecord, encode
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine import Engine
 from streamrl.gateway.config import GatewayConfig
-from streamrl.gateway.publish import publish_version, random_adapter
 from streamrl.gateway.server import GatewayServer
+from streamrl.tiny_model import random_adapter
 
 TOPICS = Topics("hotswap")
 CHAT = [{"role": "user", "content": "Count to ten."}]

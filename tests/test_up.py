@@ -43,8 +43,9 @@ def test_config_file_then_flags(tmp_path: Path) -> None:
     path.write_text(CONFIG)
     c = load_config(path, port=9200, engine_device="1", demo_concurrency=None, model="m", work_dir=str(tmp_path))
     assert c.port == 9200 and c.policy_name == "agent" and c.model == "m"  # flag beats file beats default
-    assert c.engine.device == "1" and c.engine.gpu_memory_utilization == 0.4
-    assert c.engine.extra_args == ["--enforce-eager"]
+    engine = c.engine_config("m")
+    assert engine.device == "1" and engine.gpu_memory_utilization == 0.4 and engine.model == "m"
+    assert engine.extra_args == ["--enforce-eager"] and engine.host == c.host
     assert c.demo is not None and c.demo.group_size == 4  # a [demo] table turns the demo on
     t = c.trainer_config("m", "127.0.0.1:1")
     assert t.learning_rate == 0.01 and t.lora_rank == 4  # the file beats the demo's defaults...
@@ -64,6 +65,7 @@ def test_without_demo_the_trainer_keeps_its_own_defaults(tmp_path: Path) -> None
 @pytest.mark.parametrize("text, error", [
     ("[up]\nprot = 1\n", "unknown option.*prot"),
     ("[engine]\ngpu = 1\n", r"unknown option.*\[engine\]"),
+    ("[engine]\nmodel = 'x'\n", r"\[engine\]: model is set by \[up\]"),
     ("[trainers]\n", "unknown table"),
     ("[demo]\ntask = 'chess'\n", "demo task"),
 ])

@@ -71,19 +71,18 @@ def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
         for p in learner.params:
             dist.broadcast(p.data, src=0)
     log.info("rank %d/%d on %s, resuming at version %d step %d", rank, world, device, state.version, state.step)
-    source = announcer = metrics = None
+    source = policy_log = metrics = None
     if rank == 0:
         source = open_source(c, state)
         metrics = Metrics(c.metrics_port, c.history)
         if not c.replay:
+            from streamrl.broker.policy_log import PolicyLog
             from streamrl.broker.schema import PolicyRecord
             from streamrl.broker.topics import Topics
 
-            from .publish import PolicyAnnouncer
-
-            announcer = PolicyAnnouncer(c.bootstrap_servers, Topics(c.topic_prefix).policy)
-            if state.policy and announcer.last_version(c.name) < state.version:
-                announcer.announce(PolicyRecord(**state.policy))
+            policy_log = PolicyLog(c.bootstrap_servers, Topics(c.topic_prefix), client_id="streamrl-trainer")
+            if state.policy and policy_log.last_version(c.name) < state.version:
+                policy_log.publish(PolicyRecord(**state.policy))
     idle_since = time.monotonic()
     try:
         while True:
@@ -104,16 +103,16 @@ def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
             timings["step_s"] = time.monotonic() - t
             state.step += 1
             if rank == 0 and state.step % c.publish_every == 0:
-                _publish(c, model, learner, source, announcer, metrics, state, batches, stats, timings)
+                _publish(c, model, learner, source, policy_log, metrics, state, batches, stats, timings)
             idle_since = time.monotonic()
     finally:
         if source is not None:
             source.close()
-        if announcer is not None:
-            announcer.close()
+        if policy_log is not None:
+            policy_log.close()
 
 
-def _publish(c, model, learner, source, announcer, metrics, state, batches, stats, timings) -> None:
+def _publish(c, model, learner, source, policy_log, metrics, state, batches, stats, timings) -> None:
     """Adapter, checkpoint, policy record, offsets: in this order (see the module docstring). The
     seconds each takes go into the step's history line, with ``wait_s`` (waiting for groups) and
     ``step_s`` (the optimizer step, packing included), so that a step's wall-clock can be read whole."""
@@ -138,10 +137,9 @@ def _publish(c, model, learner, source, announcer, metrics, state, batches, stat
     save_state(c.state_path, state)
     timings["checkpoint_s"] = time.monotonic() - t
     t = time.monotonic()
-    if announcer is not None:
-        record.created = time.time()  # published now, after the checkpoint: publish -> served starts here
-        try:
-            announcer.announce(record)
+    if policy_log is not None:
+        try:  # stamped as published now, after the checkpoint: publish -> served starts here
+            policy_log.publish(record)
         except Exception as exc:  # broker away: the next version supersedes this one; a restart re-announces
             log.error("could not announce %s: %s", record.served_name, exc)
     timings["announce_s"] = time.monotonic() - t

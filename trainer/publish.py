@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 
 from peft import PeftModel
@@ -68,55 +67,3 @@ def prune(policy_dir: Path, keep: int) -> None:
     for p in policy_dir.glob(".tmp-v*"):
         if not p.name.endswith(f"-{os.getpid()}"):
             shutil.rmtree(p, ignore_errors=True)
-
-
-class PolicyAnnouncer:
-    """Sends PolicyRecords to the policy topic (key = policy name) and waits for the broker's ack."""
-
-    def __init__(self, bootstrap_servers: str, topic: str) -> None:
-        from streamrl.broker.clients import make_producer
-
-        self.topic = topic
-        self.producer = make_producer(bootstrap_servers, client_id="streamrl-trainer", acks="all", linger_ms=0)
-
-    def announce(self, record) -> None:
-        from streamrl.broker.schema import encode
-
-        self.producer.send(self.topic, key=record.name.encode(), value=encode(record)).get(timeout=30)
-
-    def last_version(self, name: str, timeout_s: float = 5.0) -> int:
-        """The highest version already on the policy topic for ``name`` (0 when none)."""
-        from kafka import KafkaConsumer, TopicPartition
-
-        from streamrl.broker.schema import PolicyRecord, RecordError, decode
-
-        consumer = KafkaConsumer(bootstrap_servers=self.producer.config["bootstrap_servers"],
-                                 enable_auto_commit=False, group_id=None)
-        try:
-            tps = [TopicPartition(self.topic, p) for p in consumer.partitions_for_topic(self.topic) or {0}]
-            consumer.assign(tps)
-            consumer.seek_to_beginning(*tps)
-            end = consumer.end_offsets(tps)
-            best = 0
-            deadline = time.monotonic() + timeout_s
-            # read to the end offsets, then until a poll comes back empty: some brokers (tansu)
-            # under-report the end of a multi-record batch
-            while time.monotonic() < deadline:
-                polled = consumer.poll(timeout_ms=300)
-                for records in polled.values():
-                    for r in records:
-                        try:
-                            rec = decode(r.value)
-                        except RecordError:
-                            continue
-                        if isinstance(rec, PolicyRecord) and rec.name == name:
-                            best = max(best, rec.version)
-                if not polled and all(consumer.position(tp) >= end[tp] for tp in tps):
-                    break
-            return best
-        finally:
-            consumer.close()
-
-    def close(self) -> None:
-        self.producer.flush(timeout=10)
-        self.producer.close(timeout=5)
