@@ -10,8 +10,8 @@ and each mode, one ``streamrl up`` (no demo; the model, engine and trainer setti
   freshest  ``backlog = "freshest"`` and the default ``max_step_tokens``: beyond ``max_ready_groups`` the
             oldest groups are dropped as they arrive, a step takes the newest first, up to the budget
 
-Reported per run: groups generated and trained (and the share), the share of generated completion tokens
-trained on, staleness of trained samples (mean, max), versions published, the reward of the served
+Reported per run: groups generated and trained (and the share, of all groups and of the groups whose
+rewards were not all equal: only those carry a signal), the share of generated completion tokens trained on, staleness of trained samples (mean, max), versions published, the reward of the served
 policy at the start and at the end, and the reward per 15 s against wall-clock time.
 
     .venv/bin/python bench/unpaced_bench.py --rates 1,2 --seconds 180 --json runs/unpaced.json     # CPU
@@ -58,6 +58,21 @@ class TimedTask:
         return outcome
 
 
+def trainer_counts(metrics_port: int) -> dict[str, float]:
+    """The trainer's record and group outcomes from its /metrics (kept current between steps)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "streamrl_trainer_records_total":
+                counts[sample.labels["outcome"]] = sample.value
+            elif sample.name in ("streamrl_trainer_generated_tokens_total", "streamrl_trainer_trained_tokens_total"):
+                counts["tokens_" + sample.name.split("_")[2]] = sample.value
+    return counts
+
+
 def run(mode: str, rate: int, args: argparse.Namespace, out: Path) -> dict:
     run_dir = out / f"{mode}-r{rate}"
     port, metrics_port = free_port(), free_port()
@@ -86,12 +101,13 @@ def run(mode: str, rate: int, args: argparse.Namespace, out: Path) -> dict:
         board = asyncio.run(run_groups(url, task, group_size=args.group_size, concurrency=rate,
                                        limits=RunLimits(max_seconds=args.seconds), emit=lambda _: None))
         time.sleep(args.drain_s)  # the trainer's last step on what was sent (its history is read below)
+        counted = trainer_counts(metrics_port)  # what it classified after its last step too
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(120)
     history = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()] \
         if (run_dir / "history.jsonl").exists() else []
-    counts = history[-1]["counts"] if history else {}
+    counts = {**(history[-1]["counts"] if history else {}), **counted}
     trained = sum(h["groups"] for h in history)
     lags = [(h["staleness_mean"], h["staleness_max"], h["groups"]) for h in history]
     bins: dict[int, list[float]] = {}
@@ -103,6 +119,7 @@ def run(mode: str, rate: int, args: argparse.Namespace, out: Path) -> dict:
     return {
         "mode": mode, "rate": rate, "groups_generated": board.groups, "groups_trained": trained,
         "share_trained": trained / max(board.groups, 1),
+        "signal_share_trained": trained / max(board.groups - counts.get("groups_no_signal", 0), 1),
         "tokens_share_trained": counts.get("tokens_trained", 0) / max(counts.get("tokens_generated", 0), 1)
         if "tokens_generated" in counts else None,
         "staleness_mean": sum(m * g for m, _, g in lags) / max(trained, 1),
@@ -140,12 +157,13 @@ def main() -> None:
             if args.json:
                 args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": results},
                                                 indent=2))
-    print("\n| groups in flight | mode | generated | trained | share | tokens trained | staleness mean / max "
-          "| versions | reward first 30 s -> last 30 s |")
+    print("\n| groups in flight | mode | generated | trained | share (of groups with a signal) | tokens trained "
+          "| staleness mean / max | versions | reward first 30 s -> last 30 s |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |")
     for r in results:
         tok = "-" if r["tokens_share_trained"] is None else f"{r['tokens_share_trained']:.0%}"
         print(f"| {r['rate']} | {r['mode']} | {r['groups_generated']} | {r['groups_trained']} | {r['share_trained']:.0%} "
+              f"({r['signal_share_trained']:.0%}) "
               f"| {tok} | {r['staleness_mean']:.2f} / {r['staleness_max']} | {r['versions']} "
               f"| {r['reward_first_30s']:.3f} -> {r['reward_last_30s']:.3f} |")
 

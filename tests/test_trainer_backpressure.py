@@ -199,3 +199,7 @@ def test_backpressure_counters_are_served_on_metrics() -> None:
     assert "streamrl_trainer_reads_paused_seconds_total 2.5" in text
     assert 'streamrl_trainer_records_total{outcome="groups_ready"} 4.0' in text
     assert "reads_paused" not in "".join(line for line in text.splitlines() if "records_total" in line)
+    m.count(Counter(groups_ready=9, groups_no_signal=5, reads_paused=2, reads_paused_s=2.5))  # between steps
+    text = generate_latest(m.registry).decode()
+    assert 'streamrl_trainer_records_total{outcome="groups_ready"} 9.0' in text
+    assert 'streamrl_trainer_records_total{outcome="groups_no_signal"} 5.0' in text

@@ -96,6 +96,8 @@ def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
             if work[0]:
                 return 0
             if not work[1]:
+                if metrics is not None and source is not None:
+                    metrics.count(source.counts)
                 continue
             timings = {"wait_s": time.monotonic() - idle_since}
             t = time.monotonic()

@@ -77,6 +77,18 @@ class Metrics:
             g = self._gauges[name] = Gauge(f"streamrl_trainer_{name}", name.replace("_", " "), registry=self.registry)
         return g
 
+    def count(self, counts: Counter[str]) -> None:
+        """Bring the /metrics counters up to ``counts``. Called at each step and while the trainer waits for
+        groups, so what the feed classifies between steps (a saturated task's groups without signal, the
+        groups left when the run stops) is on /metrics too, not only at the next step."""
+        if self.registry is None:
+            return
+        for k, v in counts.items():
+            if v > self._counted[k]:
+                counter = self._feed_counters[k] if k in FEED_COUNTERS else self._counter.labels(k)
+                counter.inc(v - self._counted[k])
+                self._counted[k] = v
+
     def report(self, step: dict[str, Any], counts: Counter[str]) -> None:
         step = {**step, **{f"{k}_step": counts[k] - self._last[k] for k in PER_STEP},
                 "generated_tokens_trained_share": counts["tokens_trained"] / max(counts["tokens_generated"], 1)}
@@ -102,11 +114,7 @@ class Metrics:
             for k, v in step.items():
                 if isinstance(v, int | float):
                     self._gauge(k).set(v)
-            for k, v in counts.items():
-                if v > self._counted[k]:
-                    counter = self._feed_counters[k] if k in FEED_COUNTERS else self._counter.labels(k)
-                    counter.inc(v - self._counted[k])
-                    self._counted[k] = v
+        self.count(counts)
         if self.history is not None:
             self.history.parent.mkdir(parents=True, exist_ok=True)
             with open(self.history, "a") as f:
