@@ -33,10 +33,9 @@ def make_producer(bootstrap_servers: str, *, compression: str | None = DEFAULT_C
 FETCH_MAX_WAIT_MS = 100
 """How long the broker may hold a fetch that finds nothing new. Kafka's default (500 ms) is no cost
 with Kafka, whose long poll answers when a record arrives; the embedded broker answers it late
-instead (a record reached a polling consumer after 67 / 204 ms median / worst with 500 ms, 10 / 41 ms
-with 100, 10 / 14 ms with 20). 100 ms keeps finished groups and new policy versions prompt at a fifth
-of the wake-ups of 20 ms (each wake-up of kafka-python's threads takes a server's GIL: at 20 ms the
-gateway's policy follower cost 8-10% of a core)."""
+instead, so a shorter wait keeps finished groups and new policy versions prompt, and not much shorter,
+since each wake-up of kafka-python's threads takes a server's GIL (measured: docs/gateway.md, "How it
+keeps overhead low"; docs/trainer.md)."""
 
 
 def make_consumer(bootstrap_servers: str, *, group_id: str | None, client_id: str = "streamrl",

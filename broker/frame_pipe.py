@@ -142,15 +142,14 @@ class PipeWriter:
 class FrameReader:
     """The producer process's end of the pipe: a thread that empties the pipe into memory as fast as the
     parent fills it, so that whatever pauses the process's work (a slow record, kafka-python's sender
-    holding the GIL, a collection) does not leave the pipe full (1 MiB where the kernel caps it: 20 ms
-    of 107 KB records at 500 req/s) and the server's records waiting in its backlog. Bounded in bytes:
+    holding the GIL, a collection) does not leave the pipe full (1 MiB where the kernel caps it, a few
+    large records) and the server's records waiting in its backlog. Bounded in bytes:
     when ``max_bytes`` are waiting here it stops reading, and the parent's own bound takes over.
 
     While records flow it polls the pipe every ``poll_s`` instead of sleeping in ``read``: a write to a
     pipe with a sleeping reader wakes the reader with the kernel's "sync" hint, which puts it on the
-    writer's CPU, where it preempts the server's event loop (``bench/pipe_wakeup_bench.py``, 2-core box,
-    500 writes/s of 107 KB: the writer runnable but off-CPU 644 ms in 8 s with a sleeping reader, 28 ms
-    with a polling one). After ``idle_s`` without data it sleeps in ``select`` again, so an idle server
+    writer's CPU, where it preempts the server's event loop (``bench/pipe_wakeup_bench.py``; figures in
+    docs/gateway.md, "How it keeps overhead low"). After ``idle_s`` without data it sleeps in ``select`` again, so an idle server
     costs nothing; the first record after a pause wakes it."""
 
     def __init__(self, fd: int, max_bytes: int = 64 << 20, poll_s: float = 0.002, idle_s: float = 1.0) -> None:

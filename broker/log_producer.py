@@ -130,14 +130,13 @@ class _Sender:
 def _collect_rarely() -> None:
     """Keep the producer process from stopping for full garbage collections.
 
-    Building one record allocates thousands of short-lived objects (1,000 decoded logprobs); with the
-    default thresholds that set off a full collection of the process's heap (kafka-python, msgspec,
-    numpy) about every 800 records, up to 27 ms each on a 2-core box (and 2,200 young collections per
-    2,300 records). The process reads nothing from the pipe meanwhile, and the pipe (1 MiB: about 9
-    records of 107 KB) fills in 20 ms at 500 req/s, so the server's records wait in its backlog, which
-    is when its response-time tail grew. Freezing what exists after start-up and collecting young
-    objects less often (as the gateway does for itself) leaves 2 collections of under 6 ms in the same
-    run; the records' own objects are freed by reference counting."""
+    Building one record allocates thousands of short-lived objects (decoded logprobs); with the default
+    thresholds that sets off full collections of the process's heap (kafka-python, msgspec, numpy) every
+    few hundred records, during which the process reads nothing from the pipe, the pipe fills and the
+    server's records wait in its backlog, which is when its response-time tail grew (docs/gateway.md,
+    "How it keeps overhead low"). Freezing what exists after start-up and collecting young objects less
+    often (as the gateway does for itself) removes them; the records' own objects are freed by
+    reference counting."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 100)

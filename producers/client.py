@@ -163,8 +163,8 @@ class AsyncGateway:
 
     Its HTTP client is httpx's API on aiohttp's connection pool (``httpx-aiohttp``, the backend of
     ``openai.DefaultAioHttpClient``): httpcore's pool scans every connection for every request, which
-    with a few hundred trajectories in flight cost the demo producer 12 ms of CPU per trajectory and
-    capped it at about 85 trajectories/s on one core (``bench/producer_bench.py``)."""
+    with a few hundred trajectories in flight made it the bottleneck of one asyncio producer
+    (``bench/producer_bench.py``; docs/benchmarks.md, "Producer SDK")."""
 
     def __init__(self, url: str, *, api_key: str = "unused", timeout: float = 600.0, max_retries: int = 0,
                  max_connections: int = 256, http_client: httpx.AsyncClient | None = None) -> None:
