@@ -201,7 +201,8 @@ def main() -> None:
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.policy_log import PolicyLog, adapter_record
     from streamrl.broker.topics import Topics
-    from streamrl.engine import Engine, EngineConfig, wait_healthy
+    from streamrl.child import wait_http
+    from streamrl.engine import Engine, EngineConfig
     from streamrl.tiny_model import build_model, random_adapter
 
     work = Path(tempfile.mkdtemp(prefix="hotswap-bench-"))
@@ -237,7 +238,7 @@ def main() -> None:
              "--policy-name", NAME, "--max-loaded-versions", "3"], start_new_session=True,
             stdout=gateway_log, stderr=subprocess.STDOUT)
         gw = f"http://127.0.0.1:{port}"
-        wait_healthy(gw, 60, what="gateway", interval=0.1)
+        wait_http(gw, 60, what="gateway", interval=0.1)
 
         results = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
                    "args": {k: v for k, v in vars(args).items() if k != "json"}}

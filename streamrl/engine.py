@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from streamrl.broker.embedded import free_port
+from streamrl.child import spawn, stop_group, wait_http
 
 
 @dataclass
@@ -42,21 +39,6 @@ class EngineConfig:
     """Serve token ids and sampling logprobs to the gateway as arrays (``streamrl/vllm_capture.py``); off, the
     engine is a plain vLLM server and the gateway asks for them in the JSON (half the generation speed)."""
     extra_args: list[str] = field(default_factory=list)
-
-
-def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = None, *,
-                 what: str = "server", interval: float = 0.2, path: str = "/health") -> None:
-    """Wait until ``GET base_url + path`` answers 200; raise early if ``proc`` exits first."""
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with code {proc.returncode} during start-up")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{base_url}{path}").status_code == 200:
-                    return
-            time.sleep(interval)
-    raise TimeoutError(f"{what} not healthy after {timeout}s")
 
 
 class Engine:
@@ -99,31 +81,25 @@ class Engine:
             env["CUDA_VISIBLE_DEVICES"] = self.config.device
         return env
 
-    def start(self, timeout: float = 600.0) -> Engine:
-        out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115
-        self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=out,
-                                     stderr=subprocess.STDOUT if out else None, start_new_session=True)
+    def start(self, timeout: float = 600.0, spawning: contextlib.AbstractContextManager | None = None) -> Engine:
+        """Start vLLM and wait until it is healthy; ``spawning`` wraps the spawn itself (``up`` holds its
+        signals meanwhile, so that a shutdown never misses a child)."""
+        with spawning or contextlib.nullcontext():
+            self.proc = spawn(self.command(), env=self.environment(), log=self.log_file)
         self.wait_healthy(timeout)
         return self
 
     def wait_healthy(self, timeout: float) -> None:
         try:
-            wait_healthy(self.url, timeout, self.proc, what="vLLM")
+            wait_http(self.url, timeout, self.proc, what="vLLM")
         except (RuntimeError, TimeoutError):
             self.stop()
             raise
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the whole process group (vLLM spawns workers), SIGKILL what is left after timeout."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        if self.proc is not None:
+            stop_group(self.proc, timeout)
 
     def __enter__(self) -> Engine:
         return self.start()

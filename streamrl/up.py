@@ -32,8 +32,9 @@ from typing import IO, Any
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics, create_topics
+from streamrl.child import spawn, stop_group, wait_http
 from streamrl.config_file import check_fields, read_file
-from streamrl.engine import Engine, EngineConfig, wait_healthy
+from streamrl.engine import Engine, EngineConfig
 from streamrl.gateway.config import GatewayConfig
 from streamrl.packaged_models import MODELS, resolve
 from streamrl.producers.demo_cli import TASKS, DemoConfig, run_demo
@@ -255,22 +256,6 @@ class SignalGate:
             raise Shutdown(self.pending)
 
 
-def stop_group(proc: subprocess.Popen, timeout: float) -> bool:
-    """SIGTERM a child's process group, SIGKILL what is left after ``timeout``. True if it had to be killed."""
-    killed = False
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            killed = True
-    with contextlib.suppress(ProcessLookupError):  # stragglers of an exited leader
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    return killed
-
-
 class Stack:
     """The running parts. ``start()`` brings them up in order; ``stop()`` takes down what was started."""
 
@@ -342,8 +327,7 @@ class Stack:
 
     def _spawn(self, part: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         with self.gate.defer():
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env={**os.environ, **(env or {})})
+            proc = spawn(argv, env={**os.environ, **(env or {})}, pipe=True)
             self.children[part] = proc
         assert proc.stdout is not None
         self.log.pump(part, proc.stdout, self.logs / f"{part}.log")
@@ -368,11 +352,7 @@ class Stack:
         self.engine = Engine(config, log_file=log_file)
         self.log.follow("engine", log_file, self._following)
         self.log.line("engine", f"starting vLLM on {self.model} (log: {log_file})")
-        with self.gate.defer(), open(log_file, "ab") as out:
-            self.engine.proc = subprocess.Popen(self.engine.command(), env=self.engine.environment(), stdout=out,
-                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                start_new_session=True)
-        self.engine.wait_healthy(timeout=900)
+        self.engine.start(timeout=900, spawning=self.gate.defer())
         self.log.line("engine", f"vLLM ready at {self.engine.url}")
         return [self.engine.url]
 
@@ -384,14 +364,14 @@ class Stack:
         proc = self._spawn("gateway", [sys.executable, "-m", "streamrl.cli", "gateway", "--config", str(path)])
         port = gateway.port
         self.gateway_url = f"http://{c.host}:{port}"
-        wait_healthy(self.gateway_url, 120, proc, what="gateway")
+        wait_http(self.gateway_url, 120, proc, what="gateway")
         self.log.line("gateway", f"ready at {self.gateway_url}/v1 (model {c.policy_name!r})")
 
     def _wait_trainer(self, trainer: TrainerConfig) -> None:
         """Until the trainer has loaded its model and serves its metrics (rank 0 opens the port then)."""
         started = time.monotonic()
-        wait_healthy(f"http://127.0.0.1:{trainer.metrics_port}", 900, self.children["trainer"], what="trainer",
-                     path="/metrics")
+        wait_http(f"http://127.0.0.1:{trainer.metrics_port}", 900, self.children["trainer"], what="trainer",
+                  path="/metrics")
         self.log.line("trainer", f"ready (model loaded) after {time.monotonic() - started:.1f} s")
 
     def _demo(self, demo: DemoConfig) -> None:
