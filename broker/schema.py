@@ -14,7 +14,9 @@ Wire format of a record value (all integers little-endian)::
     offset 3  1 byte   kind (1 completion, 2 reward, 3 policy)
     offset 4  1 byte   schema version of that kind (see SCHEMA_VERSIONS)
     offset 5  4 bytes  length J of the JSON header (uint32)
-    offset 9  J bytes  JSON header (orjson): every scalar/text field
+    offset 9  J bytes  JSON header (orjson): every field of the record's dataclass but a completion's
+                       arrays, in declaration order (so a field is declared once, in the dataclass, plus
+                       its reader for decoding, which the module checks at import)
     then               completion records only: prompt ids (int32 x n_prompt),
                        completion ids (int32 x n_completion), logprobs (float32 x n_completion)
 
@@ -33,7 +35,7 @@ import hashlib
 import math
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -161,31 +163,20 @@ def _pack(kind: int, header: dict[str, Any], tail: bytes = b"") -> bytes:
     return _HEADER.pack(MAGIC, kind, SCHEMA_VERSIONS[kind], len(body)) + body + tail
 
 
+_ARRAYS = ("prompt_token_ids", "completion_token_ids", "logprobs")
+"""A completion's arrays travel after the JSON header as raw little-endian bytes."""
+
+
+def _header(record: Record) -> dict[str, Any]:
+    """Every field of a record but its arrays, in declaration order: the JSON header."""
+    return {f.name: getattr(record, f.name) for f in fields(record) if f.name not in _ARRAYS}
+
+
 def encode(record: Record) -> bytes:
     """Encode a record to its Kafka value bytes."""
     if isinstance(record, CompletionRecord):
-        header = {
-            "request_id": record.request_id,
-            "trajectory_id": record.trajectory_id,
-            "group_id": record.group_id,
-            "choice_index": record.choice_index,
-            "model": record.model,
-            "policy_name": record.policy_name,
-            "policy_version": record.policy_version,
-            "upstream": record.upstream,
-            "endpoint": record.endpoint,
-            "finish_reason": record.finish_reason,
-            "ttft_s": record.ttft_s,
-            "total_s": record.total_s,
-            "usage": record.usage,
-            "request": record.request,
-            "response_text": record.response_text,
-            "tool_calls": record.tool_calls,
-            "created": record.created,
-            "purpose": record.purpose,
-            "n_prompt": int(record.prompt_token_ids.size),
-            "n_completion": int(record.completion_token_ids.size),
-        }
+        header = {**_header(record), "n_prompt": int(record.prompt_token_ids.size),
+                  "n_completion": int(record.completion_token_ids.size)}
         tail = (
             record.prompt_token_ids.astype("<i4", copy=False).tobytes()
             + record.completion_token_ids.astype("<i4", copy=False).tobytes()
@@ -193,31 +184,9 @@ def encode(record: Record) -> bytes:
         )
         return _pack(KIND_COMPLETION, header, tail)
     if isinstance(record, RewardRecord):
-        return _pack(
-            KIND_REWARD,
-            {
-                "trajectory_id": record.trajectory_id,
-                "reward": record.reward,
-                "group_id": record.group_id,
-                "group_size": record.group_size,
-                "metrics": record.metrics,
-                "created": record.created,
-            },
-        )
+        return _pack(KIND_REWARD, _header(record))
     if isinstance(record, PolicyRecord):
-        return _pack(
-            KIND_POLICY,
-            {
-                "name": record.name,
-                "version": record.version,
-                "path": record.path,
-                "base_model": record.base_model,
-                "step": record.step,
-                "sha256": record.sha256,
-                "metrics": record.metrics,
-                "created": record.created,
-            },
-        )
+        return _pack(KIND_POLICY, _header(record))
     raise TypeError(f"not a streamrl record: {type(record).__name__}")
 
 
@@ -264,32 +233,46 @@ def _decode_completion(h: dict[str, Any], tail: memoryview) -> CompletionRecord:
     logprobs = np.frombuffer(tail, dtype="<f4", offset=4 * (n_prompt + n_completion))
     if not np.isfinite(logprobs).all():
         raise RecordError("nan_logprob", "logprobs must be finite")
-    version = h.get("policy_version", 0)
-    if not isinstance(version, int) or version < 0:
+    return CompletionRecord(prompt_token_ids=arrays[:n_prompt], completion_token_ids=arrays[n_prompt:],
+                            logprobs=logprobs, **_read_header(CompletionRecord, h, _COMPLETION_READERS))
+
+
+def _read_header(cls: type, h: dict[str, Any], readers: dict[str, Any]) -> dict[str, Any]:
+    """A record's fields from its JSON header, each through its reader: a field the header lacks takes
+    its default (``created``: 0.0, unknown), one without a default is an error."""
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name in _ARRAYS:
+            continue
+        if f.name in h:
+            values[f.name] = readers[f.name](h[f.name])
+        elif f.name == "created":
+            values[f.name] = 0.0
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise RecordError("malformed", f"{f.name} missing")
+    return values
+
+
+def _policy_version(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise RecordError("malformed", "policy_version must be a non-negative int")
-    return CompletionRecord(
-        request_id=str(h["request_id"]),
-        trajectory_id=check_id(h["trajectory_id"], "trajectory_id"),  # type: ignore[arg-type]
-        group_id=check_id(h.get("group_id"), "group_id", optional=True),
-        prompt_token_ids=arrays[:n_prompt],
-        completion_token_ids=arrays[n_prompt:],
-        logprobs=logprobs,
-        choice_index=int(h.get("choice_index", 0)),
-        model=str(h.get("model", "")),
-        policy_name=h.get("policy_name"),
-        policy_version=version,
-        upstream=str(h.get("upstream", "")),
-        endpoint=str(h.get("endpoint", "chat")),
-        finish_reason=h.get("finish_reason"),
-        ttft_s=h.get("ttft_s"),
-        total_s=h.get("total_s"),
-        usage=h.get("usage") or {},
-        request=h.get("request") or {},
-        response_text=h.get("response_text") or "",
-        tool_calls=h.get("tool_calls"),
-        created=float(h.get("created", 0.0)),
-        purpose=check_purpose(h.get("purpose", "train")),
-    )
+    return value
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+_COMPLETION_READERS: dict[str, Any] = {
+    "request_id": str, "trajectory_id": lambda v: check_id(v, "trajectory_id"),
+    "group_id": lambda v: check_id(v, "group_id", optional=True), "choice_index": int, "model": str,
+    "policy_name": _same, "policy_version": _policy_version, "upstream": str, "endpoint": str,
+    "finish_reason": _same, "ttft_s": _same, "total_s": _same, "usage": lambda v: v or {},
+    "request": lambda v: v or {}, "response_text": lambda v: v or "", "tool_calls": _same, "created": float,
+    "purpose": lambda v: check_purpose(v),
+}
+"""How each header field of a completion is read back (and checked). A field added to ``CompletionRecord``
+without a reader here fails at import."""
 
 
 def check_purpose(value: Any) -> str:
@@ -344,16 +327,20 @@ def _decode_reward(h: dict[str, Any]) -> RewardRecord:
 
 
 def _decode_policy(h: dict[str, Any]) -> PolicyRecord:
-    version = h["version"]
-    if not isinstance(version, int) or version < 1:
+    return PolicyRecord(**_read_header(PolicyRecord, h, _POLICY_READERS))
+
+
+def _published_version(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise RecordError("malformed", "policy version must be an int >= 1")
-    return PolicyRecord(
-        name=check_id(h["name"], "name"),  # type: ignore[arg-type]
-        version=version,
-        path=str(h["path"]),
-        base_model=str(h["base_model"]),
-        step=int(h["step"]),
-        sha256=str(h["sha256"]),
-        metrics=h.get("metrics") or {},
-        created=float(h.get("created", 0.0)),
-    )
+    return value
+
+
+_POLICY_READERS: dict[str, Any] = {
+    "name": lambda v: check_id(v, "name"), "version": _published_version, "path": str, "base_model": str,
+    "step": int, "sha256": str, "metrics": lambda v: v or {}, "created": float,
+}
+
+for _cls, _readers in ((CompletionRecord, _COMPLETION_READERS), (PolicyRecord, _POLICY_READERS)):
+    if set(_readers) != {f.name for f in fields(_cls)} - set(_ARRAYS):
+        raise RuntimeError(f"{_cls.__name__}: every header field needs exactly one reader")

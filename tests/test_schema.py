@@ -106,3 +106,20 @@ def test_purpose_round_trips_and_a_v1_completion_reads_as_train() -> None:
     with pytest.raises(RecordError) as err:
         decode(bad)
     assert err.value.reason == "bad_purpose"
+
+
+def test_each_record_field_is_declared_once_and_travels() -> None:
+    """The JSON header is the dataclass's fields in order (a completion's arrays aside), and every field has
+    exactly one reader; a record decoded from an old header without optional fields takes their defaults."""
+    import dataclasses
+
+
+    raw = encode(completion())
+    n = struct.unpack_from("<3sBBI", raw)[3]
+    header = orjson.loads(raw[9:9 + n])
+    names = [f.name for f in dataclasses.fields(schema.CompletionRecord) if f.name not in schema._ARRAYS]
+    assert list(header) == [*names, "n_prompt", "n_completion"]
+    assert set(schema._COMPLETION_READERS) == set(names)
+    sparse = decode(schema._pack(schema.KIND_COMPLETION, {"request_id": "r", "trajectory_id": "t",
+                                                          "n_prompt": 0, "n_completion": 0}))
+    assert (sparse.created, sparse.purpose, sparse.policy_version, sparse.usage) == (0.0, "train", 0, {})
