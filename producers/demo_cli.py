@@ -14,6 +14,8 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from streamrl.config_flags import add_config_flags, given
+
 from .arithmetic import ArithmeticTask
 from .calculator import CalculatorTask
 from .evaluate import Evaluator
@@ -118,43 +120,12 @@ def run_demo(url: str, config: DemoConfig, stop: threading.Event | None = None, 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = DemoConfig()
     p.add_argument("--gateway", default="http://127.0.0.1:8080", help="gateway base URL")
-    p.add_argument("--task", choices=TASKS, default=d.task)
-    p.add_argument("--model", default=d.model, help="model name to request (the policy name)")
-    p.add_argument("--group-size", type=int, default=d.group_size)
-    p.add_argument("--concurrency", type=int, default=d.concurrency, help="groups in flight")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--context-words", type=int, default=d.context_words,
-                   help="numbers task: words of shared system message ahead of each prompt")
-    p.add_argument("--groups-per-step", type=int, default=None,
-                   help="the trainer's groups per step: keep generation at most --max-ahead steps ahead")
-    p.add_argument("--max-ahead", type=int, default=d.max_ahead)
-    p.add_argument("--stall-s", type=float, default=d.stall_s,
-                   help="let one more group through when the version has not moved for this long")
-    p.add_argument("--until-version", type=int, default=None,
-                   help="stop once this version has served --stop-groups groups")
-    p.add_argument("--until-reward", type=float, default=d.until_reward,
-                   help="stop once the last --stop-groups groups (trained versions) average this reward")
-    p.add_argument("--stop-groups", type=int, default=d.stop_groups)
-    p.add_argument("--max-seconds", type=float, default=d.max_seconds)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--summary", default=None, help="write a JSON summary here at the end")
-    p.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help="tasks with a held-out set: evaluate every N-th version on it (0: never)")
-    p.add_argument("--eval-out", default=None, help="append one JSON line per evaluated version here")
-    p.add_argument("--eval-problems", type=int, default=d.eval_problems,
-                   help="held-out problems scored per evaluated version")
+    add_config_flags(p, DemoConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
-    return DemoConfig(task=args.task, model=args.model, group_size=args.group_size, concurrency=args.concurrency,
-                      max_tokens=args.max_tokens, context_words=args.context_words,
-                      groups_per_step=args.groups_per_step, max_ahead=args.max_ahead, stall_s=args.stall_s,
-                      until_version=args.until_version, until_reward=args.until_reward,
-                      stop_groups=args.stop_groups, max_seconds=args.max_seconds, seed=args.seed,
-                      summary=args.summary, eval_every=args.eval_every, eval_out=args.eval_out,
-                      eval_problems=args.eval_problems)
+    return DemoConfig(**given(args, DemoConfig))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,114 @@
+"""Command-line flags made from a config dataclass: one flag per field, typed from its annotation, its help
+from the field's docstring, so a part's CLI never lists its options a second time (and never falls behind).
+
+``--field-name`` for ``field_name`` (``names`` may keep an established spelling); every default is None,
+meaning "not given", so ``streamrl.config_file.load_config`` layers defaults < file < the flags given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
+import json
+import textwrap
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+_DEST = "config__"
+"""Prefix of the argparse destinations, so that generated flags never clash with a CLI's own."""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (the string literal that follows its annotation)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _strip_none(tp: Any) -> Any:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else typing.Union[tuple(args)]  # noqa: UP007
+    return tp
+
+
+def _bool_or_word(words: tuple[str, ...]) -> Any:
+    def parse(text: str) -> bool | str:
+        low = text.lower()
+        if low in ("true", "yes", "on", "1"):
+            return True
+        if low in ("false", "no", "off", "0"):
+            return False
+        if low in words:
+            return low
+        raise argparse.ArgumentTypeError(f"expected true, false or one of {', '.join(words)}")
+    return parse
+
+
+def _kwargs(tp: Any) -> dict[str, Any]:
+    """argparse keywords for a field of type ``tp``."""
+    tp = _strip_none(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if tp in (int, float, str):
+        return {"type": tp}
+    if origin is Literal:
+        return {"choices": list(args)}
+    if origin is typing.Union and bool in args:  # e.g. compile: bool | Literal["dynamic", "static"]
+        words = tuple(w for a in args if typing.get_origin(a) is Literal for w in typing.get_args(a))
+        return {"type": _bool_or_word(words), "metavar": "{true,false," + ",".join(words) + "}"}
+    if (origin in (tuple, list) and len(args) == 2 and args[1] is Ellipsis) or origin is list:
+        return {"action": "append", "type": args[0], "metavar": args[0].__name__.upper()}
+    if origin is tuple:
+        return {"nargs": len(args), "type": args[0]}
+    if origin is dict:
+        return {"type": json.loads, "metavar": "JSON"}
+    raise TypeError(f"no command-line form for {tp!r}")
+
+
+def add_config_flags(p: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
+                     names: Mapping[str, str] | None = None) -> None:
+    """One flag per field of ``cls`` but ``skip``; ``names`` maps a field to its flag (without ``--``)."""
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kwargs = _kwargs(hints[f.name])
+        if "type" in kwargs and (kwargs.get("action") == "append" or "metavar" not in kwargs):
+            kwargs["metavar"] = f.name.upper()
+        text = docs.get(f.name, "")
+        if f.name in defaults and defaults[f.name] not in (None, ""):
+            text += f" (default {defaults[f.name]})"
+        repeat = " Repeat for several." if kwargs.get("action") == "append" else ""
+        flag = "--" + (names or {}).get(f.name, f.name.replace("_", "-"))
+        p.add_argument(flag, dest=_DEST + f.name, default=None, help=(text + repeat).strip().replace("%", "%%"),
+                       **kwargs)
+
+
+def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of ``cls`` whose flags were given (lists as tuples where the field is a tuple)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(args, _DEST + f.name, None)
+        if value is None:
+            continue
+        if isinstance(value, list) and typing.get_origin(_strip_none(hints[f.name])) is tuple:
+            value = tuple(value)
+        out[f.name] = value
+    return out

@@ -1,0 +1,71 @@
+"""Every field of every part's configuration has its command-line flag, made from the dataclass
+(``streamrl/config_flags.py``): a field added to a config can be set from the command line at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+import pytest
+
+from streamrl.cli import build_parser
+from streamrl.config_flags import _strip_none, field_docs, given
+from streamrl.gateway.cli import FLAG_NAMES as GATEWAY_NAMES
+from streamrl.gateway.config import GatewayConfig
+from streamrl.producers.demo_cli import DemoConfig
+from streamrl.trainer.cli import FLAG_NAMES as TRAINER_NAMES
+from streamrl.trainer.config import TrainerConfig
+
+
+def sample(tp: Any, default: Any) -> tuple[Any, list[str]]:
+    """A value of type ``tp`` other than ``default``, and how it is written on the command line."""
+    tp = _strip_none(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is bool:
+        return (not default), [] if not default else ["no-"]
+    if tp is int:
+        return 7, ["7"]
+    if tp is float:
+        return 0.25, ["0.25"]
+    if tp is str:
+        return "xyz", ["xyz"]
+    if origin is Literal:
+        value = next(a for a in reversed(args) if a != default)
+        return value, [value]
+    if origin is typing.Union:  # bool | Literal[...]
+        return "static", ["static"]
+    if origin is tuple and args[-1] is Ellipsis:
+        return ("a", "b"), ["a", "b"]
+    if origin is tuple:
+        return (0.5, 0.75), ["0.5", "0.75"]
+    if origin is dict:
+        return {"k": "v"}, ['{"k": "v"}']
+    raise AssertionError(f"no sample for {tp!r}")
+
+
+@pytest.mark.parametrize("command, cls, names", [
+    ("trainer", TrainerConfig, TRAINER_NAMES), ("gateway", GatewayConfig, GATEWAY_NAMES), ("demo", DemoConfig, {}),
+])
+def test_every_field_has_a_flag_that_sets_it(command: str, cls: type, names: dict[str, str]) -> None:
+    parser, _ = build_parser()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        value, words = sample(hints[f.name], default)
+        flag = names.get(f.name, f.name.replace("_", "-"))
+        if words in ([], ["no-"]):
+            argv = [f"--{words[0] if words else ''}{flag}"]
+        elif typing.get_origin(_strip_none(hints[f.name])) is tuple and hints[f.name] != tuple[float, float]:
+            argv = [x for w in words for x in (f"--{flag}", w)]  # repeated: one value each
+        else:
+            argv = [f"--{flag}", *words]
+        args = parser.parse_args([command, *argv])
+        assert given(args, cls) == {f.name: value}, (f.name, argv)
+
+
+def test_flags_say_what_the_field_says() -> None:
+    assert "trajectories per group" in field_docs(TrainerConfig)["group_size"].lower()
+    parser, _ = build_parser()
+    args = parser.parse_args(["trainer"])
+    assert given(args, TrainerConfig) == {}  # nothing given: the file and the defaults decide
