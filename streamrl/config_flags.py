@@ -81,8 +81,10 @@ def _kwargs(tp: Any) -> dict[str, Any]:
 
 
 def add_config_flags(p: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
-                     names: Mapping[str, str] | None = None) -> None:
-    """One flag per field of ``cls`` but ``skip``; ``names`` maps a field to its flag (without ``--``)."""
+                     names: Mapping[str, str] | None = None, group: str = "") -> None:
+    """One flag per field of ``cls`` but ``skip``; ``names`` maps a field to its flag (without ``--``);
+    ``group`` prefixes the flags (``--group-field``) and keeps their values apart (read with the same
+    ``group``), for a command that configures several parts (``streamrl up``)."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
     for f in dataclasses.fields(cls):
@@ -95,17 +97,17 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, *, skip: tuple[str, 
         if f.name in defaults and defaults[f.name] not in (None, ""):
             text += f" (default {defaults[f.name]})"
         repeat = " Repeat for several." if kwargs.get("action") == "append" else ""
-        flag = "--" + (names or {}).get(f.name, f.name.replace("_", "-"))
-        p.add_argument(flag, dest=_DEST + f.name, default=None, help=(text + repeat).strip().replace("%", "%%"),
+        flag = "--" + (names or {}).get(f.name, (f"{group}-" if group else "") + f.name.replace("_", "-"))
+        p.add_argument(flag, dest=f"{_DEST}{group}__{f.name}", default=None, help=(text + repeat).strip().replace("%", "%%"),
                        **kwargs)
 
 
-def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+def given(args: argparse.Namespace, cls: type, group: str = "") -> dict[str, Any]:
     """The fields of ``cls`` whose flags were given (lists as tuples where the field is a tuple)."""
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
-        value = getattr(args, _DEST + f.name, None)
+        value = getattr(args, f"{_DEST}{group}__{f.name}", None)
         if value is None:
             continue
         if isinstance(value, list) and typing.get_origin(_strip_none(hints[f.name])) is tuple:

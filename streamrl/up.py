@@ -34,10 +34,11 @@ from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.child import spawn, stop_group, wait_http
 from streamrl.config_file import check_fields, read_file
+from streamrl.config_flags import add_config_flags, given
 from streamrl.engine import Engine, EngineConfig
 from streamrl.gateway.config import GatewayConfig
 from streamrl.packaged_models import MODELS, resolve
-from streamrl.producers.demo_cli import TASKS, DemoConfig, run_demo
+from streamrl.producers.demo_cli import DemoConfig, run_demo
 from streamrl.producers.demo_model import build_demo_model, default_cache_dir
 from streamrl.trainer.config import TrainerConfig
 
@@ -436,41 +437,30 @@ class Stack:
 # --------------------------------------------------------------------------------------------- CLI
 
 
+UP_TABLES = ("engine_table", "demo", "trainer_table", "gateway_table")
+"""``UpConfig`` fields that are other parts' tables, not flags of their own."""
+ENGINE_FLAG_NAMES = {"gpu_memory_utilization": "gpu-memory-utilization", "max_model_len": "max-model-len"}
+"""Engine fields whose flag is not ``--engine-<field>``."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML or JSON file with [up], [engine], [trainer], [demo] tables")
-    p.add_argument("--model", help="base model path or id, or a packaged model (smollm2-135m, converted on first "
-                   "use; streamrl model --list) (default: the demo model, built on first use)")
-    p.add_argument("--host", help="interface for the gateway, engine and broker (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gateway port (default 8080; 0 = a free one)")
-    p.add_argument("--work-dir", help="adapters, logs and history (default: a new run directory in the cache)")
-    p.add_argument("--bootstrap-servers", help="external Kafka HOST:PORT (no embedded broker)")
-    p.add_argument("--upstream", action="append", dest="upstreams",
-                   help="external vLLM base URL, repeatable (no engine is started)")
-    p.add_argument("--topic-prefix")
-    p.add_argument("--policy-name", help="the stable model name clients use (default policy)")
-    p.add_argument("--engine-device", help="CUDA device(s) for vLLM, e.g. 0")
-    p.add_argument("--gpu-memory-utilization", type=float, dest="engine_gpu_memory_utilization",
-                   help="fraction of the GPU vLLM may take (lower it to share the GPU with the trainer)")
-    p.add_argument("--max-model-len", type=int, dest="engine_max_model_len")
-    p.add_argument("--trainer-device", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--trainer-nproc", type=int, help="trainer processes, one per GPU (torchrun)")
-    p.add_argument("--verbose", action="store_true", default=None, help="show the engine's INFO lines")
+    p.add_argument("--config", help="TOML or JSON file with [up], [engine], [gateway], [trainer], [demo] tables")
+    add_config_flags(p, UpConfig, skip=UP_TABLES, names={"upstreams": "upstream"})
+    add_config_flags(p, EngineConfig, group="engine", skip=ENGINE_OWNED, names=ENGINE_FLAG_NAMES)
     p.add_argument("--demo", action="store_true", help="also run the demo producer and print reward per version")
-    p.add_argument("--demo-task", choices=TASKS)
-    p.add_argument("--demo-until-version", type=int, help="with --demo: stop everything once this version "
-                   "has served --demo-stop-groups groups")
-    p.add_argument("--demo-until-reward", type=float, help="with --demo: stop everything once the last "
-                   "--demo-stop-groups groups (default 6) average this reward (default 0.95; above 1 = never)")
-    p.add_argument("--demo-stop-groups", type=int)
-    p.add_argument("--demo-max-seconds", type=float, help="with --demo: stop everything after this long (default 900)")
-    p.add_argument("--demo-summary", help="with --demo: write the reward per version as JSON here")
+    add_config_flags(p, DemoConfig, group="demo")
+
+
+def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags given, as ``load_config`` takes them (``engine_<field>``, ``demo_<field>``, ``demo``)."""
+    return {**given(args, UpConfig), **{f"engine_{k}": v for k, v in given(args, EngineConfig, "engine").items()},
+            **{f"demo_{k}": v for k, v in given(args, DemoConfig, "demo").items()}, "demo": args.demo}
 
 
 def run(args: argparse.Namespace) -> int:
     for chatty in ("httpx", "kafka"):  # a line per request / connection would drown the combined log
         logging.getLogger(chatty).setLevel(logging.WARNING)
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "log_level", "config")}
-    config = load_config(args.config, **flags)
+    config = load_config(args.config, **flags_from_args(args))
     gate = SignalGate()
     stack = Stack(config, gate=gate)
     old = {s: signal.signal(s, gate.handler) for s in (signal.SIGINT, signal.SIGTERM)}

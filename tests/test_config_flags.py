@@ -11,11 +11,13 @@ import pytest
 
 from streamrl.cli import build_parser
 from streamrl.config_flags import _strip_none, field_docs, given
+from streamrl.engine import EngineConfig
 from streamrl.gateway.cli import FLAG_NAMES as GATEWAY_NAMES
 from streamrl.gateway.config import GatewayConfig
 from streamrl.producers.demo_cli import DemoConfig
 from streamrl.trainer.cli import FLAG_NAMES as TRAINER_NAMES
 from streamrl.trainer.config import TrainerConfig
+from streamrl.up import ENGINE_FLAG_NAMES, ENGINE_OWNED, UP_TABLES, UpConfig
 
 
 def sample(tp: Any, default: Any) -> tuple[Any, list[str]]:
@@ -37,6 +39,8 @@ def sample(tp: Any, default: Any) -> tuple[Any, list[str]]:
         return "static", ["static"]
     if origin is tuple and args[-1] is Ellipsis:
         return ("a", "b"), ["a", "b"]
+    if origin is list:
+        return ["a", "b"], ["a", "b"]
     if origin is tuple:
         return (0.5, 0.75), ["0.5", "0.75"]
     if origin is dict:
@@ -44,24 +48,33 @@ def sample(tp: Any, default: Any) -> tuple[Any, list[str]]:
     raise AssertionError(f"no sample for {tp!r}")
 
 
-@pytest.mark.parametrize("command, cls, names", [
-    ("trainer", TrainerConfig, TRAINER_NAMES), ("gateway", GatewayConfig, GATEWAY_NAMES), ("demo", DemoConfig, {}),
+@pytest.mark.parametrize("command, cls, names, group, skip", [
+    ("trainer", TrainerConfig, TRAINER_NAMES, "", ()),
+    ("gateway", GatewayConfig, GATEWAY_NAMES, "", ()),
+    ("demo", DemoConfig, {}, "", ()),
+    ("up", UpConfig, {"upstreams": "upstream"}, "", UP_TABLES),
+    ("up", EngineConfig, ENGINE_FLAG_NAMES, "engine", ENGINE_OWNED),
+    ("up", DemoConfig, {}, "demo", ()),
 ])
-def test_every_field_has_a_flag_that_sets_it(command: str, cls: type, names: dict[str, str]) -> None:
+def test_every_field_has_a_flag_that_sets_it(command: str, cls: type, names: dict[str, str], group: str,
+                                             skip: tuple[str, ...]) -> None:
     parser, _ = build_parser()
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
         default = f.default if f.default is not dataclasses.MISSING else None
         value, words = sample(hints[f.name], default)
-        flag = names.get(f.name, f.name.replace("_", "-"))
+        flag = names.get(f.name, (f"{group}-" if group else "") + f.name.replace("_", "-"))
+        origin = typing.get_origin(_strip_none(hints[f.name]))
         if words in ([], ["no-"]):
             argv = [f"--{words[0] if words else ''}{flag}"]
-        elif typing.get_origin(_strip_none(hints[f.name])) is tuple and hints[f.name] != tuple[float, float]:
+        elif origin is list or (origin is tuple and hints[f.name] != tuple[float, float]):
             argv = [x for w in words for x in (f"--{flag}", w)]  # repeated: one value each
         else:
             argv = [f"--{flag}", *words]
         args = parser.parse_args([command, *argv])
-        assert given(args, cls) == {f.name: value}, (f.name, argv)
+        assert given(args, cls, group) == {f.name: value}, (f.name, argv)
 
 
 def test_flags_say_what_the_field_says() -> None:
