@@ -6,30 +6,23 @@ import argparse
 import signal
 import threading
 
+from .config_flags import add_config_flags, given
 from .engine import Engine, EngineConfig
+
+DEFAULT_PORT = 8000
+"""The port when none is given (vLLM's own default), so that ``streamrl engine`` answers where one looks."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model path or id")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--max-loras", type=int, default=4)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument("--device", default=None, help="CUDA device index for vLLM")
-    p.add_argument("--no-token-capture", action="store_true",
-                   help="a plain vLLM server: no capture frames for the gateway (it then asks for logprobs in the JSON)")
+    add_config_flags(p, EngineConfig, skip=("extra_args",))
     p.add_argument("extra", nargs=argparse.REMAINDER, help="further vLLM arguments after --")
 
 
 def run(args: argparse.Namespace) -> int:
-    extra = [a for a in args.extra if a != "--"]
-    engine = Engine(EngineConfig(model=args.model, host=args.host, port=args.port,
-                                 max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
-                                 max_model_len=args.max_model_len,
-                                 gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
-                                 token_capture=not args.no_token_capture, extra_args=extra)).start()
+    values = {"port": DEFAULT_PORT, **given(args, EngineConfig)}
+    if "model" not in values:
+        raise SystemExit("streamrl engine: --model is required")
+    engine = Engine(EngineConfig(**values, extra_args=[a for a in args.extra if a != "--"])).start()
     print(f"engine ready: {engine.url}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -52,6 +52,7 @@ def sample(tp: Any, default: Any) -> tuple[Any, list[str]]:
     ("trainer", TrainerConfig, TRAINER_NAMES, "", ()),
     ("gateway", GatewayConfig, GATEWAY_NAMES, "", ()),
     ("demo", DemoConfig, {}, "", ()),
+    ("engine", EngineConfig, {}, "", ("extra_args",)),
     ("up", UpConfig, {"upstreams": "upstream"}, "", UP_TABLES),
     ("up", EngineConfig, ENGINE_FLAG_NAMES, "engine", ENGINE_OWNED),
     ("up", DemoConfig, {}, "demo", ()),
