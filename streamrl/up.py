@@ -59,8 +59,9 @@ class DemoTrainer:
     counts on it), so there is never a surplus for a bigger step to take."""
 
 
-ENGINE_OWNED = ("model", "host")
-"""``EngineConfig`` fields ``up`` sets itself; an ``[engine]`` table may set every other one."""
+ENGINE_OWNED = ("model", "host", "token_capture")
+"""``EngineConfig`` fields ``up`` sets itself (``token_capture`` from ``[up]``, one switch for the engine and
+the gateway); an ``[engine]`` table may set every other one."""
 
 
 @dataclass
@@ -82,7 +83,8 @@ class UpConfig:
     topic_prefix: str = "streamrl"
     policy_name: str = "policy"
     token_capture: bool = True
-    """The engine offers capture frames and the gateway takes tokens from them (off: from vLLM's JSON)."""
+    """The engine ``up`` starts offers capture frames and the gateway takes tokens from them; off, the
+    engine is a plain vLLM server and the gateway reads tokens from its JSON."""
     trainer_device: str | None = None
     """Trainer device: auto, cpu, cuda, cuda:N (the [trainer] table's ``device``)."""
     trainer_nproc: int = 1
@@ -110,8 +112,9 @@ class UpConfig:
         return Path(str(self.work_dir))
 
     def engine_config(self, model: str) -> EngineConfig:
-        """The [engine] table < what ``up`` owns (the model, the host)."""
-        return EngineConfig(**{**self.engine_table, "model": model, "host": self.host})
+        """The [engine] table < what ``up`` owns (the model, the host, token capture)."""
+        return EngineConfig(**{**self.engine_table, "model": model, "host": self.host,
+                               "token_capture": self.token_capture})
 
     def gateway_config(self, upstreams: list[str], bootstrap_servers: str, port: int) -> GatewayConfig:
         """The [gateway] table < what ``up`` owns (upstreams, broker, address, topics, policy name,
@@ -148,7 +151,7 @@ def load_config(path: str | Path | None = None, **flags: Any) -> UpConfig:
     engine = check_fields(EngineConfig, data.get("engine", {}), "engine")
     owned = sorted(set(engine) & set(ENGINE_OWNED))
     if owned:
-        raise ValueError(f"[engine]: {', '.join(owned)} is set by [up] (model, host), not here")
+        raise ValueError(f"[engine]: {', '.join(owned)} is set by [up] ({', '.join(ENGINE_OWNED)}), not here")
     demo = check_fields(DemoConfig, data.get("demo", {}), "demo")
     engine_flags = {k[len("engine_"):]: flags.pop(k) for k in list(flags) if k.startswith("engine_")}
     demo_flags = {k[len("demo_"):]: flags.pop(k) for k in list(flags) if k.startswith("demo_")}

@@ -66,6 +66,7 @@ def test_without_demo_the_trainer_keeps_its_own_defaults(tmp_path: Path) -> None
     ("[up]\nprot = 1\n", "unknown option.*prot"),
     ("[engine]\ngpu = 1\n", r"unknown option.*\[engine\]"),
     ("[engine]\nmodel = 'x'\n", r"\[engine\]: model is set by \[up\]"),
+    ("[engine]\ntoken_capture = false\n", r"\[engine\]: token_capture is set by \[up\]"),
     ("[trainers]\n", "unknown table"),
     ("[demo]\ntask = 'chess'\n", "demo task"),
 ])
@@ -84,6 +85,7 @@ def test_the_gateway_table_reaches_the_gateway_and_up_keeps_what_it_owns(tmp_pat
     g = c.gateway_config(["http://e:1"], "b:1", 9300)
     assert (g.keep_previous_versions, g.health_interval_s) == (0, 0.25)  # the table's...
     assert (g.port, g.policy_name, g.token_capture, g.upstreams) == (9300, "agent", False, ("http://e:1",))
+    assert not c.engine_config("m").token_capture  # one switch: the engine up starts is a plain vLLM too
     path.write_text("[gateway]\nmax_loaded_versions = 1\n")  # ...checked by GatewayConfig itself
     with pytest.raises(ValueError, match="max_loaded_versions must be >= 2"):
         load_config(path, work_dir=str(tmp_path)).gateway_config(["http://e:1"], "b:1", 1)
