@@ -167,9 +167,19 @@ _ARRAYS = ("prompt_token_ids", "completion_token_ids", "logprobs")
 """A completion's arrays travel after the JSON header as raw little-endian bytes."""
 
 
+def _header_fields(cls: type) -> tuple[tuple[str, bool], ...]:
+    """(name, required) of every field of a record class but its arrays, in declaration order."""
+    return tuple((f.name, f.default is MISSING and f.default_factory is MISSING)
+                 for f in fields(cls) if f.name not in _ARRAYS)
+
+
+_HEADER_FIELDS = {cls: _header_fields(cls) for cls in (CompletionRecord, RewardRecord, PolicyRecord)}
+"""Worked out once: encoding and decoding are on the gateway's and the trainer's paths for every record."""
+
+
 def _header(record: Record) -> dict[str, Any]:
     """Every field of a record but its arrays, in declaration order: the JSON header."""
-    return {f.name: getattr(record, f.name) for f in fields(record) if f.name not in _ARRAYS}
+    return {name: getattr(record, name) for name, _ in _HEADER_FIELDS[type(record)]}
 
 
 def encode(record: Record) -> bytes:
@@ -241,15 +251,14 @@ def _read_header(cls: type, h: dict[str, Any], readers: dict[str, Any]) -> dict[
     """A record's fields from its JSON header, each through its reader: a field the header lacks takes
     its default (``created``: 0.0, unknown), one without a default is an error."""
     values: dict[str, Any] = {}
-    for f in fields(cls):
-        if f.name in _ARRAYS:
-            continue
-        if f.name in h:
-            values[f.name] = readers[f.name](h[f.name])
-        elif f.name == "created":
-            values[f.name] = 0.0
-        elif f.default is MISSING and f.default_factory is MISSING:
-            raise RecordError("malformed", f"{f.name} missing")
+    for name, required in _HEADER_FIELDS[cls]:
+        if name in h:
+            read = readers[name]
+            values[name] = h[name] if read is None else read(h[name])
+        elif name == "created":
+            values[name] = 0.0
+        elif required:
+            raise RecordError("malformed", f"{name} missing")
     return values
 
 
@@ -259,20 +268,16 @@ def _policy_version(value: Any) -> int:
     return value
 
 
-def _same(value: Any) -> Any:
-    return value
-
-
 _COMPLETION_READERS: dict[str, Any] = {
     "request_id": str, "trajectory_id": lambda v: check_id(v, "trajectory_id"),
     "group_id": lambda v: check_id(v, "group_id", optional=True), "choice_index": int, "model": str,
-    "policy_name": _same, "policy_version": _policy_version, "upstream": str, "endpoint": str,
-    "finish_reason": _same, "ttft_s": _same, "total_s": _same, "usage": lambda v: v or {},
-    "request": lambda v: v or {}, "response_text": lambda v: v or "", "tool_calls": _same, "created": float,
+    "policy_name": None, "policy_version": _policy_version, "upstream": str, "endpoint": str,
+    "finish_reason": None, "ttft_s": None, "total_s": None, "usage": lambda v: v or {},
+    "request": lambda v: v or {}, "response_text": lambda v: v or "", "tool_calls": None, "created": float,
     "purpose": lambda v: check_purpose(v),
 }
-"""How each header field of a completion is read back (and checked). A field added to ``CompletionRecord``
-without a reader here fails at import."""
+"""How each header field of a completion is read back (and checked; None: taken as it is). A field added
+to ``CompletionRecord`` without an entry here fails at import."""
 
 
 def check_purpose(value: Any) -> str:
@@ -342,5 +347,5 @@ _POLICY_READERS: dict[str, Any] = {
 }
 
 for _cls, _readers in ((CompletionRecord, _COMPLETION_READERS), (PolicyRecord, _POLICY_READERS)):
-    if set(_readers) != {f.name for f in fields(_cls)} - set(_ARRAYS):
+    if set(_readers) != {name for name, _ in _HEADER_FIELDS[_cls]}:
         raise RuntimeError(f"{_cls.__name__}: every header field needs exactly one reader")
