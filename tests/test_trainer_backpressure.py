@@ -30,6 +30,10 @@ def group(gid: str, *, version: int = 0, rewards: tuple[float, ...] = (1.0, 0.0)
     return out
 
 
+def produce_groups(bootstrap: str, topics: Topics, names, **kw) -> None:
+    """Every record of the groups ``names`` (``group(name, **kw)``), in order."""
+    produce(bootstrap, topics, [r for g in names for r in group(g, **kw)])
+
 
 def one_partition_topics(bootstrap: str) -> Topics:
     """One partition per topic, so groups become ready in the order they were produced."""
@@ -81,14 +85,14 @@ def test_full_ready_queue_pauses_reads_and_drops_nothing(broker) -> None:
     bootstrap = broker.bootstrap_servers
     topics = one_partition_topics(bootstrap)
     first, second = [f"g{i:02d}" for i in range(6)], [f"g{i:02d}" for i in range(6, 12)]
-    produce(bootstrap, topics, [r for g in first for r in group(g)])
+    produce_groups(bootstrap, topics, first)
     s = open_feed(bootstrap, topics)
     taken: list[str] = []
     try:
         take_until_paused(s, taken)  # six groups read, the queue holds >= BOUND of them: reads paused
         assert s.counts["reads_paused"] >= 1 and s.records.consumer.paused()
         read = (s.counts["completions"], s.counts["rewards"])
-        produce(bootstrap, topics, [r for g in second for r in group(g)])  # in the log while reads are paused
+        produce_groups(bootstrap, topics, second)  # in the log while reads are paused
         while s.paused:  # drain the queue: nothing new is read until it is below the bound
             taken.append(take(s))
             assert (s.counts["completions"], s.counts["rewards"]) == read
@@ -111,12 +115,12 @@ def test_restart_from_a_checkpoint_taken_while_paused_is_exact(broker) -> None:
     bootstrap = broker.bootstrap_servers
     topics = one_partition_topics(bootstrap)
     groups = [f"r{i:02d}" for i in range(10)]
-    produce(bootstrap, topics, [r for g in groups[:6] for r in group(g)])
+    produce_groups(bootstrap, topics, groups[:6])
     s = open_feed(bootstrap, topics)
     taken: list[str] = []
     try:
         take_until_paused(s, taken)
-        produce(bootstrap, topics, [r for g in groups[6:] for r in group(g)])  # unread while paused
+        produce_groups(bootstrap, topics, groups[6:])  # unread while paused
         taken.append(take(s))
         assert s.paused  # still full, so the checkpoint below is taken with reads paused
         offsets, pending, done = s.offsets(), s.pending_raw(), s.done_ids()
@@ -140,12 +144,12 @@ def test_stale_groups_in_a_full_queue_are_dropped_and_reads_resume(broker) -> No
     bootstrap = broker.bootstrap_servers
     topics = one_partition_topics(bootstrap)
     old = [f"o{i}" for i in range(5)]
-    produce(bootstrap, topics, [r for g in old for r in group(g, version=0)])
+    produce_groups(bootstrap, topics, old, version=0)
     s = open_feed(bootstrap, topics, max_lag=1)
     taken: list[str] = []
     try:
         take_until_paused(s, taken)
-        produce(bootstrap, topics, [r for g in ("n0", "n1") for r in group(g, version=5)])
+        produce_groups(bootstrap, topics, ("n0", "n1"), version=5)
         # trained version 5 now: every queued group (served by version 0) is stale, the queue empties,
         # reads resume and the fresh groups come through
         assert [take(s, version=5), take(s, version=5)] == ["n0", "n1"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from kafka_reader import produce
-from test_trainer_backpressure import group, one_partition_topics
+from test_trainer_backpressure import group, one_partition_topics, produce_groups
 from test_trainer_backpressure import open_feed as backpressure_feed
 
 from streamrl.broker.topics import Topics
@@ -39,7 +39,7 @@ def test_a_step_grows_with_the_supply_up_to_its_token_budget(broker) -> None:
     bootstrap = broker.bootstrap_servers
     topics = one_partition_topics(bootstrap)
     names = [f"a{i}" for i in range(6)]
-    produce(bootstrap, topics, [r for g in names for r in group(g)])
+    produce_groups(bootstrap, topics, names)
     s = open_feed(bootstrap, topics, max_step_tokens=4 * GROUP_TOKENS, max_ready_groups=10)
     try:
         read_everything(s, len(names))
@@ -56,7 +56,7 @@ def test_a_step_grows_with_the_supply_up_to_its_token_budget(broker) -> None:
 def test_fixed_steps_when_the_budget_is_zero(broker) -> None:
     bootstrap = broker.bootstrap_servers
     topics = one_partition_topics(bootstrap)
-    produce(bootstrap, topics, [r for g in ("b0", "b1", "b2") for r in group(g)])
+    produce_groups(bootstrap, topics, ("b0", "b1", "b2"))
     s = open_feed(bootstrap, topics, groups_per_step=2, max_step_tokens=0)
     try:
         read_everything(s, 3)
@@ -70,7 +70,7 @@ def test_overload_drops_the_oldest_and_a_restart_never_trains_them(broker) -> No
     bootstrap = broker.bootstrap_servers
     topics = one_partition_topics(bootstrap)
     names = [f"c{i}" for i in range(8)]
-    produce(bootstrap, topics, [r for g in names for r in group(g)])
+    produce_groups(bootstrap, topics, names)
     s = open_feed(bootstrap, topics, max_ready_groups=3, max_step_tokens=0)
     try:
         read_everything(s, len(names))  # (asking for more groups than exist: nothing is dropped yet)
@@ -108,7 +108,7 @@ def test_records_written_before_they_could_be_fresh_are_skipped_unread(broker) -
     bootstrap = broker.bootstrap_servers
     topics = one_partition_topics(bootstrap)
     old = [f"s{i}" for i in range(4)]
-    produce(bootstrap, topics, [r for g in old for r in group(g, version=0)])
+    produce_groups(bootstrap, topics, old, version=0)
     written = time.time()
     while time.time() < written + 0.3:  # the broker indexes by its own append time: let the clock pass it
         time.sleep(0.05)
