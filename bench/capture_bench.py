@@ -167,21 +167,23 @@ class Load:
         return out
 
 
+def metric_sum(metrics: str, name: str) -> float:
+    """The sum of a Prometheus sample over its series (e.g. ``vllm:num_requests_running``, or a
+    histogram's ``..._sum`` / ``..._count``), read with prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for family in text_string_to_metric_families(metrics) for s in family.samples
+               if s.name == name)
+
+
 def histogram_totals(metrics: str, name: str) -> tuple[float, float]:
     """A Prometheus histogram's ``_sum`` and ``_count`` summed over its series."""
-    total = count = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(name + "_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(name + "_count"):
-            count += float(line.rsplit(" ", 1)[1])
-    return total, count
+    return metric_sum(metrics, name + "_sum"), metric_sum(metrics, name + "_count")
 
 
 def running_requests(metrics: str) -> float:
     """``vllm:num_requests_running`` summed over its series, from the engine's Prometheus text."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("vllm:num_requests_running"))
+    return metric_sum(metrics, "vllm:num_requests_running")
 
 
 def completion_tokens(kind: str, raw: bytes, stream: bool) -> int:
