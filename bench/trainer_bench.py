@@ -69,6 +69,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from streamrl.tiny_model import SHAPES  # noqa: E402
+from streamrl.trainer.batch import TrainSequence  # noqa: E402
 from streamrl.trainer.config import TrainerConfig  # noqa: E402
 from streamrl.trainer.learner import Learner  # noqa: E402
 from streamrl.trainer.model import attach_lora  # noqa: E402
@@ -181,11 +182,10 @@ def baseline(model, seq_len: int, warmup: int, steps: int, device: torch.device)
         peft_model.unload()
 
 
-def sequences(n: int, seq_len: int, vocab: int) -> list[dict]:
+def sequences(n: int, seq_len: int, vocab: int) -> list[TrainSequence]:
     rng = np.random.default_rng(0)
-    return [{"token_ids": rng.integers(0, vocab, seq_len), "loss_mask": np.ones(seq_len, bool),
-             "behaviour_logprobs": np.full(seq_len, -12.0, np.float32), "advantage": float(rng.choice([-1, 1]))}
-            for _ in range(n)]
+    return [TrainSequence(rng.integers(0, vocab, seq_len), np.ones(seq_len, bool), np.full(seq_len, -12.0, np.float32),
+                          float(rng.choice([-1, 1]))) for _ in range(n)]
 
 
 def ours(model, variant: Variant, rows: int, seq_len: int, n_seqs: int, warmup: int, steps: int,

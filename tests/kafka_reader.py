@@ -31,7 +31,9 @@ class TopicReader:
             self.consumer.position(tp)  # resolve "end" now, before the records under test are produced
         self.seen: list[Any] = []
 
-    def wait_for(self, match: Callable[[Any], bool], count: int = 1, timeout: float = 30.0) -> list[Any]:
+    def wait_for(self, match: Callable[[Any], bool], count: int = 1, timeout: float = 30.0,
+                 explain: Callable[[], object] | None = None) -> list[Any]:
+        """``explain``: called on a timeout, its answer (e.g. the gateway's producer counts) goes into the error."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = [r for r in self.seen if match(r)]
@@ -40,7 +42,10 @@ class TopicReader:
             for batch in self.consumer.poll(timeout_ms=200).values():
                 for message in batch:
                     self.seen.append(decode(message.value))
-        raise AssertionError(f"{count} matching record(s) not seen within {timeout}s; saw {len(self.seen)}")
+        found = sum(1 for r in self.seen if match(r))
+        extra = f"; {explain()}" if explain is not None else ""
+        raise AssertionError(f"{count} matching record(s) not seen within {timeout}s: {found} of {len(self.seen)} "
+                             f"read matched{extra}")
 
     def close(self) -> None:
         self.consumer.close()

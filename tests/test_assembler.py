@@ -83,8 +83,9 @@ def test_records_through_kafka_become_the_expected_batch(broker) -> None:
         [batch] = await_groups(s, 1)
     finally:
         s.close()
-    assert batch.schema.equals(BATCH_SCHEMA)
-    rows = sorted(batch.to_pylist(), key=lambda r: (r["trajectory_id"], r["token_ids"]))
+    table = batch.to_arrow()
+    assert table.schema.equals(BATCH_SCHEMA)
+    rows = sorted(table.to_pylist(), key=lambda r: (r["trajectory_id"], r["token_ids"]))
     assert [(r["trajectory_id"], r["token_ids"], r["loss_mask"]) for r in rows] == [
         ("A", [10, 11, 12, 13, 14, 15], [0, 0, 1, 1, 0, 1]),
         ("B", [10, 11, 20], [0, 0, 1]),
@@ -122,7 +123,7 @@ def test_bad_records_are_counted_and_skipped(broker) -> None:
         [batch] = await_groups(s, 1)  # the good records still make their group
     finally:
         s.close()
-    assert batch.num_rows == 2
+    assert len(batch.sequences) == 2
     assert {k: v for k, v in s.counts.items() if k.startswith("bad_")} == {
         "bad_malformed": 1, "bad_unknown_version": 1, "bad_nan_logprob": 1, "bad_length_mismatch": 1,
         "bad_non_finite_reward": 1, "bad_wrong_kind": 1}
@@ -183,7 +184,7 @@ def test_stale_and_signal_free_groups_are_skipped_and_counted() -> None:
     [g] = a.poll(now=0)
     counts: Counter[str] = Counter()
     batch = build_batch(g, current_version=6, max_lag=2, std_norm=True, counts=counts)
-    assert batch is not None and sorted(batch.column("trajectory_id").to_pylist()) == ["b", "c"]
+    assert batch is not None and sorted(s.trajectory_id for s in batch.sequences) == ["b", "c"]
     assert counts["stale_trajectories"] == 1
     assert build_batch(g, current_version=9, max_lag=2, std_norm=True, counts=counts) is None
     assert counts["groups_dropped_stale"] == 1
@@ -211,12 +212,12 @@ def test_sampling_temperature_from_the_logged_request_goes_into_the_batch() -> N
     counts: Counter[str] = Counter()
     batch = build_batch(g, current_version=0, max_lag=2, std_norm=False, counts=counts)
     assert batch is not None
-    got = dict(zip(batch.column("trajectory_id").to_pylist(), batch.column("temperature").to_pylist(), strict=True))
+    got = {s.trajectory_id: s.temperature for s in batch.sequences}
     assert got == pytest.approx({"a": 0.7, "b": 1.0, "d": 1.3})  # greedy c and invalid e skipped
     assert counts["greedy_trajectories"] == 1 and counts["bad_temperature_trajectories"] == 1
     assert counts["filtered_sampling"] == 1  # d: top_p < 1, its ratios are approximate
     # advantages over the kept three only: rewards 1, 0, 0 -> mean 1/3
-    adv = dict(zip(batch.column("trajectory_id").to_pylist(), batch.column("advantage").to_pylist(), strict=True))
+    adv = {s.trajectory_id: s.advantage for s in batch.sequences}
     assert adv == pytest.approx({"a": 2 / 3, "b": -1 / 3, "d": -1 / 3})
 
 
@@ -241,7 +242,7 @@ def test_all_greedy_group_is_dropped_and_counted() -> None:
 
 
 def two_trajectory_batch():
-    """One group of two one-call trajectories with rewards 1 and 0, as its Arrow batch."""
+    """One group of two one-call trajectories with rewards 1 and 0, as its batch."""
     a = asm()
     for t, r in [("a", 1.0), ("b", 0.0)]:
         a.add(call(t, [1, 2], [3, 4]), b"", now=0)
@@ -252,18 +253,20 @@ def two_trajectory_batch():
 
 def test_version_1_batch_files_load_at_temperature_one(tmp_path) -> None:
     batch = two_trajectory_batch()
-    old = pa.Table.from_batches([batch]).drop_columns(["temperature"])
+    old = pa.Table.from_batches([batch.to_arrow()]).drop_columns(["temperature"])
     pq.write_table(old, tmp_path / "00000001-000.parquet")
     [back] = load_batches(tmp_path)
-    assert back.column("temperature").to_pylist() == [1.0, 1.0]
-    assert back.drop_columns(["temperature"]).equals(batch.drop_columns(["temperature"]))
+    assert [s.temperature for s in back.sequences] == [1.0, 1.0]
+    assert back.to_arrow().drop_columns(["temperature"]).equals(batch.to_arrow().drop_columns(["temperature"]))
 
 
 def test_parquet_round_trip(tmp_path) -> None:
     batch = two_trajectory_batch()
     save_batch(batch, tmp_path, "00000001-000")
     [back] = load_batches(tmp_path)
-    assert back.equals(batch)
+    assert back.to_arrow().equals(batch.to_arrow()) and back.group_id == batch.group_id == "g"
+    s = back.sequences[0]  # numpy arrays of the loss's types, as the live path hands them over
+    assert (s.token_ids.dtype, s.loss_mask.dtype, s.behaviour_logprobs.dtype) == (np.int32, np.int8, np.float32)
 
 
 def test_staleness_is_judged_again_when_taken(broker) -> None:
@@ -290,8 +293,8 @@ def test_staleness_is_judged_again_when_taken(broker) -> None:
         assert s.counts["groups_ready"] == 4
         assert [g.group_id for g, _ in s.ready] == ["g0", "g1", "g2", "g3"]
         [batch] = s.next_groups(1, 2, 0.5)
-        assert batch.column("group_id").to_pylist() == ["g2", "g2"]
-        assert max(2 - v for v in batch.column("policy_version").to_pylist()) <= 1
+        assert [s.group_id for s in batch.sequences] == ["g2", "g2"]
+        assert max(2 - s.policy_version for s in batch.sequences) <= 1
         assert s.counts["stale_trajectories"] == 4 and s.counts["groups_dropped_stale"] == 2
         # the checkpoint holds only g3's records; every group is closed (dropped ones too)
         pending = s.pending_raw()
@@ -305,7 +308,7 @@ def test_staleness_is_judged_again_when_taken(broker) -> None:
                          restore=pending, done=done)
     try:
         [batch] = again.next_groups(1, 2, 5.0)
-        assert batch.column("group_id").to_pylist() == ["g3", "g3"]
+        assert [s.group_id for s in batch.sequences] == ["g3", "g3"]
         assert again.next_groups(1, 2, 1.0) == []
         assert again.counts["late"] == 0 and again.counts["groups_ready"] == 1
     finally:

@@ -182,7 +182,7 @@ def test_a_stream_is_recorded_when_the_client_hangs_up_on_done(broker: EmbeddedB
                     texts[c.index] += c.text
             assert relay.holding.is_set()  # the response had not ended when the client hung up
             recs = reader.wait_for(lambda r: isinstance(r, CompletionRecord) and r.trajectory_id == "traj-hang-up",
-                                   count=2)
+                                   count=2, explain=lambda: gw.gateway.health()["producer"])
             assert sorted(r.choice_index for r in recs) == [0, 1]
             assert {r.choice_index: r.response_text for r in recs} == texts
             assert all(r.completion_token_ids.size == r.logprobs.size > 0 for r in recs)

@@ -61,7 +61,7 @@ def take(s: StreamGroups, version: int = 0, timeout: float = 30.0) -> str:
         check_pause_state(s)
         if got:
             [batch] = got
-            return batch.column("group_id")[0].as_py()
+            return batch.group_id
         assert time.monotonic() < deadline, f"no group within {timeout}s; counts {dict(s.counts)}"
 
 

@@ -11,6 +11,7 @@ import torch
 from peft import get_peft_model_state_dict
 from torch._dynamo.utils import counters
 
+from streamrl.trainer.batch import TrainSequence
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.learner import Learner
 from streamrl.trainer.model import load_policy, packed_logprobs, trainable_parameters
@@ -37,9 +38,9 @@ def policy(tiny_model, compile_: bool | str) -> tuple[TrainerConfig, torch.nn.Mo
     return config, model
 
 
-def seq(n: int, n_prompt: int, adv: float, rng: np.random.Generator, temperature: float = 1.0) -> dict:
-    return {"token_ids": rng.integers(10, 2000, n), "loss_mask": np.arange(n) >= n_prompt,
-            "behaviour_logprobs": np.full(n, -7.6, np.float32), "advantage": adv, "temperature": temperature}
+def seq(n: int, n_prompt: int, adv: float, rng: np.random.Generator, temperature: float = 1.0) -> TrainSequence:
+    return TrainSequence(rng.integers(10, 2000, n), np.arange(n) >= n_prompt, np.full(n, -7.6, np.float32), adv,
+                         temperature)
 
 
 def graphs() -> int:

@@ -32,7 +32,7 @@ def read_everything(s: StreamGroups, groups: int) -> None:
 
 
 def ids(batches: list) -> list[str]:
-    return [b.column("group_id")[0].as_py() for b in batches]
+    return [b.group_id for b in batches]
 
 
 def test_a_step_grows_with_the_supply_up_to_its_token_budget(broker) -> None:

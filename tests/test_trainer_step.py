@@ -6,15 +6,16 @@ import numpy as np
 import pytest
 import torch
 
+from streamrl.trainer.batch import TrainSequence
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.learner import Learner
 from streamrl.trainer.model import load_policy, packed_logprobs
 from streamrl.trainer.packing import deal, pack
 
 
-def seq(n: int, n_prompt: int, adv: float, rng: np.random.Generator) -> dict:
-    return {"token_ids": rng.integers(10, 2000, n), "loss_mask": np.arange(n) >= n_prompt,
-            "behaviour_logprobs": np.full(n, -7.6, np.float32), "advantage": adv}
+def seq(n: int, n_prompt: int, adv: float, rng: np.random.Generator, temperature: float = 1.0) -> TrainSequence:
+    return TrainSequence(rng.integers(10, 2000, n), np.arange(n) >= n_prompt, np.full(n, -7.6, np.float32), adv,
+                         temperature)
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +61,10 @@ def test_packed_logprobs_equal_separate_forward(policy) -> None:
         packed = packed_logprobs(model, mb.input_ids, mb.position_ids, mb.target_positions, chunk=4)
         stacked = packed_logprobs(model, rows.input_ids, rows.position_ids, rows.target_positions, chunk=4)
         expected = []
-        for s in sorted(seqs, key=lambda s: -len(s["token_ids"])):
-            ids = torch.as_tensor(s["token_ids"])[None]
+        for s in sorted(seqs, key=lambda s: -len(s.token_ids)):
+            ids = torch.as_tensor(s.token_ids)[None]
             logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-            pos = np.flatnonzero(s["loss_mask"])
+            pos = np.flatnonzero(s.loss_mask)
             expected.append(logp[pos - 1, ids[0, pos]])
     torch.testing.assert_close(packed, torch.cat(expected), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stacked, torch.cat(expected), rtol=1e-5, atol=1e-5)
@@ -93,17 +94,17 @@ def test_packed_logprobs_at_each_sequence_sampling_temperature(policy) -> None:
     # vLLM's processed logprobs are those of softmax(logits / T): each sequence at its own T, in one row
     _, model = policy
     rng = np.random.default_rng(3)
-    seqs = [{**seq(9, 3, 1.0, rng), "temperature": 0.5}, {**seq(6, 2, 1.0, rng), "temperature": 1.7}]
+    seqs = [seq(9, 3, 1.0, rng, temperature=0.5), seq(6, 2, 1.0, rng, temperature=1.7)]
     [mb] = pack(seqs, 100)
     assert sorted(set(mb.temperatures.tolist())) == pytest.approx([0.5, 1.7])
     with torch.no_grad():
         got = packed_logprobs(model, mb.input_ids, mb.position_ids, mb.target_positions,
                               temperatures=mb.temperatures, chunk=4)
         expected = []
-        for s in sorted(seqs, key=lambda s: -len(s["token_ids"])):
-            ids = torch.as_tensor(s["token_ids"])[None]
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / s["temperature"], -1)
-            pos = np.flatnonzero(s["loss_mask"])
+        for s in sorted(seqs, key=lambda s: -len(s.token_ids)):
+            ids = torch.as_tensor(s.token_ids)[None]
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / s.temperature, -1)
+            pos = np.flatnonzero(s.loss_mask)
             expected.append(logp[pos - 1, ids[0, pos]])
     torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
 
@@ -118,13 +119,13 @@ def test_on_policy_samples_at_temperature_have_ratio_one(tiny_model) -> None:
     rng = np.random.default_rng(4)
     seqs = []
     for adv in (1.0, -1.0):
-        s = {**seq(16, 6, adv, rng), "temperature": 0.5}
-        ids = torch.as_tensor(s["token_ids"])[None]
+        s = seq(16, 6, adv, rng, temperature=0.5)
+        ids = torch.as_tensor(s.token_ids)[None]
         with torch.no_grad():
             logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / 0.5, -1)
-        pos = np.flatnonzero(s["loss_mask"])
-        s["behaviour_logprobs"] = np.zeros(16, np.float32)
-        s["behaviour_logprobs"][pos] = logp[pos - 1, ids[0, pos]].numpy()
+        pos = np.flatnonzero(s.loss_mask)
+        s.behaviour_logprobs = np.zeros(16, np.float32)
+        s.behaviour_logprobs[pos] = logp[pos - 1, ids[0, pos]].numpy()
         seqs.append(s)
     stats = Learner(model, config, torch.device("cpu")).step(seqs)
     assert stats.ratio_mean == pytest.approx(1.0, abs=1e-4)

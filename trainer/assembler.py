@@ -43,6 +43,14 @@ class Trajectory:
     reward: RewardRecord | None = None
     raw: list[tuple[str, bytes]] = field(default_factory=list)
     """(stream, value bytes) of every record held for this trajectory, in arrival order."""
+    _merged: tuple[int, list[Sequence]] | None = field(default=None, repr=False, compare=False)
+
+    def sequences(self) -> list[Sequence]:
+        """``merge_calls`` of the completions, worked out once per set of completions: a ready group is
+        judged again at each new version and then batched, all from the same merge."""
+        if self._merged is None or self._merged[0] != len(self.completions):
+            self._merged = (len(self.completions), merge_calls(self.completions))
+        return self._merged[1]
 
     @property
     def group_id(self) -> str:

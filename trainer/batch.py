@@ -1,6 +1,9 @@
-"""The trainer's unit of work: one reward-tagged group as a pyarrow RecordBatch, one row per sequence.
+"""The trainer's unit of work: one reward-tagged group (``GroupBatch``), one ``TrainSequence`` per merged
+sequence. In the process it stays Python objects holding numpy arrays (what packing and the loss read);
+it becomes Arrow only where it leaves or enters the process: ``--save-batches`` writes Parquet files,
+``--replay`` trains from them.
 
-Schema (``BATCH_SCHEMA``; metadata ``streamrl.batch_version = 2``):
+Their schema (``BATCH_SCHEMA``; metadata ``streamrl.batch_version = 2``), one row per sequence:
 
 =====================  ==================  =====================================================
 column                 type                meaning
@@ -28,13 +31,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .assembler import GREEDY_BELOW, ReadyGroup, Trajectory, filtered_sampling, merge_calls
+from .assembler import GREEDY_BELOW, ReadyGroup, Trajectory, filtered_sampling
 from .loss import group_advantages
 
 BATCH_SCHEMA = pa.schema(
@@ -52,6 +56,51 @@ BATCH_SCHEMA = pa.schema(
     ],
     metadata={"streamrl.batch_version": "2"},
 )
+
+
+@dataclass(slots=True)
+class TrainSequence:
+    """One sequence of a step (a row of ``BATCH_SCHEMA``): what packing and the loss read first, then
+    where it came from."""
+
+    token_ids: np.ndarray
+    """Prompt and sampled tokens (int32)."""
+    loss_mask: np.ndarray
+    """1 where the token was sampled (int8)."""
+    behaviour_logprobs: np.ndarray
+    """The sampler's logprob of each sampled token, 0 elsewhere (float32)."""
+    advantage: float
+    temperature: float = 1.0
+    policy_version: int = 0
+    reward: float = 0.0
+    group_id: str = ""
+    trajectory_id: str = ""
+    request_ids: list[str] = field(default_factory=list)
+
+
+_ARRAY_TYPES = {"token_ids": np.int32, "loss_mask": np.int8, "behaviour_logprobs": np.float32}
+
+
+@dataclass(slots=True)
+class GroupBatch:
+    """A group ready to train: its sequences, all trajectories' rewards and advantages set."""
+
+    group_id: str
+    sequences: list[TrainSequence]
+
+    def to_arrow(self) -> pa.RecordBatch:
+        columns = {f.name: [getattr(s, f.name) for s in self.sequences] for f in fields(TrainSequence)}
+        return pa.RecordBatch.from_pydict(columns, schema=BATCH_SCHEMA)
+
+    @classmethod
+    def from_arrow(cls, batch: pa.RecordBatch) -> GroupBatch:
+        columns = {name: batch.column(name) for name in BATCH_SCHEMA.names}
+        seqs = []
+        for i in range(batch.num_rows):
+            values = {name: (col[i].values.to_numpy(zero_copy_only=False).astype(_ARRAY_TYPES[name])
+                             if name in _ARRAY_TYPES else col[i].as_py()) for name, col in columns.items()}
+            seqs.append(TrainSequence(**values))
+        return cls(seqs[0].group_id if seqs else "", seqs)
 
 
 def group_tokens(group: ReadyGroup) -> tuple[int, int]:
@@ -78,7 +127,7 @@ def usable_group(group: ReadyGroup, *, current_version: int, max_lag: int,
     kept: list[Trajectory] = []
     stale = 0
     for t in group.trajectories:
-        seqs = merge_calls(t.completions)
+        seqs = t.sequences()
         temps = [s.temperature for s in seqs]
         if any(math.isnan(x) for x in temps):
             counts["bad_temperature_trajectories"] += 1
@@ -101,7 +150,7 @@ def usable_group(group: ReadyGroup, *, current_version: int, max_lag: int,
     return ReadyGroup(group.group_id, kept, group.complete)
 
 
-def group_batch(group: ReadyGroup, *, std_norm: bool, counts: Counter[str] | None = None) -> pa.RecordBatch:
+def group_batch(group: ReadyGroup, *, std_norm: bool, counts: Counter[str] | None = None) -> GroupBatch:
     """The batch of a group ``usable_group`` returned: merged sequences, GRPO advantages.
 
     Trajectories sampled with top_p/top_k/min_p filtering are counted ``filtered_sampling``: their
@@ -114,58 +163,30 @@ def group_batch(group: ReadyGroup, *, std_norm: bool, counts: Counter[str] | Non
         if counts is not None and any(filtered_sampling(c) for c in t.completions):
             counts["filtered_sampling"] += 1
     adv = group_advantages(rewards, std_norm=std_norm)
-    rows: dict[str, list] = {name: [] for name in BATCH_SCHEMA.names}
-    for t, reward, a in zip(group.trajectories, rewards, adv, strict=True):
-        for s in merge_calls(t.completions):
-            rows["group_id"].append(group.group_id)
-            rows["trajectory_id"].append(t.trajectory_id)
-            rows["request_ids"].append(s.request_ids)
-            rows["token_ids"].append(s.token_ids)
-            rows["loss_mask"].append(s.loss_mask)
-            rows["behaviour_logprobs"].append(s.behaviour_logprobs)
-            rows["advantage"].append(a)
-            rows["reward"].append(reward)
-            rows["policy_version"].append(s.policy_version)
-            rows["temperature"].append(s.temperature)
-    return pa.RecordBatch.from_pydict(rows, schema=BATCH_SCHEMA)
+    seqs = [TrainSequence(s.token_ids, s.loss_mask, s.behaviour_logprobs, float(a), s.temperature, s.policy_version,
+                          float(reward), group.group_id, t.trajectory_id, s.request_ids)
+            for t, reward, a in zip(group.trajectories, rewards, adv, strict=True) for s in t.sequences()]
+    return GroupBatch(group.group_id, seqs)
 
 
 def build_batch(group: ReadyGroup, *, current_version: int, max_lag: int, std_norm: bool,
-                counts: Counter[str]) -> pa.RecordBatch | None:
+                counts: Counter[str]) -> GroupBatch | None:
     """``usable_group`` then ``group_batch``: the group's batch, or None (counted) when unusable."""
     g = usable_group(group, current_version=current_version, max_lag=max_lag, counts=counts)
     return None if g is None else group_batch(g, std_norm=std_norm, counts=counts)
 
 
-def rows(batch: pa.RecordBatch) -> list[dict]:
-    """The sequences of a batch as numpy arrays (what packing and the loss consume)."""
-    cols = {name: batch.column(name) for name in BATCH_SCHEMA.names}
-    out = []
-    for i in range(batch.num_rows):
-        out.append({
-            "group_id": cols["group_id"][i].as_py(),
-            "trajectory_id": cols["trajectory_id"][i].as_py(),
-            "token_ids": cols["token_ids"][i].values.to_numpy(zero_copy_only=False).astype(np.int64),
-            "loss_mask": cols["loss_mask"][i].values.to_numpy(zero_copy_only=False).astype(bool),
-            "behaviour_logprobs": cols["behaviour_logprobs"][i].values.to_numpy(zero_copy_only=False),
-            "advantage": float(cols["advantage"][i].as_py()),
-            "policy_version": int(cols["policy_version"][i].as_py()),
-            "temperature": float(cols["temperature"][i].as_py()),
-        })
-    return out
-
-
-def save_batch(batch: pa.RecordBatch, directory: str | Path, name: str) -> Path:
+def save_batch(batch: GroupBatch, directory: str | Path, name: str) -> Path:
     """Write one batch as ``<directory>/<name>.parquet`` (written to a temp name, then renamed)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     path, tmp = d / f"{name}.parquet", d / f".{name}.parquet.tmp"
-    pq.write_table(pa.Table.from_batches([batch], schema=BATCH_SCHEMA), tmp)
+    pq.write_table(pa.Table.from_batches([batch.to_arrow()], schema=BATCH_SCHEMA), tmp)
     tmp.replace(path)
     return path
 
 
-def load_batches(directory: str | Path) -> list[pa.RecordBatch]:
+def load_batches(directory: str | Path) -> list[GroupBatch]:
     """Every saved batch under ``directory``, in file-name order (one batch per group)."""
     out = []
     for path in sorted(Path(directory).glob("*.parquet")):
@@ -173,5 +194,5 @@ def load_batches(directory: str | Path) -> list[pa.RecordBatch]:
         if "temperature" not in table.column_names:  # batch_version 1: sampled at temperature 1
             table = table.append_column("temperature", pa.array(np.ones(table.num_rows, np.float32)))
         table = table.select(BATCH_SCHEMA.names).cast(BATCH_SCHEMA)
-        out.append(table.combine_chunks().to_batches()[0])
+        out.append(GroupBatch.from_arrow(table.combine_chunks().to_batches()[0]))
     return out

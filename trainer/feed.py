@@ -1,4 +1,4 @@
-"""What the daemon trains on: ready groups as Arrow batches, from the live log or from saved Parquet.
+"""What the daemon trains on: ready groups as ``GroupBatch``es, from the live log or from saved Parquet.
 
 ``StreamGroups`` decodes raw records (bad ones counted as ``bad_<reason>`` and skipped), feeds the
 assembler and queues each group that becomes ready. Staleness is judged when a group becomes ready and
@@ -47,12 +47,10 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 
-import pyarrow as pa
-
 from streamrl.broker.schema import CompletionRecord, RecordError, RewardRecord, decode
 
 from .assembler import COMPLETION, Assembler, ReadyGroup
-from .batch import group_batch, group_tokens, load_batches, usable_group
+from .batch import GroupBatch, group_batch, group_tokens, load_batches, usable_group
 from .config import TrainerConfig
 from .source import RecordSource
 
@@ -61,7 +59,7 @@ class GroupSource(ABC):
     counts: Counter[str]
 
     @abstractmethod
-    def next_groups(self, n: int, current_version: int, timeout_s: float) -> list[pa.RecordBatch]:
+    def next_groups(self, n: int, current_version: int, timeout_s: float) -> list[GroupBatch]:
         """Exactly ``n`` group batches once that many are ready, else ``[]`` after at most ``timeout_s``."""
 
     @property
@@ -127,7 +125,7 @@ class StreamGroups(GroupSource):
             return
         self.assembler.add(record, value, now=self._clock())  # type: ignore[arg-type]
 
-    def next_groups(self, n: int, current_version: int, timeout_s: float) -> list[pa.RecordBatch]:
+    def next_groups(self, n: int, current_version: int, timeout_s: float) -> list[GroupBatch]:
         """At least ``n`` group batches once that many are ready (more up to ``max_step_tokens``), else
         ``[]`` after at most ``timeout_s``."""
         # A caller asking for more than the bound (the daemon never does: the config forbids
@@ -279,7 +277,7 @@ class ReplayGroups(GroupSource):
         self.batches = load_batches(directory)[self.consumed:]
         self.counts: Counter[str] = Counter()
 
-    def next_groups(self, n: int, current_version: int, timeout_s: float) -> list[pa.RecordBatch]:
+    def next_groups(self, n: int, current_version: int, timeout_s: float) -> list[GroupBatch]:
         """The next ``n`` saved batches (fewer at the very end of the directory)."""
         out, self.batches = self.batches[:n], self.batches[n:]
         self.consumed += len(out)

@@ -13,10 +13,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .batch import TrainSequence
 from .config import TrainerConfig
 from .loss import grpo_loss
 from .model import packed_logprobs, trainable_parameters
 from .packing import deal, pack, sampled_tokens
+
+TOTALS = ("loss", "sampled_tokens", "ratio_sum", "truncated", "kl_behaviour_sum", "kl_ref_sum", "tokens")
+"""What each micro-batch adds to its step's totals, in the order of the one tensor summed across ranks."""
 
 
 @dataclass
@@ -50,7 +54,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, betas=config.adam_betas,
                                            weight_decay=config.weight_decay)
 
-    def step(self, sequences: list[dict]) -> StepStats:
+    def step(self, sequences: list[TrainSequence]) -> StepStats:
         c = self.config
         start = time.perf_counter()
         world, rank = _world()
@@ -59,7 +63,7 @@ class Learner:
         self.model.train()
         for p in self.params:  # zeros, not None: a rank without micro-batches still joins the all-reduce
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
-        sums = torch.zeros(7, dtype=torch.float64)  # loss, sampled, ratio, truncated, kl_b, kl_ref, tokens
+        sums = torch.zeros(len(TOTALS), dtype=torch.float64)
         for mb in mine:
             scaled = bool((mb.temperatures != 1.0).any())  # all at temperature 1: no extra logits pass
             mb = mb.to(self.device)
@@ -93,10 +97,11 @@ class Learner:
         self.optimizer.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        k = max(sums[1].item(), 1.0)
+        t = dict(zip(TOTALS, sums.tolist(), strict=True))
+        k = max(t["sampled_tokens"], 1.0)
         return StepStats(
-            loss=sums[0].item(), tokens=int(sums[6].item()), sampled_tokens=int(sums[1].item()),
-            sequences=len(sequences), micro_batches=len(mine), ratio_mean=sums[2].item() / k,
-            truncated_frac=sums[3].item() / k, kl_behaviour=sums[4].item() / k, kl_ref=sums[5].item() / k,
+            loss=t["loss"], tokens=int(t["tokens"]), sampled_tokens=int(t["sampled_tokens"]),
+            sequences=len(sequences), micro_batches=len(mine), ratio_mean=t["ratio_sum"] / k,
+            truncated_frac=t["truncated"] / k, kl_behaviour=t["kl_behaviour_sum"] / k, kl_ref=t["kl_ref_sum"] / k,
             grad_norm=float(grad_norm), seconds=time.perf_counter() - start,
         )

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
+
+from .batch import GroupBatch
 
 log = logging.getLogger("streamrl.trainer")
 
@@ -23,20 +24,18 @@ FEED_COUNTERS = {
 """Counts that are not record outcomes get their own Prometheus counters (``<name>_total``)."""
 
 
-def batch_metrics(batches: list[pa.RecordBatch], version: int) -> dict[str, float]:
+def batch_metrics(batches: list[GroupBatch], version: int) -> dict[str, float]:
     """Reward and staleness statistics of a step's groups (one reward per trajectory)."""
-    rewards, lags = [], []
+    rewards: dict[str, float] = {}
+    lags = []
     for b in batches:
-        seen = set()
-        for tid, r, v in zip(b.column("trajectory_id").to_pylist(), b.column("reward").to_pylist(),
-                             b.column("policy_version").to_pylist(), strict=True):
-            lags.append(version - v)
-            if tid not in seen:
-                seen.add(tid)
-                rewards.append(r)
+        for s in b.sequences:
+            lags.append(version - s.policy_version)
+            rewards.setdefault(s.trajectory_id, s.reward)
+    r = list(rewards.values())
     return {
-        "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
-        "trajectories": len(rewards), "staleness_mean": float(np.mean(lags)), "staleness_max": float(max(lags)),
+        "reward_mean": float(np.mean(r)), "reward_std": float(np.std(r)),
+        "trajectories": len(r), "staleness_mean": float(np.mean(lags)), "staleness_max": float(max(lags)),
     }
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .batch import TrainSequence
+
 
 @dataclass
 class MicroBatch:
@@ -60,11 +62,11 @@ def _first_fit(items: list, size, capacity: int) -> list[list]:
     return bins
 
 
-def _row_length(row: list[dict]) -> int:
-    return sum(len(s["token_ids"]) for s in row)
+def _row_length(row: list[TrainSequence]) -> int:
+    return sum(len(s.token_ids) for s in row)
 
 
-def _make(rows: list[list[dict]]) -> MicroBatch:
+def _make(rows: list[list[TrainSequence]]) -> MicroBatch:
     width = max(_row_length(r) for r in rows)
     ids = np.zeros((len(rows), width), np.int64)
     pos = np.zeros((len(rows), width), np.int64)
@@ -73,16 +75,16 @@ def _make(rows: list[list[dict]]) -> MicroBatch:
     for r, row in enumerate(rows):
         col = 0
         for s in row:
-            n = len(s["token_ids"])
-            ids[r, col:col + n] = s["token_ids"]
+            n = len(s.token_ids)
+            ids[r, col:col + n] = s.token_ids
             pos[r, col:col + n] = np.arange(n)
-            where = np.flatnonzero(s["loss_mask"])
+            where = np.flatnonzero(s.loss_mask)
             where = where[where > 0]  # position 0 has no context; never sampled in practice
             tgt.append(r * width + col + where)
-            beh.append(np.asarray(s["behaviour_logprobs"], np.float32)[where])
-            adv.append(np.full(len(where), s["advantage"], np.float32))
+            beh.append(np.asarray(s.behaviour_logprobs, np.float32)[where])
+            adv.append(np.full(len(where), s.advantage, np.float32))
             sidx.append(np.full(len(where), k))
-            temp.append(np.full(len(where), s.get("temperature", 1.0), np.float32))
+            temp.append(np.full(len(where), s.temperature, np.float32))
             col += n
             k += 1
         pos[r, col:] = np.arange(width - col) + (pos[r, col - 1] + 1 if col else 0)  # padding continues
@@ -93,10 +95,10 @@ def _make(rows: list[list[dict]]) -> MicroBatch:
                       sum(_row_length(r) for r in rows), torch.from_numpy(np.concatenate(temp)))
 
 
-def pack(sequences: list[dict], budget: int, row_tokens: int | None = None) -> list[MicroBatch]:
-    """Pack sequences (dicts from ``batch.rows``) into micro-batches of about ``budget`` tokens."""
-    rows = _first_fit(sequences, lambda s: len(s["token_ids"]), row_tokens or budget)
-    micro: list[list[list[dict]]] = []
+def pack(sequences: list[TrainSequence], budget: int, row_tokens: int | None = None) -> list[MicroBatch]:
+    """Pack a step's sequences into micro-batches of about ``budget`` tokens."""
+    rows = _first_fit(sequences, lambda s: len(s.token_ids), row_tokens or budget)
+    micro: list[list[list[TrainSequence]]] = []
     for row in sorted(rows, key=_row_length, reverse=True):
         if micro and (len(micro[-1]) + 1) * _row_length(micro[-1][0]) <= budget:
             micro[-1].append(row)
@@ -117,5 +119,5 @@ def deal(micro_batches: list[MicroBatch], world_size: int, rank: int) -> list[Mi
     return mine
 
 
-def sampled_tokens(sequences: list[dict]) -> int:
-    return int(sum(int(np.asarray(s["loss_mask"])[1:].sum()) for s in sequences))
+def sampled_tokens(sequences: list[TrainSequence]) -> int:
+    return int(sum(int(np.asarray(s.loss_mask)[1:].sum()) for s in sequences))
