@@ -2,9 +2,8 @@
 
 Why sharper: a freshly initialised model's logits are ``final_norm(h) · embedding``; with RMSNorm weight
 1 and embeddings of std 0.02 they are bounded by about sqrt(hidden) · |e| ≈ 2.6 for the tiny shape, so
-the output is nearly uniform and no LoRA adapter (which does not touch the norm) can concentrate it:
-measured, even exact gradient ascent on "emit number tokens" plateaus at 0.42 from 0.39. Real models
-are peaked. Scaling the final norm weight by ``sharpness`` widens the logit range the same way as
+the output is nearly uniform and no LoRA adapter (which does not touch the norm) can concentrate it
+(docs/loop.md, "The demo model"). Real models are peaked. Scaling the final norm weight by ``sharpness`` widens the logit range the same way as
 sampling at temperature 1/sharpness, but keeps the sampling temperature at 1, so the logprobs vLLM
 reports and the trainer recomputes describe the same distribution.
 """

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 import torch
 from test_gateway import client, direct, of_request
@@ -126,23 +127,37 @@ CHAT = [{"role": "user", "content": "Count with me: one, two"}]
 _VOLATILE = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
 
 
-_CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
-
-
-def normalised(raw: bytes) -> bytes:
-    """A response's bytes with what differs between two calls (the request id, the creation time) blanked;
-    a stream's events put in choice order (with ``n`` > 1, how the choices' chunks interleave depends on
-    the engine's steps, and differs between two calls), each choice's own events keeping their order."""
+def normalised(raw: bytes) -> Any:
+    """What two calls of the same seeded request share: a body's bytes with what differs between calls
+    (the request id, the creation time) blanked. A stream is compared by what its events say, per choice:
+    the text (or chat delta) joined, and every other field's last value; then the events without choices
+    (usage) and ``[DONE]``, in order. Not its events one by one: with ``n`` > 1 how the choices' chunks
+    interleave depends on the engine's steps, and a client that reads behind the engine gets several
+    steps' deltas in one event (vLLM merges them), both differing from call to call."""
     raw = _VOLATILE.sub(rb'"\1":0', raw)
     if not raw.startswith(b"data: "):
         return raw
-    events = raw.split(b"\n\n")
-
-    def choice(event: bytes) -> int:
-        m = _CHOICE_INDEX.search(event)
-        return int(m.group(1)) if m else 1 << 30  # the usage chunk and [DONE] last, in their order
-
-    return b"\n\n".join(sorted(events, key=choice))
+    choices: dict[int, dict[str, Any]] = {}
+    rest: list[Any] = []
+    for event in raw.split(b"\n\n"):
+        if not event:
+            continue
+        assert event.startswith(b"data: "), event
+        if event == b"data: [DONE]":
+            rest.append("[DONE]")
+            continue
+        chunk = orjson.loads(event[6:])
+        if not chunk.get("choices"):
+            rest.append(chunk)
+            continue
+        top = {k: v for k, v in chunk.items() if k != "choices"}
+        for c in chunk["choices"]:
+            seen = choices.setdefault(c["index"], {"text": "", "role": None, **top})
+            delta = c.get("delta") or {}
+            seen["text"] += c.get("text") or delta.get("content") or ""
+            seen["role"] = delta.get("role") or seen["role"]
+            seen |= {k: v for k, v in c.items() if k not in ("text", "delta") and v is not None}
+    return choices, rest
 
 
 def test_probe_answers_the_format(engine: Engine) -> None:
