@@ -86,6 +86,7 @@ class Gateway:
         if self.follower is not None:
             await self.follower.stop()
         await self.pool.stop()
+        await self.proxy.finish_late_captures(min(self.config.upstream_timeout_s, 10.0))
         for session in (self.session, self.fresh_session):
             if session is not None:
                 await session.close()

@@ -9,6 +9,7 @@ or cut-off response produces no record.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 JSON = "application/json"
 _RETRYABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 """Failures before any response byte: the request can go to another upstream unseen by the client."""
+_DONE_EVENT = b"data: [DONE]\n\n"
 
 
 class BadRequest(Exception):
@@ -202,6 +204,20 @@ class _Relay(StreamingResponse):
             self._on_close()
 
 
+class _Frames:
+    """A framed stream's progress, shared by its relay and whatever reads on after the client left."""
+
+    __slots__ = ("captured", "ended", "events", "splitter")
+
+    def __init__(self) -> None:
+        self.splitter = FrameSplitter()
+        self.events: list[tuple[float, bytes]] = []
+        """The ``B`` frames' events with their arrival times (``perf_counter``), for the record."""
+        self.ended = False
+        """``data: [DONE]`` has been relayed: the answer is complete but for the capture."""
+        self.captured = False
+
+
 class Proxy:
     def __init__(self, config: GatewayConfig, pool: UpstreamPool, router: PolicyRouter,
                  producer: LogProducer | None, metrics: GatewayMetrics, completions_topic: str) -> None:
@@ -215,6 +231,14 @@ class Proxy:
         self._upstream_headers = {"Content-Type": JSON, **config.extra_headers}
         self._capture_headers = {**self._upstream_headers, CAPTURE_HEADER: "1"}
         self._fallback_logged = False
+        self._late_captures: set[asyncio.Task[None]] = set()
+        """``_late_capture`` tasks in progress (the loop keeps only weak references to tasks)."""
+
+    async def finish_late_captures(self, timeout_s: float) -> None:
+        """At shutdown, before the producer closes: give streams still reading on to their capture frame
+        (``_late_capture``) up to ``timeout_s`` to be recorded."""
+        if self._late_captures:
+            await asyncio.wait(set(self._late_captures), timeout=timeout_s)
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
@@ -381,51 +405,79 @@ class Proxy:
         self.producer.offer_deferred(self.topic, functools.partial(build, total_s), count)
 
     def _stream(self, call: _Call, resp: aiohttp.ClientResponse) -> Response:
-
-        def on_close() -> None:
-            resp.release()
-            self._done_with_upstream(call)
-            call.lease.release()
-
         headers = dict(call.headers)
         headers["Cache-Control"] = "no-cache"
         if call.engine_capture and resp.headers.get(CAPTURE_HEADER) == "1":
-            return _Relay(self._relay_frames(call, resp), 200, headers, on_close)
+            frames = _Frames()
+
+            def on_close_framed() -> None:
+                if frames.ended and not frames.captured and not resp.content.at_eof():
+                    task = asyncio.get_running_loop().create_task(self._late_capture(call, resp, frames))
+                    self._late_captures.add(task)
+                    task.add_done_callback(self._late_captures.discard)
+                else:
+                    self._end_stream(call, resp)
+
+            return _Relay(self._relay_frames(call, resp, frames), 200, headers, on_close_framed)
         capture = StreamCapture(call.ctx.endpoint) if call.record and not call.engine_capture else None
         if call.engine_capture:  # not framed after all: pass it on, record nothing (counted)
             self._emit_engine(call, b"", None)
-        return _Relay(self._relay(call, resp, capture), 200, headers, on_close)
+        return _Relay(self._relay(call, resp, capture), 200, headers, functools.partial(self._end_stream, call, resp))
 
-    async def _relay_frames(self, call: _Call, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    def _end_stream(self, call: _Call, resp: aiohttp.ClientResponse) -> None:
+        resp.release()
+        self._done_with_upstream(call)
+        call.lease.release()
+
+    async def _relay_frames(self, call: _Call, resp: aiohttp.ClientResponse, frames: _Frames) -> AsyncIterator[bytes]:
         """A stream from ``streamrl engine``: ``B`` frames' bytes go to the client as they come; the events
-        are kept with their arrival times for the record, which is handed over at the ``C`` frame (it comes
-        before ``data: [DONE]``: the openai client hangs up on [DONE], which cancels this generator)."""
+        are kept with their arrival times for the record, which is handed over at the ``C`` frame. The
+        engine sends it before ``data: [DONE]`` when it can, since the openai client hangs up on [DONE],
+        which cancels this generator; a capture still to come then is read in the background
+        (``_late_capture``)."""
         started = call.ctx.started
-        splitter = FrameSplitter()
-        events: list[tuple[float, bytes]] = []
         first_output = False
         try:
             async for data in resp.content.iter_any():
                 now = time.perf_counter()
                 out = []
-                for kind, payload in splitter.feed(data):
+                for kind, payload in frames.splitter.feed(data):
                     if kind == BODY:
                         out.append(payload)
-                        events.append((now, payload))
+                        frames.events.append((now, payload))
                         if not first_output and not call.endpoint.before_output(payload):
                             first_output = True
                             self.metrics.ttft.observe(now - started)
+                        frames.ended = frames.ended or payload.endswith(_DONE_EVENT)
                     else:
-                        self._emit_engine(call, events, payload)
+                        frames.captured = True
+                        self._emit_engine(call, frames.events, payload)
                 if out:
                     yield out[0] if len(out) == 1 else b"".join(out)
-            if splitter.pending:
-                raise WireError(f"stream cut off inside a frame ({splitter.pending} bytes)")
+            if frames.splitter.pending:
+                raise WireError(f"stream cut off inside a frame ({frames.splitter.pending} bytes)")
+            if not frames.captured:  # the engine could not send it: counted as an invalid call
+                self._emit_engine(call, frames.events, None)
         except (TimeoutError, aiohttp.ClientError, WireError) as exc:
             status = 504 if isinstance(exc, TimeoutError) else 502  # before the capture: nothing was recorded
             yield b"data: " + error_body(status, f"upstream stream ended: {type(exc).__name__}") + b"\n\n"
         finally:
             self.metrics.observe(call.endpoint.route, 200, time.perf_counter() - started)
+
+    async def _late_capture(self, call: _Call, resp: aiohttp.ClientResponse, frames: _Frames) -> None:
+        """The client left after ``[DONE]``, before the capture frame came: read on to it (within the
+        upstream read timeout), so that the call is recorded all the same."""
+        try:
+            async for data in resp.content.iter_any():
+                for kind, payload in frames.splitter.feed(data):
+                    if kind != BODY:
+                        self._emit_engine(call, frames.events, payload)
+                        return
+            self._emit_engine(call, frames.events, None)  # ended without one: counted as an invalid call
+        except (TimeoutError, aiohttp.ClientError, WireError) as exc:
+            log.warning("no capture frame after the end of a stream from %s: %s", call.ctx.upstream, exc)
+        finally:
+            self._end_stream(call, resp)
 
     async def _relay(self, call: _Call, resp: aiohttp.ClientResponse,
                      capture: StreamCapture | None) -> AsyncIterator[bytes]:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from pathlib import Path
 
 import aiohttp
 import httpx
+import numpy as np
 import openai
+import orjson
 from relay import Relay
 from test_gateway import TopicReader
 
@@ -24,6 +27,15 @@ from streamrl.broker.policy_log import publish_version
 from streamrl.broker.schema import CompletionRecord
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine import Engine
+from streamrl.engine_wire import (
+    BODY,
+    CAPTURE,
+    CAPTURE_HEADER,
+    FORMAT_VERSION,
+    PROBE_PATH,
+    encode_capture,
+    frame,
+)
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 from streamrl.tiny_model import random_adapter
@@ -188,3 +200,87 @@ def test_a_stream_is_recorded_when_the_client_hangs_up_on_done(broker: EmbeddedB
             assert all(r.completion_token_ids.size == r.logprobs.size > 0 for r in recs)
     finally:
         reader.close()
+
+
+class LateCaptureEngine:
+    """An upstream speaking ``streamrl engine``'s framed wire that sends a stream's capture frame only after
+    ``data: [DONE]``, once the test releases it. The real engine does so only when a choice is not finished
+    at [DONE], which cannot be arranged on cue, and the relay moves bytes without reordering frames, so
+    this stub stands in for that one path; the gateway, broker and client in front of it are real."""
+
+    MODEL = "late-capture-model"
+
+    def __init__(self) -> None:
+        from aiohttp import web
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.release = asyncio.Event()
+        self.port = free_port()
+        app = web.Application()
+        app.router.add_get("/health", lambda _: web.Response(text=""))
+        app.router.add_get("/v1/models", lambda _: web.json_response({"data": [{"id": self.MODEL, "parent": None}]}))
+        app.router.add_get(PROBE_PATH, lambda _: web.json_response({"format": FORMAT_VERSION}))
+        app.router.add_post("/v1/completions", self._completions)
+        self.runner = web.AppRunner(app)
+        asyncio.run_coroutine_threadsafe(self._start(web), self.loop).result(10)
+
+    async def _start(self, web) -> None:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _completions(self, request):
+        from aiohttp import web
+
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", CAPTURE_HEADER: "1"})
+        await resp.prepare(request)
+        for text, finish in (("Hello", None), (" there", "length")):
+            chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": self.MODEL,
+                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            await resp.write(frame(BODY, b"data: " + orjson.dumps(chunk) + b"\n\n"))
+        await resp.write(frame(BODY, b"data: [DONE]\n\n"))
+        await self.release.wait()  # the client has hung up on [DONE] by now
+        capture = encode_capture([np.array([5, 6, 7], np.int32)],
+                                 [(0, 0, np.array([11, 12], np.int32), np.array([-0.5, -0.25], np.float32))])
+        await resp.write(frame(CAPTURE, capture))
+        await resp.write_eof()
+        return resp
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def test_a_capture_sent_after_done_is_recorded_after_the_client_left(broker: EmbeddedBroker) -> None:
+    """The openai client hangs up on ``[DONE]``; an engine whose capture frame comes after it: the gateway
+    reads on to the capture in the background, and the call is recorded with the engine's tokens."""
+    create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
+    upstream = LateCaptureEngine()
+    config = GatewayConfig(upstreams=(upstream.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
+                           topic_prefix=TOPICS.prefix, follow_policy=False, health_interval_s=60)
+    reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
+    try:
+        with GatewayServer(config) as gw:
+            assert gw.gateway.pool.upstreams[0].token_capture
+            client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+            stream = client.completions.create(model=upstream.MODEL, prompt="hi", max_tokens=2, stream=True,
+                                               extra_headers={"X-Trajectory-Id": "traj-late-capture"})
+            text = "".join(c.choices[0].text for c in stream)
+            stream.close()
+            assert text == "Hello there" and gw.gateway.health()["producer"]["offered"] == 0  # nothing yet
+            upstream.loop.call_soon_threadsafe(upstream.release.set)
+            [rec] = reader.wait_for(lambda r: isinstance(r, CompletionRecord) and r.trajectory_id == "traj-late-capture",
+                                    explain=lambda: gw.gateway.health()["producer"])
+            assert rec.response_text == "Hello there" and rec.finish_reason == "length"
+            assert rec.prompt_token_ids.tolist() == [5, 6, 7] and rec.completion_token_ids.tolist() == [11, 12]
+            assert rec.logprobs.tolist() == [-0.5, -0.25]
+            assert gw.gateway.pool.upstreams[0].in_flight == 0
+    finally:
+        reader.close()
+        upstream.stop()
