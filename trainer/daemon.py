@@ -38,7 +38,8 @@ def open_source(c: TrainerConfig, state: TrainerState) -> GroupSource:
 
     from .source import KafkaRecordSource
 
-    records = KafkaRecordSource(c.bootstrap_servers, Topics(c.topic_prefix), c.group_id, state.offsets)
+    records = KafkaRecordSource(c.bootstrap_servers, Topics(c.topic_prefix), c.group_id, state.offsets,
+                                security=c.kafka)
     return StreamGroups(records, c, restore=state.pending, done=state.done, published=state.published)
 
 
@@ -80,7 +81,8 @@ def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
             from streamrl.broker.schema import PolicyRecord
             from streamrl.broker.topics import Topics
 
-            policy_log = PolicyLog(c.bootstrap_servers, Topics(c.topic_prefix), client_id="streamrl-trainer")
+            policy_log = PolicyLog(c.bootstrap_servers, Topics(c.topic_prefix), client_id="streamrl-trainer",
+                                   security=c.kafka, publisher=c.publisher)
             if state.policy and policy_log.last_version(c.name) < state.version:
                 policy_log.publish(PolicyRecord(**state.policy))
     idle_since = time.monotonic()
