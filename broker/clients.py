@@ -63,12 +63,12 @@ def make_consumer(bootstrap_servers: str, *, group_id: str | None, security: Kaf
 
 
 def admin_kwargs(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTEXT,
-                 client_id: str = "streamrl-admin") -> dict[str, Any]:
+                 client_id: str = "streamrl-admin", **extra: Any) -> dict[str, Any]:
     """What ``make_admin`` hands kafka-python."""
-    return dict(bootstrap_servers=bootstrap_servers, client_id=client_id, **security.client_kwargs())
+    return dict(bootstrap_servers=bootstrap_servers, client_id=client_id, **security.client_kwargs(), **extra)
 
 
 def make_admin(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTEXT,
-               client_id: str = "streamrl-admin") -> KafkaAdminClient:
+               client_id: str = "streamrl-admin", **extra: Any) -> KafkaAdminClient:
     """An admin client (topic creation)."""
-    return KafkaAdminClient(**admin_kwargs(bootstrap_servers, security=security, client_id=client_id))
+    return KafkaAdminClient(**admin_kwargs(bootstrap_servers, security=security, client_id=client_id, **extra))
