@@ -83,7 +83,7 @@ def test_inconsistent_settings_are_refused(kw, message) -> None:
 
 def test_a_missing_tls_file_is_named_when_a_client_is_made(tmp_path: Path) -> None:
     security = KafkaSecurity(security_protocol="SSL", ssl_cafile=str(tmp_path / "nope.pem"))
-    with pytest.raises(FileNotFoundError, match="nope.pem"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.pem"):
         consumer_kwargs("kafka:9093", group_id=None, security=security)
 
 
