@@ -306,16 +306,13 @@ class Stack:
 
     def start(self) -> Stack:
         c = self.config
+        self._check_access()
         self.logs.mkdir(parents=True, exist_ok=True)
         self.log.line("up", f"run directory {self.run_dir}")
         self.model = self._model()
         self.bootstrap_servers = self._broker()
         trainer = c.trainer_config(self.model, self.bootstrap_servers)  # validated before anything slow
-        gateway = c.gateway_config(c.upstreams or ["http://127.0.0.1"], self.bootstrap_servers, 1)  # (engine not up)
-        keys = load_keys(gateway.api_keys, os.environ)
-        check_bind(gateway.host, keys, gateway.insecure)
-        if keys and c.demo is not None:
-            raise ValueError("the demo producer sends no API key: run --demo without api_keys")
+        c.gateway_config(c.upstreams or ["http://127.0.0.1"], self.bootstrap_servers, 1)  # (engine not up yet)
         self._trainer(trainer)
         self.upstreams = self._engine()
         self._gateway()
@@ -327,6 +324,16 @@ class Stack:
             self._wait_trainer(trainer)  # groups generated before the trainer can use them would only age
             self._demo(demo)
         return self
+
+    def _check_access(self) -> None:
+        """Before anything starts: the gateway's keys (``gateway/auth.py``) read, and a gateway on an address
+        other hosts reach refused without keys unless the [gateway] table says ``insecure``."""
+        c = self.config
+        gateway = c.gateway_config(c.upstreams or ["http://127.0.0.1"], c.bootstrap_servers or "127.0.0.1:9092", 1)
+        keys = load_keys(gateway.api_keys, os.environ)
+        check_bind(gateway.host, keys, gateway.insecure)
+        if keys and c.demo is not None:
+            raise ValueError("the demo producer sends no API key: run --demo on a gateway without api_keys")
 
     def _model(self) -> str:
         model = self.config.model

@@ -312,3 +312,15 @@ def test_policy_records_are_checked_before_anything_is_loaded(gw, broker, engine
     last = 2 + len(cases)
     publish_version(bootstrap, TOPICS, NAME, last, adapter_dirs["last"], base_model, publisher=TRAINER)
     wait_routed(gw, last)
+
+
+def test_the_producer_sdk_sends_its_key_with_calls_and_rewards(gw, base_model, completions, rewards) -> None:
+    from streamrl.producers.client import Gateway
+
+    with Gateway(gw.url, api_key=TEAM_A) as sdk, sdk.trajectory(group_id="auth-sdk", group_size=1) as t:
+        t.client.chat.completions.create(model=base_model, messages=CHAT, max_tokens=2)
+        t.reward(1.0)
+    assert t.posted
+    (call,) = completions.wait_for(lambda r: isinstance(r, CompletionRecord) and r.trajectory_id == t.trajectory_id)
+    (reward,) = rewards.wait_for(lambda r: isinstance(r, RewardRecord) and r.trajectory_id == t.trajectory_id)
+    assert call.key_id == reward.key_id == "team-a"

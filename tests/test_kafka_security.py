@@ -20,6 +20,7 @@ from streamrl.broker.security import KafkaSecurity
 from streamrl.broker.topics import Topics
 from streamrl.cli import build_parser
 from streamrl.gateway.cli import config_from_args
+from streamrl.gateway.config import GatewayConfig
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.source import KafkaRecordSource
 from streamrl.up import load_config as load_up_config
@@ -132,3 +133,15 @@ def test_settings_come_from_flags_and_config_tables(tmp_path: Path) -> None:
     assert gateway.kafka == trainer.kafka == KafkaSecurity(security_protocol="SASL_SSL",
                                                            sasl_mechanism="SCRAM-SHA-256", sasl_username="up")
     assert up.child_env == {"STREAMRL_KAFKA_PASSWORD": "pw"}
+
+
+def test_the_infra_sasl_ssl_example_loads() -> None:
+    """``infra/kafka-sasl-ssl.toml`` is read by the same loaders the parts use (it cannot be run here)."""
+    path = Path(__file__).parent.parent / "infra" / "kafka-sasl-ssl.toml"
+    gateway = GatewayConfig.load(path, upstreams=("http://vllm-0:8000",))
+    trainer = TrainerConfig.load(path)
+    for security in (gateway.kafka, trainer.kafka):
+        assert (security.security_protocol, security.sasl_mechanism) == ("SASL_SSL", "SCRAM-SHA-512")
+        assert security.sasl_password is None and security.ssl_cafile == "/etc/streamrl/kafka-ca.pem"
+    assert trainer.publisher in gateway.trusted_publishers
+    assert gateway.adapter_root == trainer.adapters
