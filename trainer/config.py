@@ -30,6 +30,9 @@ class TrainerConfig:
     publisher_id: str = ""
     """Stamped on each policy record as its ``publisher`` (gateways may serve only trusted publishers).
     Default streamrl-trainer.<name>."""
+    key_ids: tuple[str, ...] = ()
+    """Train only on completions and rewards tagged with one of these gateway API key ids (``key_id``: one
+    tenant's traffic); the rest is counted ``not_trained_tenant``. Empty: every record."""
     consumer_group: str = ""
     """Kafka group id under which offsets are committed (for lag monitoring). Default streamrl-trainer.<name>."""
     state_dir: str = ""
@@ -120,6 +123,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.target_modules = tuple(self.target_modules)
+        self.key_ids = tuple(self.key_ids)
         self.kafka = KafkaSecurity.of(self.kafka)
         self.adam_betas = (float(self.adam_betas[0]), float(self.adam_betas[1]))
         if self.group_size < 1 or self.groups_per_step < 1:
