@@ -29,7 +29,8 @@ counting) instead of guessing, so a consumer can count and skip it. Version hist
   train on an evaluation.
 * completion v3, reward v2: ``key_id``, the id of the gateway API key the call or reward came with
   (``gateway/auth.py``; never the key itself), so a trainer can keep one tenant's data apart; None when
-  the gateway checks no keys. Older records read as None.
+  the gateway checks no keys. Older records read as None; a reader that knows only the older versions
+  refuses these (upgrade trainers before gateways).
 * policy v2: ``publisher``, the id of the trainer (or ``streamrl publish``) that published the version;
   a gateway configured with ``trusted_publishers`` serves only their versions. Older records read as None.
 """
