@@ -1,6 +1,9 @@
-"""Kafka producer and consumer set-up shared by every part (kafka-python).
+"""Kafka producer, consumer and admin client set-up shared by every part (kafka-python).
 
-``log_producer.LogProducer`` builds on ``make_producer`` for servers that must never wait for Kafka.
+Every Kafka client streamrl makes is made here, with the part's ``KafkaSecurity`` (``security.py``:
+protocol, SASL, TLS files), so that a secured cluster needs its settings given once per part and no
+client can be made without them. ``log_producer.LogProducer`` builds on ``make_producer`` for servers
+that must never wait for Kafka.
 """
 
 from __future__ import annotations
@@ -8,26 +11,30 @@ from __future__ import annotations
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer
+from kafka.admin import KafkaAdminClient
+
+from .security import KafkaSecurity
 
 DEFAULT_COMPRESSION = "zstd"
+PLAINTEXT = KafkaSecurity()
 
 
-def make_producer(bootstrap_servers: str, *, compression: str | None = DEFAULT_COMPRESSION,
-                  linger_ms: int = 5, max_block_ms: int = 60_000, acks: int | str = 1,
-                  client_id: str = "streamrl", **extra: Any) -> KafkaProducer:
+def producer_kwargs(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTEXT,
+                    compression: str | None = DEFAULT_COMPRESSION, linger_ms: int = 5, max_block_ms: int = 60_000,
+                    acks: int | str = 1, client_id: str = "streamrl", **extra: Any) -> dict[str, Any]:
+    """What ``make_producer`` hands kafka-python (tests read it: no SASL broker runs here)."""
+    return dict(bootstrap_servers=bootstrap_servers, client_id=client_id, compression_type=compression,
+                linger_ms=linger_ms, batch_size=1 << 20, max_request_size=16 << 20, acks=acks,
+                max_block_ms=max_block_ms, retries=5, **security.client_kwargs(), **extra)
+
+
+def make_producer(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTEXT,
+                  compression: str | None = DEFAULT_COMPRESSION, linger_ms: int = 5, max_block_ms: int = 60_000,
+                  acks: int | str = 1, client_id: str = "streamrl", **extra: Any) -> KafkaProducer:
     """A producer tuned for many small-to-medium records: compressed batches, short linger."""
-    return KafkaProducer(
-        bootstrap_servers=bootstrap_servers,
-        client_id=client_id,
-        compression_type=compression,
-        linger_ms=linger_ms,
-        batch_size=1 << 20,
-        max_request_size=16 << 20,
-        acks=acks,
-        max_block_ms=max_block_ms,
-        retries=5,
-        **extra,
-    )
+    return KafkaProducer(**producer_kwargs(bootstrap_servers, security=security, compression=compression,
+                                           linger_ms=linger_ms, max_block_ms=max_block_ms, acks=acks,
+                                           client_id=client_id, **extra))
 
 
 FETCH_MAX_WAIT_MS = 100
@@ -38,18 +45,30 @@ since each wake-up of kafka-python's threads takes a server's GIL (measured: doc
 keeps overhead low"; docs/trainer.md)."""
 
 
-def make_consumer(bootstrap_servers: str, *, group_id: str | None, client_id: str = "streamrl",
-                  auto_offset_reset: str = "earliest", **extra: Any) -> KafkaConsumer:
+def consumer_kwargs(bootstrap_servers: str, *, group_id: str | None, security: KafkaSecurity = PLAINTEXT,
+                    client_id: str = "streamrl", auto_offset_reset: str = "earliest", **extra: Any) -> dict[str, Any]:
+    """What ``make_consumer`` hands kafka-python."""
+    extra.setdefault("fetch_max_wait_ms", FETCH_MAX_WAIT_MS)
+    return dict(bootstrap_servers=bootstrap_servers, group_id=group_id, client_id=client_id,
+                enable_auto_commit=False, auto_offset_reset=auto_offset_reset, max_partition_fetch_bytes=16 << 20,
+                fetch_max_bytes=64 << 20, **security.client_kwargs(), **extra)
+
+
+def make_consumer(bootstrap_servers: str, *, group_id: str | None, security: KafkaSecurity = PLAINTEXT,
+                  client_id: str = "streamrl", auto_offset_reset: str = "earliest", **extra: Any) -> KafkaConsumer:
     """A consumer with manual offset commits. Callers ``assign()`` partitions themselves when they
     own offsets (the trainer), which also avoids the group-join wait of ``subscribe()``."""
-    extra.setdefault("fetch_max_wait_ms", FETCH_MAX_WAIT_MS)
-    return KafkaConsumer(
-        bootstrap_servers=bootstrap_servers,
-        group_id=group_id,
-        client_id=client_id,
-        enable_auto_commit=False,
-        auto_offset_reset=auto_offset_reset,
-        max_partition_fetch_bytes=16 << 20,
-        fetch_max_bytes=64 << 20,
-        **extra,
-    )
+    return KafkaConsumer(**consumer_kwargs(bootstrap_servers, group_id=group_id, security=security,
+                                           client_id=client_id, auto_offset_reset=auto_offset_reset, **extra))
+
+
+def admin_kwargs(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTEXT,
+                 client_id: str = "streamrl-admin", **extra: Any) -> dict[str, Any]:
+    """What ``make_admin`` hands kafka-python."""
+    return dict(bootstrap_servers=bootstrap_servers, client_id=client_id, **security.client_kwargs(), **extra)
+
+
+def make_admin(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTEXT,
+               client_id: str = "streamrl-admin", **extra: Any) -> KafkaAdminClient:
+    """An admin client (topic creation)."""
+    return KafkaAdminClient(**admin_kwargs(bootstrap_servers, security=security, client_id=client_id, **extra))

@@ -20,8 +20,9 @@ from typing import Any
 
 from kafka import KafkaProducer
 
-from .clients import DEFAULT_COMPRESSION, make_producer
+from .clients import DEFAULT_COMPRESSION, PLAINTEXT, make_producer
 from .frame_pipe import FrameReader, PipeWriter
+from .security import KafkaSecurity
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,8 @@ class _Sender:
     (a plain list in a thread, shared memory in a child process)."""
 
     def __init__(self, bootstrap_servers: str, compression: str | None, send_timeout_ms: int, client_id: str,
-                 counts: Any) -> None:
-        self.bootstrap_servers, self.compression = bootstrap_servers, compression
+                 counts: Any, security: KafkaSecurity = PLAINTEXT) -> None:
+        self.bootstrap_servers, self.compression, self.security = bootstrap_servers, compression, security
         self.send_timeout_ms, self.client_id, self.counts = send_timeout_ms, client_id, counts
         self.lock = threading.Lock()
         self.producer: KafkaProducer | None = None
@@ -71,7 +72,7 @@ class _Sender:
 
     def _connect(self) -> KafkaProducer | None:
         try:
-            return make_producer(self.bootstrap_servers, compression=self.compression,
+            return make_producer(self.bootstrap_servers, security=self.security, compression=self.compression,
                                  max_block_ms=self.send_timeout_ms, request_timeout_ms=self.send_timeout_ms,
                                  delivery_timeout_ms=self.send_timeout_ms + 5_000, client_id=self.client_id,
                                  linger_ms=20)
@@ -143,14 +144,14 @@ def _collect_rarely() -> None:
 
 
 def _child_main(conn: Any, bootstrap_servers: str, compression: str | None, send_timeout_ms: int,
-                client_id: str, counts: Any) -> None:
+                client_id: str, counts: Any, security: KafkaSecurity) -> None:
     """The producer process: receives pickled items until an empty frame, then flushes and exits."""
     # The parent decides when to stop: a Ctrl-C or a SIGTERM sent to the whole process group must not
     # lose what is buffered here. The pipe closing (the parent gone) ends this loop too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _collect_rarely()
-    sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, counts)
+    sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, counts, security)
     try:
         for data in FrameReader(conn.fileno()):
             sender.handle(pickle.loads(data))
@@ -169,8 +170,9 @@ class LogProducer:
 
     def __init__(self, bootstrap_servers: str, *, max_buffered: int = 100_000, max_buffered_bytes: int = 256 << 20,
                  compression: str | None = DEFAULT_COMPRESSION, send_timeout_ms: int = 10_000,
-                 client_id: str = "streamrl-gateway", process: bool = False) -> None:
-        self.bootstrap_servers = bootstrap_servers
+                 client_id: str = "streamrl-gateway", process: bool = False,
+                 security: KafkaSecurity = PLAINTEXT) -> None:
+        self.bootstrap_servers, self.security = bootstrap_servers, security
         self.max_buffered = max_buffered
         self._offered = self._dropped = self._unsendable = 0
         self._send_timeout_ms = send_timeout_ms
@@ -183,13 +185,14 @@ class LogProducer:
             reader, writer = ctx.Pipe(duplex=False)
             self._process = ctx.Process(target=_child_main, name="streamrl-log-producer", daemon=True,
                                         args=(reader, bootstrap_servers, compression, send_timeout_ms, client_id,
-                                              self._counts))
+                                              self._counts, security))
             self._process.start()
             reader.close()
             self._pipe = PipeWriter(writer, max_buffered, max_buffered_bytes)
         else:
             self._counts = [0, 0, 0, 0]
-            self._sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, self._counts)
+            self._sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, self._counts,
+                                   security)
             self._thread = threading.Thread(target=self._run, name="streamrl-log-producer", daemon=True)
             self._thread.start()
 

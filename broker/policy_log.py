@@ -12,28 +12,36 @@ from pathlib import Path
 
 from kafka import TopicPartition
 
-from .clients import make_consumer, make_producer
+from .clients import PLAINTEXT, make_consumer, make_producer
 from .schema import WEIGHTS_FILE, PolicyRecord, RecordError, decode, encode, sha256_file
+from .security import KafkaSecurity
 from .topics import Topics
 
 
 class PolicyLog:
     """A producer on the policy topic (``acks=all``, no linger: a version is one record, sent at once)."""
 
-    def __init__(self, bootstrap_servers: str, topics: Topics, client_id: str = "streamrl") -> None:
-        self.bootstrap_servers = bootstrap_servers
+    def __init__(self, bootstrap_servers: str, topics: Topics, client_id: str = "streamrl", *,
+                 security: KafkaSecurity = PLAINTEXT, publisher: str | None = None) -> None:
+        self.bootstrap_servers, self.security = bootstrap_servers, security
+        self.publisher = publisher
+        """Stamped on every record published here (a gateway may serve only trusted publishers' versions)."""
         self.topic = topics.policy
-        self.producer = make_producer(bootstrap_servers, client_id=client_id, acks="all", linger_ms=0)
+        self.producer = make_producer(bootstrap_servers, security=security, client_id=client_id, acks="all",
+                                      linger_ms=0)
 
     def publish(self, record: PolicyRecord) -> PolicyRecord:
         """Send ``record``, stamped now (publish -> served is measured from here), and wait for the ack."""
         record.created = time.time()
+        if self.publisher is not None:
+            record.publisher = self.publisher
         self.producer.send(self.topic, key=record.name.encode(), value=encode(record)).get(timeout=30)
         return record
 
     def last_version(self, name: str, timeout_s: float = 5.0) -> int:
         """The highest version of ``name`` on the topic (0 when none), read from the beginning to the end."""
-        consumer = make_consumer(self.bootstrap_servers, group_id=None, client_id="streamrl-policy-log")
+        consumer = make_consumer(self.bootstrap_servers, group_id=None, security=self.security,
+                                 client_id="streamrl-policy-log")
         try:
             tps = [TopicPartition(self.topic, p) for p in consumer.partitions_for_topic(self.topic) or {0}]
             consumer.assign(tps)
@@ -72,10 +80,11 @@ def adapter_record(name: str, version: int, path: Path, base_model: str, *, step
 
 
 def publish_version(bootstrap_servers: str, topics: Topics, name: str, version: int, path: Path,
-                    base_model: str, *, step: int = 0, metrics: dict[str, float] | None = None) -> PolicyRecord:
+                    base_model: str, *, step: int = 0, metrics: dict[str, float] | None = None,
+                    security: KafkaSecurity = PLAINTEXT, publisher: str | None = None) -> PolicyRecord:
     """Publish one adapter directory as ``name`` version ``version`` and wait for the ack (one-off: a
     caller publishing often keeps a ``PolicyLog``)."""
-    log = PolicyLog(bootstrap_servers, topics)
+    log = PolicyLog(bootstrap_servers, topics, security=security, publisher=publisher)
     try:
         return log.publish(adapter_record(name, version, path, base_model, step=step, metrics=metrics))
     finally:

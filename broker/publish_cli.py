@@ -13,8 +13,11 @@ import json
 import sys
 from pathlib import Path
 
+from streamrl.config_flags import add_config_flags, given
+
 from .policy_log import PolicyLog, adapter_record
 from .schema import WEIGHTS_FILE
+from .security import KafkaSecurity
 from .topics import Topics
 
 
@@ -25,13 +28,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="policy", help="policy name (default policy)")
     p.add_argument("--version", type=int, help="version number (default: one past the newest on the topic)")
     p.add_argument("--topic-prefix", default="streamrl")
+    p.add_argument("--publisher", default="streamrl-publish",
+                   help="the record's publisher, for gateways with trusted_publishers (default streamrl-publish)")
+    add_config_flags(p, KafkaSecurity, group="kafka", names={
+        f: "kafka-" + f.replace("_", "-") for f in KafkaSecurity.__dataclass_fields__})
 
 
 def run(args: argparse.Namespace) -> int:
     if not (args.adapter / WEIGHTS_FILE).is_file():
         print(f"streamrl publish: {args.adapter} has no {WEIGHTS_FILE}: not a peft adapter directory", file=sys.stderr)
         return 2
-    log = PolicyLog(args.bootstrap_servers, Topics(args.topic_prefix), client_id="streamrl-publish")
+    log = PolicyLog(args.bootstrap_servers, Topics(args.topic_prefix), client_id="streamrl-publish",
+                    security=KafkaSecurity(**given(args, KafkaSecurity, "kafka")), publisher=args.publisher)
     try:
         newest = log.last_version(args.name)
         version = args.version if args.version is not None else newest + 1

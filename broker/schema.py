@@ -27,6 +27,12 @@ counting) instead of guessing, so a consumer can count and skip it. Version hist
 * completion v2: ``purpose`` (``train``, or ``eval`` for held-out evaluation, which no trainer may train
   on). A v1 record reads as ``train``; a reader that knows only v1 refuses v2 records rather than
   train on an evaluation.
+* completion v3, reward v2: ``key_id``, the id of the gateway API key the call or reward came with
+  (``gateway/auth.py``; never the key itself), so a trainer can keep one tenant's data apart; None when
+  the gateway checks no keys. Older records read as None; a reader that knows only the older versions
+  refuses these (upgrade trainers before gateways).
+* policy v2: ``publisher``, the id of the trainer (or ``streamrl publish``) that published the version;
+  a gateway configured with ``trusted_publishers`` serves only their versions. Older records read as None.
 """
 
 from __future__ import annotations
@@ -46,9 +52,9 @@ MAGIC = b"SRL"
 KIND_COMPLETION = 1
 KIND_REWARD = 2
 KIND_POLICY = 3
-SCHEMA_VERSIONS = {KIND_COMPLETION: 2, KIND_REWARD: 1, KIND_POLICY: 1}
+SCHEMA_VERSIONS = {KIND_COMPLETION: 3, KIND_REWARD: 2, KIND_POLICY: 2}
 """The version each kind is written in."""
-READABLE_VERSIONS = {KIND_COMPLETION: (1, 2), KIND_REWARD: (1,), KIND_POLICY: (1,)}
+READABLE_VERSIONS = {KIND_COMPLETION: (1, 2, 3), KIND_REWARD: (1, 2), KIND_POLICY: (1, 2)}
 """The versions of each kind this module reads."""
 PURPOSES = ("train", "eval")
 """What a completion was generated for: only ``train`` completions are trained on."""
@@ -107,6 +113,8 @@ class CompletionRecord:
     created: float = field(default_factory=time.time)
     purpose: str = "train"
     """``train``, or ``eval``: generated to evaluate a version on held-out problems, never trained on."""
+    key_id: str | None = None
+    """The id of the API key the call came with (None: the gateway checks no keys)."""
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = np.ascontiguousarray(self.prompt_token_ids, dtype=np.int32)
@@ -124,6 +132,8 @@ class RewardRecord:
     group_size: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
+    key_id: str | None = None
+    """The id of the API key the reward was posted with (set by the gateway, never by the poster)."""
 
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -148,6 +158,9 @@ class PolicyRecord:
     sha256: str
     metrics: dict[str, float] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
+    publisher: str | None = None
+    """Who published it (a trainer's ``publisher_id``, ``streamrl publish --publisher``); checked by gateways
+    configured with ``trusted_publishers``."""
 
     @property
     def served_name(self) -> str:
@@ -274,7 +287,7 @@ _COMPLETION_READERS: dict[str, Any] = {
     "policy_name": None, "policy_version": _policy_version, "upstream": str, "endpoint": str,
     "finish_reason": None, "ttft_s": None, "total_s": None, "usage": lambda v: v or {},
     "request": lambda v: v or {}, "response_text": lambda v: v or "", "tool_calls": None, "created": float,
-    "purpose": lambda v: check_purpose(v),
+    "purpose": lambda v: check_purpose(v), "key_id": lambda v: check_id(v, "key_id", optional=True),
 }
 """How each header field of a completion is read back (and checked; None: taken as it is). A field added
 to ``CompletionRecord`` without an entry here fails at import."""
@@ -312,9 +325,10 @@ def check_metrics(value: Any) -> dict[str, float]:
     return {k: float(v) for k, v in value.items()}
 
 
-def reward_record(fields: dict[str, Any], created: float | None = None) -> RewardRecord:
+def reward_record(fields: dict[str, Any], created: float | None = None, key_id: str | None = None) -> RewardRecord:
     """A ``RewardRecord`` from its fields, every rule of a reward checked here and nowhere else: the
-    gateway's ``POST /v1/rewards`` items, the producer SDK's bodies and decoded records all come through."""
+    gateway's ``POST /v1/rewards`` items, the producer SDK's bodies and decoded records all come through.
+    ``key_id`` is passed apart: the gateway sets it from the request's key, never from the posted item."""
     if "trajectory_id" not in fields or "reward" not in fields:
         raise RecordError("missing", "trajectory_id and reward are required")
     return RewardRecord(
@@ -324,11 +338,12 @@ def reward_record(fields: dict[str, Any], created: float | None = None) -> Rewar
         group_size=check_group_size(fields.get("group_size")),
         metrics=check_metrics(fields.get("metrics")),
         **({} if created is None else {"created": created}),
+        key_id=check_id(key_id, "key_id", optional=True),
     )
 
 
 def _decode_reward(h: dict[str, Any]) -> RewardRecord:
-    return reward_record(h, created=float(h.get("created", 0.0)))
+    return reward_record(h, created=float(h.get("created", 0.0)), key_id=h.get("key_id"))
 
 
 def _decode_policy(h: dict[str, Any]) -> PolicyRecord:
@@ -344,6 +359,7 @@ def _published_version(value: Any) -> int:
 _POLICY_READERS: dict[str, Any] = {
     "name": lambda v: check_id(v, "name"), "version": _published_version, "path": str, "base_model": str,
     "step": int, "sha256": str, "metrics": lambda v: v or {}, "created": float,
+    "publisher": lambda v: check_id(v, "publisher", optional=True),
 }
 
 for _cls, _readers in ((CompletionRecord, _COMPLETION_READERS), (PolicyRecord, _POLICY_READERS)):

@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.admin import NewTopic
 from kafka.errors import TopicAlreadyExistsError
+
+from .clients import PLAINTEXT, make_admin
+from .security import KafkaSecurity
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +33,12 @@ class Topics:
         return f"{self.prefix}.policy"
 
 
-def create_topics(bootstrap_servers: str, topics: Topics, *, partitions: int = 4, replication: int = 1) -> None:
+def create_topics(bootstrap_servers: str, topics: Topics, *, partitions: int = 4, replication: int = 1,
+                  security: KafkaSecurity = PLAINTEXT) -> None:
     """Create the topics if missing. Completions and rewards get the same partition count so that a
     trajectory's completions and reward land in partitions with the same number. The policy topic has
     one partition: versions are totally ordered."""
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers, client_id="streamrl-admin")
+    admin = make_admin(bootstrap_servers, security=security)
     try:
         wanted = [
             NewTopic(topics.completions, partitions, replication),

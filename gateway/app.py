@@ -1,13 +1,15 @@
 """The gateway's FastAPI app: routes, and the start/stop of what runs beside them.
 
 The lifespan owns the pooled upstream client, the upstream health checks, the Kafka log producer and
-the policy follower (hot-swap); ``create_app`` wires them and nothing else.
+the policy follower (hot-swap); ``create_app`` wires them and nothing else. With API keys configured,
+``auth.AuthMiddleware`` checks every request before a route sees it.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +24,7 @@ from starlette.responses import Response
 from streamrl.broker.log_producer import LogProducer
 from streamrl.broker.topics import Topics
 
+from .auth import AuthMiddleware, check_bind, has_scope, load_keys, request_key
 from .config import GatewayConfig
 from .hotswap import PolicyFollower
 from .loop_lag import LoopLagMonitor
@@ -40,6 +43,8 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
+        self.keys = load_keys(config.api_keys, os.environ)
+        check_bind(config.host, self.keys, config.insecure)
         self.topics = Topics(config.topic_prefix)
         self.metrics = GatewayMetrics()
         self.pool = UpstreamPool(config.upstreams, interval_s=config.health_interval_s,
@@ -47,7 +52,8 @@ class Gateway:
                                  token_capture=config.token_capture)
         self.router = PolicyRouter(config.policy_name, self.pool)
         self.producer: LogProducer | None = None
-        self.proxy = Proxy(config, self.pool, self.router, None, self.metrics, self.topics.completions)
+        self.proxy = Proxy(config, self.pool, self.router, None, self.metrics, self.topics.completions,
+                           auth_on=bool(self.keys))
         self.follower: PolicyFollower | None = None
         self.session: aiohttp.ClientSession | None = None
         self.fresh_session: aiohttp.ClientSession | None = None
@@ -69,7 +75,8 @@ class Gateway:
         if c.bootstrap_servers is not None:
             self.producer = LogProducer(c.bootstrap_servers, max_buffered=c.max_buffered_records,
                                         max_buffered_bytes=c.max_buffered_bytes,
-                                        send_timeout_ms=c.producer_send_timeout_ms, process=c.producer_process)
+                                        send_timeout_ms=c.producer_send_timeout_ms, process=c.producer_process,
+                                        security=c.kafka)
         self.proxy.producer = self.producer
         self.proxy.session = self.session
         self.proxy.fresh_session = self.fresh_session
@@ -78,8 +85,9 @@ class Gateway:
             self.follower = PolicyFollower(c, self.pool, self.router, self.session, self.topics.policy,
                                            self.metrics)
             await self.follower.start(c.policy_catch_up_s)
-        log.info("gateway up: upstreams %s, logging %s, policy name %r", list(c.upstreams),
-                 "to " + c.bootstrap_servers if c.bootstrap_servers else "off", c.policy_name)
+        log.info("gateway up: upstreams %s, logging %s, policy name %r, %s", list(c.upstreams),
+                 "to " + c.bootstrap_servers if c.bootstrap_servers else "off", c.policy_name,
+                 f"API keys {', '.join(self.keys.ids)}" if self.keys else "no API keys")
 
     async def stop(self) -> None:
         self.loop_lag.stop()
@@ -93,11 +101,17 @@ class Gateway:
         if self.producer is not None:
             self.producer.close()
 
-    def health(self) -> dict[str, object]:
+    def health(self, detail: bool = True, policy: bool = True) -> dict[str, object]:
+        """The full state with ``detail`` (admin); else the status, and with ``policy`` the routed version
+        (which any inference caller learns from ``X-Policy-Version`` anyway)."""
         healthy = sum(u.healthy for u in self.pool.upstreams)
+        status = "ok" if healthy else "no_healthy_upstream"
+        if not detail:
+            return {"status": status, "policy": {"name": self.router.name, "version": self.router.version}} \
+                if policy else {"status": status}
         stats = self.producer.stats if self.producer else None
         return {
-            "status": "ok" if healthy else "no_healthy_upstream",
+            "status": status,
             "upstreams": [u.state() for u in self.pool.upstreams],
             "policy": self.router.state(),
             "producer": None if stats is None else {
@@ -159,7 +173,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/rewards")
     async def rewards(request: Request) -> Response:
         started = time.perf_counter()
-        response = await post_rewards(request, gateway.producer, gateway.topics.rewards, config.max_body_bytes)
+        key = request_key(request.scope)
+        response = await post_rewards(request, gateway.producer, gateway.topics.rewards, config.max_body_bytes,
+                                      key.key_id if key is not None else None)
         gateway.metrics.observe("/v1/rewards", response.status_code, time.perf_counter() - started)
         if response.status_code == 200:
             gateway.metrics.rewards.inc(orjson.loads(response.body)["accepted"])
@@ -169,12 +185,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def models() -> Response:
         return Response(orjson.dumps(gateway.models()), media_type=JSON)
 
+    auth_on = bool(gateway.keys)
+
     @app.get("/health")
-    async def health() -> Response:
-        return Response(orjson.dumps(gateway.health()), media_type=JSON)
+    async def health(request: Request) -> Response:
+        """Open to load balancers; the detail needs ``admin`` when keys are checked."""
+        detail = has_scope(request.scope, "admin", auth_on)
+        return Response(orjson.dumps(gateway.health(detail, policy=request_key(request.scope) is not None)),
+                        media_type=JSON)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    if gateway.keys:
+        app.add_middleware(AuthMiddleware, keys=gateway.keys)
     return app

@@ -44,6 +44,8 @@ class CallContext:
     created: float = field(default_factory=time.time)
     purpose: str = "train"
     """``train``, or ``eval`` (``X-Streamrl-Purpose``): recorded, never trained on."""
+    key_id: str | None = None
+    """The id of the call's API key (``auth.py``), never the key."""
 
 
 @dataclass(slots=True)
@@ -253,7 +255,7 @@ def build_records(ctx: CallContext, captures: list[ChoiceCapture], total_s: floa
             total_s=total_s,
             usage={"prompt_tokens": len(c.prompt_token_ids), "completion_tokens": len(c.token_ids)},
             request=ctx.request, response_text="".join(c.text), tool_calls=c.tool_calls or None,
-            created=ctx.created, purpose=ctx.purpose,
+            created=ctx.created, purpose=ctx.purpose, key_id=ctx.key_id,
         ))
     return records
 

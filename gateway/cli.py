@@ -43,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
     from .app import create_app
 
     config = config_from_args(args)
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning",
+    try:
+        app = create_app(config)
+    except ValueError as exc:  # a bad key file, or keys missing on a public address (gateway/auth.py)
+        raise SystemExit(f"streamrl gateway: {exc}") from None
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
                 access_log=False, loop="uvloop", http="httptools", timeout_keep_alive=KEEP_ALIVE_S)
     return 0

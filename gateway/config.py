@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamrl.broker.security import KafkaSecurity
 from streamrl.config_file import load_config
 
 
@@ -59,6 +60,20 @@ class GatewayConfig:
     """Pause before retrying an adapter load that failed on an upstream."""
     extra_headers: dict[str, str] = field(default_factory=dict)
     """Headers sent to every upstream (e.g. an API key)."""
+    api_keys: str | None = None
+    """File of the API keys clients must send (``Authorization: Bearer KEY``), one ``KEY SCOPES [ID]`` a line,
+    scopes among inference, rewards, admin (docs/gateway.md, "Authentication"). None: the keys in the
+    environment variable STREAMRL_API_KEYS, else no keys are checked (allowed on a loopback address only)."""
+    insecure: bool = False
+    """Serve without API keys on an address other hosts can reach (refused otherwise)."""
+    adapter_root: str | None = None
+    """Policy records whose adapter directory (or a file in it, symlinks followed) resolves outside this
+    directory are refused. None: any path (``streamrl up`` sets its trainer's adapter directory)."""
+    trusted_publishers: tuple[str, ...] = ()
+    """When given, only policy records whose ``publisher`` is one of these are served (a trainer's
+    ``publisher_id``, ``streamrl publish --publisher``)."""
+    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)
+    """Kafka security settings of the gateway's producer and policy consumer."""
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -75,6 +90,8 @@ class GatewayConfig:
         if self.upstream_keepalive_s <= 0:
             raise ValueError("upstream_keepalive_s must be > 0")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))
+        object.__setattr__(self, "trusted_publishers", tuple(self.trusted_publishers))
+        object.__setattr__(self, "kafka", KafkaSecurity.of(self.kafka))
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> GatewayConfig:

@@ -1,6 +1,11 @@
 """Follow the policy topic and hot-swap each published adapter version into every upstream.
 
-For a new version: check the sha256 of its weights file, load it into every healthy upstream under its
+The policy topic is trusted input only as far as it is checked: a record from a publisher not in
+``trusted_publishers`` (when set), whose adapter directory or any file in it resolves (symlinks followed)
+outside ``adapter_root`` (when set), or whose weights do not hash to its sha256 is refused, counted in
+``streamrl_gateway_policy_rejected_total{reason}`` and logged once; nothing of it reaches an upstream.
+
+For a new version: check the record as above, load it into every healthy upstream under its
 own name (``<name>@v<N>``, never reused), then route the policy name to it in one assignment (see
 ``policy.py``). Requests already running finish on their version; a version that is no longer routed is
 unloaded once nothing is in flight on it and ``keep_previous_versions`` newer ones are loaded. An
@@ -15,18 +20,18 @@ import contextlib
 import logging
 import threading
 import time
-from pathlib import Path
 
 import aiohttp
 import orjson
 from kafka import TopicPartition
 
 from streamrl.broker.clients import FETCH_MAX_WAIT_MS, make_consumer
-from streamrl.broker.schema import WEIGHTS_FILE, PolicyRecord, RecordError, decode, sha256_file
+from streamrl.broker.schema import PolicyRecord, RecordError, decode
 
 from .config import GatewayConfig
 from .metrics import GatewayMetrics
 from .policy import PolicyRouter, VersionState
+from .trust import PolicyRejected, check_adapter, check_publisher
 from .upstreams import Upstream, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -91,7 +96,7 @@ class PolicyFollower:
         while consumer is None and not self._stopping.is_set():
             try:
                 consumer = make_consumer(self.config.bootstrap_servers, group_id=None,  # type: ignore[arg-type]
-                                         client_id="streamrl-gateway-policy")
+                                         security=self.config.kafka, client_id="streamrl-gateway-policy")
             except Exception as exc:
                 log.warning("policy follower cannot reach Kafka (%s); retrying", exc)
                 self._stopping.wait(1.0)
@@ -112,16 +117,26 @@ class PolicyFollower:
                     try:
                         record = decode(message.value)
                     except RecordError as exc:
-                        self.rejected += 1
-                        log.warning("skipping bad policy record at offset %d: %s", message.offset, exc)
+                        self._reject("malformed", f"skipping bad policy record at offset {message.offset}: {exc}")
                         continue
                     if isinstance(record, PolicyRecord) and record.name == self.router.name:
+                        try:
+                            check_publisher(record, self.config.trusted_publishers)
+                        except PolicyRejected as exc:
+                            self._reject(exc.reason, f"not serving {record.served_name}: {exc}")
+                            continue
                         self._deliver(record)
                 if not caught_up and not batches and consumer.position(tp) >= end:
                     caught_up = True
                     self._deliver(_CAUGHT_UP)
         finally:
             consumer.close()
+
+    def _reject(self, reason: str, message: str) -> None:
+        """Count and log a refused record (once: each record is read once)."""
+        self.rejected += 1
+        self.metrics.policy_rejected.labels(reason).inc()
+        log.error("%s", message)
 
     # -- swapping ------------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -143,15 +158,10 @@ class PolicyFollower:
     async def _swap_to(self, record: PolicyRecord) -> None:
         t0 = time.time()
         name = record.served_name
-        weights = Path(record.path) / WEIGHTS_FILE
         try:
-            digest = await asyncio.to_thread(sha256_file, weights)
-        except OSError as exc:
-            digest = f"unreadable ({exc})"
-        if digest != record.sha256:
-            self.rejected += 1
-            self.metrics.swap_rejected.inc()
-            log.error("not serving %s: sha256 of %s is %s, the record says %s", name, weights, digest, record.sha256)
+            await asyncio.to_thread(check_adapter, record, self.config.adapter_root)
+        except PolicyRejected as exc:
+            self._reject(exc.reason, f"not serving {name}: {exc}")
             return
         while len(self.router.versions) >= self.config.max_loaded_versions:
             log.info("%s waits for an older version to drain (%d loaded)", name, len(self.router.versions))

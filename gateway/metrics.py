@@ -17,6 +17,8 @@ SWAP_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1
                 10, 30)
 """Publish to routed takes 0.1-0.5 s with an eager engine on the CPU and 1.5-2.5 s on a GPU with CUDA
 graphs (LoRA load ~1.4 s): buckets fine enough for both."""
+REJECT_REASONS = ("sha256", "outside_root", "publisher", "malformed")
+"""Why a policy record was refused (``hotswap.py``)."""
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -79,9 +81,13 @@ class GatewayMetrics:
                                    registry=self.registry)
         self.rewards = Counter("streamrl_gateway_rewards", "rewards accepted", registry=self.registry)
         self.swaps = Counter("streamrl_gateway_policy_swaps", "policy versions routed", registry=self.registry)
-        self.swap_rejected = Counter("streamrl_gateway_policy_rejected",
-                                     "published versions not served (sha256 mismatch, unreadable)",
-                                     registry=self.registry)
+        self.policy_rejected = Counter("streamrl_gateway_policy_rejected",
+                                       "policy records refused, by reason: sha256 (mismatch or unreadable "
+                                       "weights), outside_root (adapter path leaves adapter_root), publisher "
+                                       "(not a trusted publisher), malformed (undecodable)",
+                                       ["reason"], registry=self.registry)
+        for reason in REJECT_REASONS:  # exported at 0 from the start, so that an alert can watch them
+            self.policy_rejected.labels(reason)
         self.adapter_load_failures = Counter("streamrl_gateway_adapter_load_failures",
                                              "failed adapter loads into an upstream (retried)",
                                              registry=self.registry)

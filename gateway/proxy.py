@@ -28,6 +28,7 @@ from streamrl.broker.log_producer import LogProducer
 from streamrl.broker.schema import RecordError, check_id, check_purpose
 from streamrl.engine_wire import BODY, CAPTURE_HEADER, FrameSplitter, WireError, capture_counts, unframe
 
+from .auth import KEY_STATE, PINNED_VERSION_SCOPE
 from .capture import (
     CallContext,
     StreamCapture,
@@ -56,7 +57,7 @@ class BadRequest(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntityTooLarge",
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError", 413: "RequestEntityTooLarge",
                 500: "InternalServerError", 502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout"}
 
 
@@ -220,8 +221,11 @@ class _Frames:
 
 class Proxy:
     def __init__(self, config: GatewayConfig, pool: UpstreamPool, router: PolicyRouter,
-                 producer: LogProducer | None, metrics: GatewayMetrics, completions_topic: str) -> None:
+                 producer: LogProducer | None, metrics: GatewayMetrics, completions_topic: str, *,
+                 auth_on: bool = False) -> None:
         self.config, self.pool, self.router = config, pool, router
+        self.auth_on = auth_on
+        """API keys are checked (``auth.AuthMiddleware`` put the request's key in its scope)."""
         self.producer, self.metrics, self.topic = producer, metrics, completions_topic
         self.session: aiohttp.ClientSession | None = None
         self.fresh_session: aiohttp.ClientSession | None = None
@@ -265,12 +269,19 @@ class Proxy:
                                     or "train")
         except RecordError as exc:
             raise BadRequest(400, str(exc), "purpose") from None
+        key = request.scope.get(KEY_STATE)
         lease = self.router.resolve(body["model"])
         if lease is None:
             raise BadRequest(404, f"The model `{body['model']}` does not exist.", "model")
+        if self.auth_on and lease.policy_name is not None and body["model"] != self.router.name \
+                and PINNED_VERSION_SCOPE not in key.scopes:
+            lease.release()
+            raise BadRequest(403, f"pinning a policy version (`{body['model']}`) needs an API key with the "
+                                  f"'{PINNED_VERSION_SCOPE}' scope; ask for `{self.router.name}`", "model")
         ctx = CallContext(trajectory_id=trajectory_id, group_id=group_id, endpoint=endpoint.name, model=body["model"],
                           policy_name=lease.policy_name, policy_version=lease.version,
-                          request=body if self.config.record_request else {}, started=started, purpose=purpose)
+                          request=body if self.config.record_request else {}, started=started, purpose=purpose,
+                          key_id=key.key_id if key is not None else None)
         call = _Call(endpoint, ctx, lease, record=self.producer is not None, one_choice=endpoint.one_choice(body))
         try:
             payload = _Payload(call, body, raw, metadata)

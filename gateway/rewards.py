@@ -18,24 +18,27 @@ from streamrl.broker.schema import RecordError, RewardRecord, encode, reward_rec
 
 from .proxy import JSON, BadRequest, error_response, read_body
 
-FIELDS = frozenset(f.name for f in dataclasses.fields(RewardRecord)) - {"created"}
-"""What a posted reward may carry: the record's fields but its creation time, which the gateway stamps."""
+FIELDS = frozenset(f.name for f in dataclasses.fields(RewardRecord)) - {"created", "key_id"}
+"""What a posted reward may carry: the record's fields but its creation time and the API key's id, which
+the gateway stamps."""
 MAX_ITEMS = 10_000
 
 
-def parse_reward(item: Any, where: str) -> RewardRecord:
+def parse_reward(item: Any, where: str, key_id: str | None = None) -> RewardRecord:
     if not isinstance(item, dict):
         raise BadRequest(400, f"{where}: a reward must be an object")
     unknown = set(item) - FIELDS
     if unknown:
         raise BadRequest(400, f"{where}: unknown fields {sorted(unknown)}", sorted(unknown)[0])
     try:
-        return reward_record(item)
+        return reward_record(item, key_id=key_id)
     except RecordError as exc:
         raise BadRequest(400, f"{where}: {exc}") from None
 
 
-async def post_rewards(request: Request, producer: LogProducer | None, topic: str, max_body_bytes: int) -> Response:
+async def post_rewards(request: Request, producer: LogProducer | None, topic: str, max_body_bytes: int,
+                       key_id: str | None = None) -> Response:
+    """``key_id``: the id of the request's API key, stamped on every reward (None without keys)."""
     try:
         raw = await read_body(request, max_body_bytes)
         try:
@@ -45,7 +48,7 @@ async def post_rewards(request: Request, producer: LogProducer | None, topic: st
         items = body if isinstance(body, list) else [body]
         if not items or len(items) > MAX_ITEMS:
             raise BadRequest(400, f"send between 1 and {MAX_ITEMS} rewards")
-        records = [parse_reward(item, f"reward {i}") for i, item in enumerate(items)]
+        records = [parse_reward(item, f"reward {i}", key_id) for i, item in enumerate(items)]
     except BadRequest as exc:
         return error_response(exc.status, exc.message, exc.param)
     if producer is None:

@@ -78,6 +78,8 @@ class Gateway:
     def __init__(self, url: str, *, api_key: str = "unused", timeout: float = 600.0, max_retries: int = 0) -> None:
         self.base_url = _v1(url)
         self.http = httpx.Client(timeout=timeout)
+        self._auth = {"Authorization": f"Bearer {api_key}"}
+        """Sent with rewards, as the openai client sends it with completions (a gateway with API keys)."""
         self.openai = openai.OpenAI(base_url=self.base_url, api_key=api_key, http_client=self.http,
                                     max_retries=max_retries)
 
@@ -87,7 +89,7 @@ class Gateway:
 
     def post_rewards(self, bodies: list[dict[str, Any]]) -> None:
         """Post rewards in one request (the gateway takes a list)."""
-        _check(self.http.post(f"{self.base_url}/rewards", json=bodies))
+        _check(self.http.post(f"{self.base_url}/rewards", json=bodies, headers=self._auth))
 
     def close(self) -> None:
         self.http.close()
@@ -172,6 +174,7 @@ class AsyncGateway:
         self.base_url = _v1(url)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.http = http_client or HttpxAiohttpClient(timeout=timeout, limits=limits)
+        self._auth = {"Authorization": f"Bearer {api_key}"}
         self.openai = openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, http_client=self.http,
                                          max_retries=max_retries)
 
@@ -180,7 +183,7 @@ class AsyncGateway:
         return AsyncTrajectory(self, group_id=group_id, group_size=group_size, trajectory_id=trajectory_id)
 
     async def post_rewards(self, bodies: list[dict[str, Any]]) -> None:
-        _check(await self.http.post(f"{self.base_url}/rewards", json=bodies))
+        _check(await self.http.post(f"{self.base_url}/rewards", json=bodies, headers=self._auth))
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -40,7 +40,11 @@ def load_config(cls: type[T], path: str | Path | None, table: str, overrides: Ma
     if path:
         data = read_file(path)
         values.update(data.get(table, data))
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    for k, v in overrides.items():
+        if isinstance(v, Mapping) and isinstance(values.get(k), Mapping):  # a nested table: flags over the file's
+            values[k] = {**values[k], **v}
+        elif v is not None:
+            values[k] = v
     check_fields(cls, values, table)
     missing = [f.name for f in fields(cls)  # type: ignore[arg-type]
                if f.name not in values and f.default is MISSING and f.default_factory is MISSING]

@@ -3,6 +3,9 @@ from the field's docstring, so a part's CLI never lists its options a second tim
 
 ``--field-name`` for ``field_name`` (``names`` may keep an established spelling); every default is None,
 meaning "not given", so ``streamrl.config_file.load_config`` layers defaults < file < the flags given.
+A field whose type is itself a dataclass (``kafka: KafkaSecurity``) gets one flag per field of that class,
+``--kafka-security-protocol`` and so on, given back as a dict of the ones given (the file's table is
+merged under it).
 """
 
 from __future__ import annotations
@@ -90,6 +93,12 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, *, skip: tuple[str, 
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            base = (names or {}).get(f.name, (f"{group}-" if group else "") + f.name.replace("_", "-"))
+            add_config_flags(p, hints[f.name], names={sub.name: f"{base}-{sub.name.replace('_', '-')}"
+                                                      for sub in dataclasses.fields(hints[f.name])},
+                             group=f"{group}__{f.name}" if group else f"_{f.name}")
+            continue
         kwargs = _kwargs(hints[f.name])
         if "type" in kwargs and (kwargs.get("action") == "append" or "metavar" not in kwargs):
             kwargs["metavar"] = f.name.upper()
@@ -107,6 +116,11 @@ def given(args: argparse.Namespace, cls: type, group: str = "") -> dict[str, Any
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            nested = given(args, hints[f.name], f"{group}__{f.name}" if group else f"_{f.name}")
+            if nested:
+                out[f.name] = nested
+            continue
         value = getattr(args, f"{_DEST}{group}__{f.name}", None)
         if value is None:
             continue

@@ -31,11 +31,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.security import KafkaSecurity
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.child import spawn, stop_group, wait_http
 from streamrl.config_file import check_fields, read_file
 from streamrl.config_flags import add_config_flags, given
 from streamrl.engine import Engine, EngineConfig
+from streamrl.gateway.auth import check_bind, load_keys
 from streamrl.gateway.config import GatewayConfig
 from streamrl.packaged_models import MODELS, resolve
 from streamrl.producers.demo_cli import DemoConfig, run_demo
@@ -76,6 +78,8 @@ class UpConfig:
     embedded broker keeps nothing across runs, so neither should the trainer's offsets)."""
     bootstrap_servers: str | None = None
     """External Kafka; None starts the embedded broker."""
+    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)
+    """Security settings of the external Kafka (SASL, TLS), for every client of every part."""
     broker_port: int | None = None
     partitions: int = 4
     upstreams: list[str] = field(default_factory=list)
@@ -102,6 +106,7 @@ class UpConfig:
     record buffer, ...), validated when the stack is built."""
 
     def __post_init__(self) -> None:
+        self.kafka = KafkaSecurity.of(self.kafka)
         if self.trainer_nproc < 1:
             raise ValueError("trainer_nproc must be >= 1")
         if self.work_dir is None:
@@ -116,10 +121,23 @@ class UpConfig:
         return EngineConfig(**{**self.engine_table, "model": model, "host": self.host,
                                "token_capture": self.token_capture})
 
+    @property
+    def child_kafka(self) -> KafkaSecurity:
+        """The Kafka settings written into the parts' config files: without the password, which reaches
+        them in the environment (``child_env``)."""
+        return dataclasses.replace(self.kafka, sasl_password=None)
+
+    @property
+    def child_env(self) -> dict[str, str]:
+        k = self.kafka
+        return {k.sasl_password_env: k.sasl_password} if k.sasl_password is not None else {}
+
     def gateway_config(self, upstreams: list[str], bootstrap_servers: str, port: int) -> GatewayConfig:
-        """The [gateway] table < what ``up`` owns (upstreams, broker, address, topics, policy name,
-        token capture, which the engine shares)."""
-        values = {**self.gateway_table, "upstreams": tuple(upstreams), "bootstrap_servers": bootstrap_servers,
+        """Defaults ``up`` picks (the adapter root: its trainer's adapters) < the [gateway] table < what ``up``
+        owns (upstreams, broker and its security, address, topics, policy name, token capture, which the
+        engine shares)."""
+        values = {"adapter_root": str(self.run_dir / "adapters"), **self.gateway_table,
+                  "upstreams": tuple(upstreams), "bootstrap_servers": bootstrap_servers, "kafka": self.child_kafka,
                   "host": self.host, "port": port, "topic_prefix": self.topic_prefix,
                   "policy_name": self.policy_name, "token_capture": self.token_capture}
         return GatewayConfig.load(None, **values)
@@ -132,7 +150,8 @@ class UpConfig:
             values["device"] = self.trainer_device
         if values.get("metrics_port") is None:  # ``up`` watches it to know when the trainer is ready
             values["metrics_port"] = free_port(self.host)
-        values.update(model=model, bootstrap_servers=bootstrap_servers, topic_prefix=self.topic_prefix,
+        values.update(model=model, bootstrap_servers=bootstrap_servers, kafka=self.child_kafka,
+                      topic_prefix=self.topic_prefix,
                       name=self.policy_name, adapters=str(self.run_dir / "adapters"),
                       history=values.get("history") or str(self.run_dir / "history.jsonl"))
         return TrainerConfig.load(None, **values)
@@ -158,6 +177,8 @@ def load_config(path: str | Path | None = None, **flags: Any) -> UpConfig:
     want_demo = bool(flags.pop("demo", False)) or "demo" in data
     engine.update({k: v for k, v in engine_flags.items() if v is not None})
     demo.update({k: v for k, v in demo_flags.items() if v is not None})
+    if isinstance(flags.get("kafka"), dict) and isinstance(up.get("kafka"), dict):
+        flags["kafka"] = {**up["kafka"], **flags["kafka"]}  # --kafka-* flags over the [up.kafka] table
     up.update({k: v for k, v in flags.items() if v is not None})
     return UpConfig(**up, engine_table=engine, demo=DemoConfig(**demo) if want_demo else None,
                     trainer_table=dict(data.get("trainer", {})), gateway_table=dict(data.get("gateway", {})))
@@ -285,6 +306,7 @@ class Stack:
 
     def start(self) -> Stack:
         c = self.config
+        self._check_access()
         self.logs.mkdir(parents=True, exist_ok=True)
         self.log.line("up", f"run directory {self.run_dir}")
         self.model = self._model()
@@ -303,6 +325,16 @@ class Stack:
             self._demo(demo)
         return self
 
+    def _check_access(self) -> None:
+        """Before anything starts: the gateway's keys (``gateway/auth.py``) read, and a gateway on an address
+        other hosts reach refused without keys unless the [gateway] table says ``insecure``."""
+        c = self.config
+        gateway = c.gateway_config(c.upstreams or ["http://127.0.0.1"], c.bootstrap_servers or "127.0.0.1:9092", 1)
+        keys = load_keys(gateway.api_keys, os.environ)
+        check_bind(gateway.host, keys, gateway.insecure)
+        if keys and c.demo is not None:
+            raise ValueError("the demo producer sends no API key: run --demo on a gateway without api_keys")
+
     def _model(self) -> str:
         model = self.config.model
         if model in MODELS:  # a real model shipped in a PyPI wheel: converted into the cache on first use
@@ -319,7 +351,7 @@ class Stack:
         c = self.config
         topics = Topics(c.topic_prefix)
         if c.bootstrap_servers:
-            create_topics(c.bootstrap_servers, topics, partitions=c.partitions)
+            create_topics(c.bootstrap_servers, topics, partitions=c.partitions, security=c.kafka)
             self.log.line("broker", f"external Kafka at {c.bootstrap_servers}")
             return c.bootstrap_servers
         with self.gate.defer():
@@ -331,7 +363,7 @@ class Stack:
 
     def _spawn(self, part: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         with self.gate.defer():
-            proc = spawn(argv, env={**os.environ, **(env or {})}, pipe=True)
+            proc = spawn(argv, env={**os.environ, **self.config.child_env, **(env or {})}, pipe=True)
             self.children[part] = proc
         assert proc.stdout is not None
         self.log.pump(part, proc.stdout, self.logs / f"{part}.log")

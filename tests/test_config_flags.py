@@ -60,22 +60,37 @@ def sample(tp: Any, default: Any) -> tuple[Any, list[str]]:
 def test_every_field_has_a_flag_that_sets_it(command: str, cls: type, names: dict[str, str], group: str,
                                              skip: tuple[str, ...]) -> None:
     parser, _ = build_parser()
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else None
-        value, words = sample(hints[f.name], default)
-        flag = names.get(f.name, (f"{group}-" if group else "") + f.name.replace("_", "-"))
-        origin = typing.get_origin(_strip_none(hints[f.name]))
+    for name, flag, value, words, hint in flag_cases(cls, names, group, skip):
+        origin = typing.get_origin(_strip_none(hint))
         if words in ([], ["no-"]):
             argv = [f"--{words[0] if words else ''}{flag}"]
-        elif origin is list or (origin is tuple and hints[f.name] != tuple[float, float]):
+        elif origin is list or (origin is tuple and hint != tuple[float, float]):
             argv = [x for w in words for x in (f"--{flag}", w)]  # repeated: one value each
         else:
             argv = [f"--{flag}", *words]
         args = parser.parse_args([command, *argv])
-        assert given(args, cls, group) == {f.name: value}, (f.name, argv)
+        assert given(args, cls, group) == {name: value}, (name, argv)
+
+
+def flag_cases(cls: type, names: dict[str, str], group: str, skip: tuple[str, ...]) -> list[tuple]:
+    """(field, flag, value given, its words, type) for each flag of ``cls``; a field that is a dataclass
+    (``kafka``) has one flag per field of its own, given back as a dict of the one set."""
+    hints, cases = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = names.get(f.name, (f"{group}-" if group else "") + f.name.replace("_", "-"))
+        if dataclasses.is_dataclass(hints[f.name]):
+            sub_hints = typing.get_type_hints(hints[f.name])
+            for sub in dataclasses.fields(hints[f.name]):
+                value, words = sample(sub_hints[sub.name], sub.default)
+                cases.append((f.name, f"{flag}-{sub.name.replace('_', '-')}", {sub.name: value}, words,
+                              sub_hints[sub.name]))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        value, words = sample(hints[f.name], default)
+        cases.append((f.name, flag, value, words, hints[f.name]))
+    return cases
 
 
 def test_flags_say_what_the_field_says() -> None:

@@ -90,7 +90,7 @@ def test_bad_ids_are_rejected() -> None:
 
 def test_header_layout_is_documented() -> None:
     magic, kind, version, n = struct.unpack_from("<3sBBI", encode(completion()))
-    assert (magic, kind, version) == (b"SRL", schema.KIND_COMPLETION, 2) and n > 0
+    assert (magic, kind, version) == (b"SRL", schema.KIND_COMPLETION, 3) and n > 0
 
 
 def test_purpose_round_trips_and_a_v1_completion_reads_as_train() -> None:
@@ -123,3 +123,42 @@ def test_each_record_field_is_declared_once_and_travels() -> None:
     sparse = decode(schema._pack(schema.KIND_COMPLETION, {"request_id": "r", "trajectory_id": "t",
                                                           "n_prompt": 0, "n_completion": 0}))
     assert (sparse.created, sparse.purpose, sparse.policy_version, sparse.usage) == (0.0, "train", 0, {})
+
+
+def older(raw: bytes, version: int, drop: str) -> bytes:
+    """``raw`` as a writer of ``version`` wrote it: that version's number, without the field added since."""
+    magic, kind, _, n = struct.unpack_from("<3sBBI", raw)
+    header = orjson.loads(raw[9:9 + n])
+    del header[drop]
+    body = orjson.dumps(header)
+    return struct.pack("<3sBBI", magic, kind, version, len(body)) + body + raw[9 + n:]
+
+
+def test_key_id_travels_and_older_records_read_as_none() -> None:
+    """completion v3 / reward v2 carry the API key's id; v2 completions and v1 rewards (bytes as their
+    writers made them) still decode, with no key id."""
+    c = decode(encode(completion(key_id="team-a")))
+    assert c.key_id == "team-a"
+    assert decode(older(encode(completion(key_id="team-a")), 2, "key_id")).key_id is None
+    r = RewardRecord("t", 1.0, key_id="team-b")
+    assert decode(encode(r)).key_id == "team-b"
+    old_reward = older(encode(r), 1, "key_id")
+    assert old_reward[4] == 1 and decode(old_reward) == RewardRecord("t", 1.0, created=r.created)
+    for record in (completion(key_id=""), RewardRecord("t", 1.0, key_id="x" * 257)):
+        with pytest.raises(RecordError) as err:
+            decode(encode(record))
+        assert err.value.reason == "bad_id"
+
+
+def test_policy_publisher_travels_and_a_v1_policy_reads_as_none() -> None:
+    p = PolicyRecord("policy", 2, "/a/v2", "base", 7, "ab" * 32, publisher="streamrl-trainer.policy")
+    assert decode(encode(p)).publisher == "streamrl-trainer.policy"
+    v1 = older(encode(p), 1, "publisher")
+    assert v1[4] == 1 and decode(v1).publisher is None and decode(v1).version == 2
+
+
+def test_a_posted_reward_cannot_choose_its_key_id() -> None:
+    """The gateway sets ``key_id`` from the request's key; a posted item naming one is an unknown field."""
+    from streamrl.gateway.rewards import FIELDS
+
+    assert "key_id" not in FIELDS and "created" not in FIELDS

@@ -140,3 +140,26 @@ def test_records_written_before_they_could_be_fresh_are_skipped_unread(broker) -
         assert again.counts["completions"] == again.counts["rewards"] == 0  # nothing before the offsets
     finally:
         again.close()
+
+
+def test_a_trainer_can_keep_to_one_tenants_records(broker) -> None:
+    """``key_ids``: only records tagged with those API key ids are trained on (the gateway tags each
+    completion and reward with the id of the key it came with)."""
+    bootstrap = broker.bootstrap_servers
+    topics = one_partition_topics(bootstrap)
+    records = []
+    for name, key_id in (("t0", "team-a"), ("t1", "team-b"), ("t2", None), ("t3", "team-a")):
+        for r in group(name):
+            r.key_id = key_id
+            records.append(r)
+    produce(bootstrap, topics, records)
+    s = open_feed(bootstrap, topics, max_step_tokens=0, key_ids=("team-a",))
+    try:
+        deadline = time.monotonic() + 30
+        # team-b's and the untagged group: 2 trajectories x (completion + reward) each; team-a's: all held
+        while s.counts["not_trained_tenant"] < 8 or s.counts["completions"] < 4 or s.counts["rewards"] < 4:
+            assert s.next_groups(1000, 0, 0.5) == [] and time.monotonic() < deadline, dict(s.counts)
+        assert sorted(ids(s.next_groups(1, 0, 0.5)) + ids(s.next_groups(1, 0, 0.5))) == ["t0", "t3"]
+        assert s.counts["groups_trained"] == 2
+    finally:
+        s.close()

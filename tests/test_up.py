@@ -16,7 +16,7 @@ import pytest
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.engine import Engine
-from streamrl.up import DemoTrainer, Shutdown, SignalGate, console_worthy, load_config
+from streamrl.up import DemoTrainer, Shutdown, SignalGate, Stack, console_worthy, load_config
 
 CONFIG = """
 [up]
@@ -86,9 +86,23 @@ def test_the_gateway_table_reaches_the_gateway_and_up_keeps_what_it_owns(tmp_pat
     assert (g.keep_previous_versions, g.health_interval_s) == (0, 0.25)  # the table's...
     assert (g.port, g.policy_name, g.token_capture, g.upstreams) == (9300, "agent", False, ("http://e:1",))
     assert not c.engine_config("m").token_capture  # one switch: the engine up starts is a plain vLLM too
+    assert g.adapter_root == str(tmp_path / "adapters")  # the gateway serves only what up's trainer wrote
     path.write_text("[gateway]\nmax_loaded_versions = 1\n")  # ...checked by GatewayConfig itself
     with pytest.raises(ValueError, match="max_loaded_versions must be >= 2"):
         load_config(path, work_dir=str(tmp_path)).gateway_config(["http://e:1"], "b:1", 1)
+
+
+def test_a_public_gateway_without_keys_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """On loopback ``up`` needs no keys; on another address the gateway needs them, or ``insecure``."""
+    c = load_config(None, host="0.0.0.0", work_dir=str(tmp_path / "run"))
+    env_keys = os.environ.get("STREAMRL_API_KEYS")
+    if not env_keys:
+        with pytest.raises(ValueError, match="--insecure"):
+            Stack(c).start()
+        assert not (tmp_path / "run").exists()  # nothing was started (not even the run directory made)
+    path = tmp_path / "up.toml"
+    path.write_text("[gateway]\ninsecure = true\n")
+    Stack(load_config(path, host="0.0.0.0", work_dir=str(tmp_path / "run")))._check_access()
 
 
 def test_bad_trainer_table_fails_before_anything_starts(tmp_path: Path) -> None:

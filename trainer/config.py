@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from streamrl.broker.security import KafkaSecurity
 from streamrl.config_file import load_config
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -24,6 +25,14 @@ class TrainerConfig:
     name: str = "policy"
     bootstrap_servers: str = "127.0.0.1:9092"
     topic_prefix: str = "streamrl"
+    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)
+    """Kafka security settings of the trainer's consumer and policy producer."""
+    publisher_id: str = ""
+    """Stamped on each policy record as its ``publisher`` (gateways may serve only trusted publishers).
+    Default streamrl-trainer.<name>."""
+    key_ids: tuple[str, ...] = ()
+    """Train only on completions and rewards tagged with one of these gateway API key ids (``key_id``: one
+    tenant's traffic); the rest is counted ``not_trained_tenant``. Empty: every record."""
     consumer_group: str = ""
     """Kafka group id under which offsets are committed (for lag monitoring). Default streamrl-trainer.<name>."""
     state_dir: str = ""
@@ -114,6 +123,8 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.target_modules = tuple(self.target_modules)
+        self.key_ids = tuple(self.key_ids)
+        self.kafka = KafkaSecurity.of(self.kafka)
         self.adam_betas = (float(self.adam_betas[0]), float(self.adam_betas[1]))
         if self.group_size < 1 or self.groups_per_step < 1:
             raise ValueError("group_size and groups_per_step must be >= 1")
@@ -145,6 +156,10 @@ class TrainerConfig:
         return Path(self.state_dir) if self.state_dir else self.policy_dir / ".state"
 
     @property
+    def publisher(self) -> str:
+        return self.publisher_id or f"streamrl-trainer.{self.name}"
+
+    @property
     def group_id(self) -> str:
         return self.consumer_group or f"streamrl-trainer.{self.name}"
 
@@ -155,5 +170,6 @@ class TrainerConfig:
         return load_config(cls, path, "trainer", overrides)
 
     def describe(self) -> str:
-        """The effective configuration, one ``key = value`` per line."""
-        return "\n".join(f"  {k} = {v!r}" for k, v in dataclasses.asdict(self).items())
+        """The effective configuration, one ``key = value`` per line (a Kafka password masked)."""
+        values = {**dataclasses.asdict(self), "kafka": self.kafka.redacted()}
+        return "\n".join(f"  {k} = {v!r}" for k, v in values.items())

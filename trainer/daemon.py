@@ -38,7 +38,8 @@ def open_source(c: TrainerConfig, state: TrainerState) -> GroupSource:
 
     from .source import KafkaRecordSource
 
-    records = KafkaRecordSource(c.bootstrap_servers, Topics(c.topic_prefix), c.group_id, state.offsets)
+    records = KafkaRecordSource(c.bootstrap_servers, Topics(c.topic_prefix), c.group_id, state.offsets,
+                                security=c.kafka)
     return StreamGroups(records, c, restore=state.pending, done=state.done, published=state.published)
 
 
@@ -92,7 +93,8 @@ class Trainer:
                 from streamrl.broker.schema import PolicyRecord
                 from streamrl.broker.topics import Topics
 
-                self.policy_log = PolicyLog(c.bootstrap_servers, Topics(c.topic_prefix), client_id="streamrl-trainer")
+                self.policy_log = PolicyLog(c.bootstrap_servers, Topics(c.topic_prefix), client_id="streamrl-trainer",
+                                            security=c.kafka, publisher=c.publisher)
                 if self.state.policy and self.policy_log.last_version(c.name) < self.state.version:
                     self.policy_log.publish(PolicyRecord(**self.state.policy))
 

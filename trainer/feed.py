@@ -99,6 +99,7 @@ class StreamGroups(GroupSource):
         self.assembler = Assembler(group_size=config.group_size, group_timeout_s=config.group_timeout_s,
                                    ttl_s=config.trajectory_ttl_s, max_trajectories=config.max_pending_trajectories)
         self.counts = self.assembler.counts
+        self._key_ids = frozenset(config.key_ids)
         self.ready: list[tuple[ReadyGroup, int]] = []
         """Usable groups in the order they became ready, each with the version it was last judged against."""
         self._paused_at: float | None = None
@@ -122,6 +123,9 @@ class StreamGroups(GroupSource):
         want = CompletionRecord if stream == COMPLETION else RewardRecord
         if not isinstance(record, want):
             self.counts["bad_wrong_kind"] += 1
+            return
+        if self._key_ids and record.key_id not in self._key_ids:  # another tenant's traffic
+            self.counts["not_trained_tenant"] += 1
             return
         self.assembler.add(record, value, now=self._clock())  # type: ignore[arg-type]
 

@@ -13,6 +13,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from streamrl.broker.security import KafkaSecurity
 from streamrl.broker.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,15 @@ class RecordSource(ABC):
 
 class KafkaRecordSource(RecordSource):
     def __init__(self, bootstrap_servers: str, topics: Topics, group_id: str,
-                 start: dict[str, int] | None = None, *, partition_timeout_s: float = 30.0) -> None:
+                 start: dict[str, int] | None = None, *, partition_timeout_s: float = 30.0,
+                 security: KafkaSecurity | None = None) -> None:
         from kafka import TopicPartition
 
-        from streamrl.broker.clients import make_consumer
+        from streamrl.broker.clients import PLAINTEXT, make_consumer
 
         self._stream = {topics.completions: "c", topics.rewards: "r"}
-        self.consumer = make_consumer(bootstrap_servers, group_id=group_id, client_id="streamrl-trainer")
+        self.consumer = make_consumer(bootstrap_servers, group_id=group_id, security=security or PLAINTEXT,
+                                      client_id="streamrl-trainer")
         tps = []
         for topic in self._stream:
             parts = self._partitions(topic, partition_timeout_s)

@@ -1,0 +1,111 @@
+"""How every Kafka client streamrl makes authenticates and encrypts: one typed settings object.
+
+``KafkaSecurity`` sits in each part's configuration as its ``kafka`` field (``GatewayConfig.kafka``,
+``TrainerConfig.kafka``, ``UpConfig.kafka``; a ``[gateway.kafka]``-style table in a config file, flags
+``--kafka-security-protocol`` and so on) and is handed to ``broker/clients.py``, which builds every
+producer, consumer and admin client from it. The default is PLAINTEXT, what the embedded broker speaks.
+
+Secrets: ``sasl_password`` may be given, but a config file (and the JSON ``streamrl up`` writes for its
+parts) is a poor place for it; when it is not given the password is read from the environment variable
+``sasl_password_env`` names (``STREAMRL_KAFKA_PASSWORD``) when a client is made. It never appears in a
+repr, and ``redacted()`` is what may be logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaSecurity:
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """Kafka security protocol: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL."""
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    """SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512) for the SASL protocols."""
+    sasl_username: str | None = None
+    sasl_password: str | None = field(default=None, repr=False)
+    """Better left unset here: then it is read from the environment variable ``sasl_password_env``."""
+    sasl_password_env: str = "STREAMRL_KAFKA_PASSWORD"
+    """Environment variable the SASL password is read from when ``sasl_password`` is not given."""
+    ssl_cafile: str | None = None
+    """CA certificate (PEM) the brokers' certificates are checked against; None: the system's CAs."""
+    ssl_certfile: str | None = None
+    """Client certificate (PEM) for mutual TLS."""
+    ssl_keyfile: str | None = None
+    """The client certificate's private key (PEM)."""
+    ssl_check_hostname: bool = True
+    """Check that the broker's certificate names the host connected to."""
+
+    def __post_init__(self) -> None:
+        if self.security_protocol not in PROTOCOLS:
+            raise ValueError(f"kafka.security_protocol must be one of {', '.join(PROTOCOLS)}, "
+                             f"not {self.security_protocol!r}")
+        if self.sasl:
+            if self.sasl_mechanism not in MECHANISMS:
+                raise ValueError(f"kafka.sasl_mechanism must be one of {', '.join(MECHANISMS)} with "
+                                 f"{self.security_protocol}, not {self.sasl_mechanism!r}")
+            if not self.sasl_username:
+                raise ValueError(f"kafka.sasl_username is needed with {self.security_protocol}")
+        elif self.sasl_mechanism or self.sasl_username or self.sasl_password:
+            raise ValueError(f"SASL settings given but kafka.security_protocol is {self.security_protocol}")
+        if not self.tls and (self.ssl_cafile or self.ssl_certfile or self.ssl_keyfile):
+            raise ValueError(f"TLS files given but kafka.security_protocol is {self.security_protocol}")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("kafka.ssl_certfile and kafka.ssl_keyfile go together (mutual TLS)")
+
+    @property
+    def sasl(self) -> bool:
+        return self.security_protocol.startswith("SASL_")
+
+    @property
+    def tls(self) -> bool:
+        return self.security_protocol in ("SSL", "SASL_SSL")
+
+    @classmethod
+    def of(cls, value: KafkaSecurity | Mapping[str, Any] | None) -> KafkaSecurity:
+        """From a config file's table (a dict; unknown keys are errors naming them) or as it is."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"kafka settings must be a table, not {type(value).__name__}")
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown option(s) in [kafka]: {', '.join(unknown)}")
+        return cls(**value)
+
+    def client_kwargs(self, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+        """The kafka-python keyword arguments (the same for producers, consumers and admin clients).
+        Files are checked here, when a client is made, so that a typo fails with its path."""
+        kw: dict[str, Any] = {"security_protocol": self.security_protocol}
+        if self.tls:
+            for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+                path = getattr(self, name)
+                if path is not None and not Path(path).is_file():
+                    raise FileNotFoundError(f"kafka.{name}: no such file {path}")
+            kw.update(ssl_cafile=self.ssl_cafile, ssl_certfile=self.ssl_certfile, ssl_keyfile=self.ssl_keyfile,
+                      ssl_check_hostname=self.ssl_check_hostname)
+        if self.sasl:
+            password = self.sasl_password if self.sasl_password is not None else environ.get(self.sasl_password_env)
+            if password is None:
+                raise ValueError(f"no SASL password: set kafka.sasl_password or the environment variable "
+                                 f"{self.sasl_password_env}")
+            kw.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
+                      sasl_plain_password=password)
+        return kw
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as a dict with the password masked: what may be logged or written to disk."""
+        values = dataclasses.asdict(self)
+        if values["sasl_password"] is not None:
+            values["sasl_password"] = "***"
+        return values
