@@ -189,6 +189,25 @@ def trainer_process(tiny_model: Path, bootstrap: str, topics: Topics, adapters: 
     return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def test_a_sigterm_during_start_up_is_a_clean_stop(tiny_model, broker, tmp_path) -> None:
+    """SIGTERM as soon as the trainer has printed its configuration (its handlers are in place by then;
+    torch, the model and Kafka are still to come): it exits 0 and trains nothing, groups ready or not."""
+    topics = new_topics(broker.bootstrap_servers)
+    produce(broker.bootstrap_servers, topics, group_records("s0", np.random.default_rng(2)))
+    adapters, log = tmp_path / "adapters", tmp_path / "trainer.log"
+    proc = trainer_process(tiny_model, broker.bootstrap_servers, topics, adapters, log)
+    try:
+        wait_for(lambda: "effective configuration" in log.read_text() or proc.poll() is not None, 120,
+                 "the configuration")
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert not list((adapters / "policy").glob("v*")), "trained after the stop"
+
+
 def test_kill_9_sigterm_and_restart_train_every_group_exactly_once(tiny_model, broker, tmp_path) -> None:
     topics = new_topics(broker.bootstrap_servers)
     rng = np.random.default_rng(1)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import threading
 
 from streamrl.config_flags import add_config_flags, given
 
@@ -28,7 +30,15 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     return TrainerConfig.load(args.config, **given(args, TrainerConfig))
 
 
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT set ``stop``: the trainer finishes its step, publishes and exits 0."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+
 def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    stop_on_signals(stop)  # first: a SIGTERM while torch loads or the model is read is a clean stop
     config = config_from_args(args)
     if not config.model:
         raise SystemExit("streamrl trainer: --model is required")
@@ -50,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from .daemon import run_trainer
 
     try:
-        return run_trainer(config)
+        return run_trainer(config, stop)
     finally:
         if distributed:
             dist.destroy_process_group()

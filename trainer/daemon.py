@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -183,9 +182,13 @@ class Trainer:
 
 
 def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
-    """Run until ``stop`` is set, SIGTERM/SIGINT arrives, ``max_steps`` is reached or a replay ends."""
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+    """Run until ``stop`` is set, ``max_steps`` is reached or a replay ends. Without a ``stop`` event,
+    SIGTERM/SIGINT set one installed here (in the main thread); ``streamrl trainer`` installs its
+    handlers before anything slow starts, so that a stop during start-up is a clean stop too."""
+    if stop is None:
+        from .cli import stop_on_signals
+
+        stop = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            stop_on_signals(stop)
     return Trainer(c, stop).run()
