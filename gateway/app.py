@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib.metadata import version as package_version
 
 import aiohttp
 import orjson
@@ -29,6 +30,7 @@ from .config import GatewayConfig
 from .hotswap import PolicyFollower
 from .loop_lag import LoopLagMonitor
 from .metrics import GatewayMetrics
+from .openapi import openapi_document
 from .policy import PolicyRouter
 from .proxy import JSON, Proxy
 from .rewards import post_rewards
@@ -197,6 +199,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    openapi_json = orjson.dumps(openapi_document(app.title, package_version("streamrl")))
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return Response(openapi_json, media_type=JSON)
 
     if gateway.keys:
         app.add_middleware(AuthMiddleware, keys=gateway.keys)

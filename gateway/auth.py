@@ -41,6 +41,7 @@ ROUTE_SCOPES: dict[str, str] = {
     "/v1/rewards": "rewards",
     "/metrics": "admin",
     "/health": OPEN,
+    "/openapi.json": OPEN,
 }
 """The scope each route needs; any other path needs ``admin``."""
 

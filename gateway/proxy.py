@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import msgspec
@@ -121,6 +122,12 @@ def _tag(request: Request, metadata: dict[str, Any] | None, header: str, key: st
         raise BadRequest(400, str(exc), key) from None
 
 
+def header_value(text: str) -> str:
+    """An id echoed in a response header: as it is when printable ASCII, else percent-encoded (UTF-8), since
+    header values are bytes of Latin-1 at most and may hold no control characters."""
+    return text if text.isascii() and text.isprintable() else quote(text, safe="")
+
+
 class _Call:
     """One request's state while it is forwarded."""
 
@@ -137,9 +144,9 @@ class _Call:
         self.engine_capture = False
         """The upstream hands the tokens over in a capture frame (``streamrl/engine_wire.py``)."""
         self.upstream: Upstream | None = None
-        self.headers = {"X-Request-Id": ctx.request_id, "X-Trajectory-Id": ctx.trajectory_id}
+        self.headers = {"X-Request-Id": ctx.request_id, "X-Trajectory-Id": header_value(ctx.trajectory_id)}
         if ctx.group_id is not None:
-            self.headers["X-Group-Id"] = ctx.group_id
+            self.headers["X-Group-Id"] = header_value(ctx.group_id)
         if lease.policy_name is not None:
             self.headers["X-Policy-Version"] = str(lease.version)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import unquote
 
 import httpx
 import numpy as np
@@ -117,6 +118,19 @@ def test_chat_client_asking_for_ids_gets_them_and_record_equals_them(gateway, ba
     assert (rec.trajectory_id, rec.group_id) == ("traj-meta", "g-meta")
     assert_record_matches(rec, choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]],
                           body["prompt_token_ids"])
+
+
+def test_ids_outside_printable_ascii_are_recorded_as_sent_and_echoed_percent_encoded(engine_gateway, base_model,
+                                                                                   completions):
+    """Response headers carry Latin-1 bytes at most, no control characters: such ids are echoed
+    percent-encoded (found by the fuzz test: a 500 before), and recorded exactly as sent."""
+    tid, gid = f"traj-Ā\n{time.monotonic_ns()}", "group é"
+    r = httpx.post(f"{engine_gateway.url}/v1/chat/completions", timeout=60, json={
+        "model": base_model, "messages": CHAT, "max_tokens": 2, "metadata": {"trajectory_id": tid, "group_id": gid}})
+    assert r.status_code == 200, r.text
+    assert (unquote(r.headers["x-trajectory-id"]), unquote(r.headers["x-group-id"])) == (tid, gid)
+    rec = completions.wait_for(of_request(r.headers["x-request-id"]))[0]
+    assert (rec.trajectory_id, rec.group_id) == (tid, gid)
 
 
 def test_chat_streaming_record_matches_vllm(gateway, engine, base_model, completions):
