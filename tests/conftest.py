@@ -73,9 +73,24 @@ def engine_gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewaySe
 
 
 @pytest.fixture
-def completions(broker: EmbeddedBroker) -> Iterator[TopicReader]:
-    """The session broker's completions topic, read from its end (modules with topics of their own override it)."""
-    reader = TopicReader(broker.bootstrap_servers, broker.topics.completions)
+def log_topics(broker: EmbeddedBroker) -> Topics:
+    """The topics ``completions`` and ``rewards`` read: the session broker's (a module logging to topics of
+    its own overrides this fixture)."""
+    return broker.topics
+
+
+@pytest.fixture
+def completions(broker: EmbeddedBroker, log_topics: Topics) -> Iterator[TopicReader]:
+    """The completions topic, read from its end."""
+    reader = TopicReader(broker.bootstrap_servers, log_topics.completions)
+    yield reader
+    reader.close()
+
+
+@pytest.fixture
+def rewards(broker: EmbeddedBroker, log_topics: Topics) -> Iterator[TopicReader]:
+    """The rewards topic, read from its end."""
+    reader = TopicReader(broker.bootstrap_servers, log_topics.rewards)
     yield reader
     reader.close()
 

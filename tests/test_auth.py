@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from kafka_reader import TopicReader
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.policy_log import PolicyLog, publish_version
@@ -161,17 +160,8 @@ def gw(broker: EmbeddedBroker, engine: Engine, adapter_dirs: dict[str, Path],
 
 
 @pytest.fixture
-def completions(broker: EmbeddedBroker) -> Iterator[TopicReader]:
-    reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
-    yield reader
-    reader.close()
-
-
-@pytest.fixture
-def rewards(broker: EmbeddedBroker) -> Iterator[TopicReader]:
-    reader = TopicReader(broker.bootstrap_servers, TOPICS.rewards)
-    yield reader
-    reader.close()
+def log_topics() -> Topics:
+    return TOPICS
 
 
 def client(gw: GatewayServer, key: str) -> openai.OpenAI:

@@ -13,7 +13,6 @@ import openai
 import orjson
 import pytest
 from conftest import start_gateway
-from kafka_reader import TopicReader
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import CompletionRecord, RecordError, RewardRecord, decode
@@ -43,13 +42,6 @@ def gateway(request: pytest.FixtureRequest) -> GatewayServer:
 @pytest.fixture(scope="module")
 def base_model(engine: Engine) -> str:
     return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
-
-
-@pytest.fixture
-def rewards(broker: EmbeddedBroker) -> Iterator[TopicReader]:
-    reader = TopicReader(broker.bootstrap_servers, TOPICS.rewards)
-    yield reader
-    reader.close()
 
 
 def client(gw: GatewayServer, **kw: Any) -> openai.OpenAI:

@@ -19,8 +19,8 @@ import httpx
 import numpy as np
 import openai
 import orjson
+from kafka_reader import TopicReader
 from relay import Relay
-from test_gateway import TopicReader
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.policy_log import publish_version

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kafka_reader import TopicReader
 from relay import Relay
-from test_gateway import TopicReader
 
 from streamrl.broker.clients import make_producer
 from streamrl.broker.embedded import EmbeddedBroker, free_port

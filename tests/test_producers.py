@@ -174,17 +174,8 @@ def gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
 
 
 @pytest.fixture
-def completions(broker: EmbeddedBroker) -> Iterator[TopicReader]:
-    reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
-    yield reader
-    reader.close()
-
-
-@pytest.fixture
-def rewards(broker: EmbeddedBroker) -> Iterator[TopicReader]:
-    reader = TopicReader(broker.bootstrap_servers, TOPICS.rewards)
-    yield reader
-    reader.close()
+def log_topics() -> Topics:
+    return TOPICS
 
 
 def test_trajectory_tags_every_call_and_posts_the_reward(gateway: GatewayServer, completions: TopicReader,
