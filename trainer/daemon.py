@@ -145,6 +145,9 @@ class Trainer:
         step = {"version": state.version + 1, "step": state.step, "groups": len(batches),
                 **batch_metrics(batches, state.version), **asdict(stats),
                 "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9)}
+        lag = source.lag()
+        if lag is not None:
+            step["kafka_lag"] = lag
         t = time.monotonic()
         path, sha = write_adapter(self.model, c.policy_dir, state.version + 1, {"step": state.step, "groups": groups})
         timings["adapter_s"] = time.monotonic() - t
