@@ -58,6 +58,8 @@ class VersionStats:
     """When the policy name was routed to it here (0: not (yet) routed)."""
     trainer: dict[str, float] = field(default_factory=dict)
     """The policy record's ``metrics``: the trainer's step that made this version."""
+    eval: dict[str, float] | None = None
+    """Its held-out evaluation, as an evaluator reported it (``POST /dashboard/eval``)."""
 
     def view(self) -> dict[str, Any]:
         n = self.rewards
@@ -67,7 +69,7 @@ class VersionStats:
                 "first_reward": self.first_reward or None, "published": self.published or None,
                 "routed": self.routed or None,
                 "publish_to_route_s": self.routed - self.published if self.routed and self.published else None,
-                "trainer": self.trainer}
+                "trainer": self.trainer, "eval": self.eval}
 
 
 class Dashboard:
@@ -127,6 +129,12 @@ class Dashboard:
         """A policy record read from the policy topic (the trainer's metrics of the step that made it)."""
         stats = self._version(record.version)
         stats.published, stats.trainer = record.created, dict(record.metrics)
+        self._bump()
+
+    def evaluated(self, version: int, score: float, answered: int, problems: int) -> None:
+        """A held-out evaluation of ``version`` (``producers/evaluate.py`` reports each one)."""
+        self._version(version).eval = {"score": score, "answered": answered, "problems": problems,
+                                       "time": time.time()}
         self._bump()
 
     def routed(self, version: int, at: float) -> None:

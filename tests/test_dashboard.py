@@ -5,6 +5,7 @@ must gain points as versions are published and served."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -105,6 +107,24 @@ def test_the_page_is_open_its_data_needs_admin(keyed: GatewayServer) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "wait"
 
 
+def test_an_evaluation_is_shown_with_its_version(keyed: GatewayServer) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    url = f"{keyed.url}/dashboard/eval"
+    r = httpx.post(url, json={"version": 7, "score": 0.75, "answered": 4, "problems": 4}, headers=admin)
+    assert r.status_code == 200
+    v7 = [v for v in httpx.get(f"{keyed.url}/dashboard/data", headers=admin).json()["versions"] if v["version"] == 7]
+    assert v7[0]["eval"]["score"] == 0.75 and v7[0]["eval"]["problems"] == 4 and v7[0]["rewards"] == 0
+    for body, param in [({"version": 7, "score": "high", "answered": 1, "problems": 1}, "score"),
+                        ({"version": -1, "score": 0.5, "answered": 1, "problems": 1}, "version"),
+                        ({"version": 7, "score": 0.5, "problems": 1}, "answered")]:
+        r = httpx.post(url, json=body, headers=admin)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, body
+    assert httpx.post(url, content=b"{", headers=admin).status_code == 400
+    r = httpx.post(url, json={"version": 7, "score": 1.0, "answered": 1, "problems": 1},
+                   headers={"Authorization": f"Bearer {INFERENCE}"})
+    assert r.status_code == 403  # what the dashboard shows is the operator's
+
+
 # -- the page in a real browser during a real loop ---------------------------------------------------
 
 def browser():
@@ -130,17 +150,22 @@ def served_points(driver) -> int:
     return int(found.group(1)) if found else 0
 
 
-def test_the_reward_chart_gains_points_as_versions_are_published(tiny_model: Path, broker: EmbeddedBroker,
-                                                                 engine: Engine, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def loop(tiny_model: Path, broker: EmbeddedBroker, engine: Engine,
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The dashboard open in Chromium while a real loop runs, until its reward chart shows 4 versions; what
+    the page showed along the way, the dashboard's data and both parts' /metrics at the end."""
     from selenium.webdriver.support.ui import WebDriverWait
 
     driver = browser()
+    tmp_path = tmp_path_factory.mktemp("dashloop")
     topics = Topics(f"dashl{uuid.uuid4().hex[:6]}")
     create_topics(broker.bootstrap_servers, topics, partitions=1)
     name = "dashloop"
     trainer = TrainerConfig(model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers, name=name,
                             adapters=str(tmp_path / "adapters"), topic_prefix=topics.prefix, groups_per_step=1,
-                            max_step_tokens=0, device="cpu", history=str(tmp_path / "history.jsonl"))
+                            max_step_tokens=0, device="cpu", history=str(tmp_path / "history.jsonl"),
+                            metrics_port=free_port())
     config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
                            topic_prefix=topics.prefix, policy_name=name, health_interval_s=0.5,
                            adapter_root=trainer.adapters, dashboard_interval_s=0.5, policy_catch_up_s=1.0)
@@ -155,29 +180,31 @@ def test_the_reward_chart_gains_points_as_versions_are_published(tiny_model: Pat
                 produced.extend(play_group(gw, name, f"g{g}"))
                 g += 1
 
+    out: dict[str, Any] = {"produced": produced}
     try:
         with GatewayServer(config) as gw:
             producer = threading.Thread(target=produce, args=(gw.url,), name="producer")
             driver.get(f"{gw.url}/dashboard")
             WebDriverWait(driver, 30).until(
                 lambda d: d.find_element("id", "status").get_attribute("data-state") == "live")
-            assert served_points(driver) == 0
+            out["initial"] = served_points(driver)
             trainer_thread.start()
             producer.start()
-            seen = [0]  # the served series' point counts, as they change
-            versions_routed = [0]
+            seen = out["seen"] = [out["initial"]]  # the served series' point counts, as they change
+            routed = out["routed"] = [0]  # the gateway's routed version at each change
 
             def grew(d) -> bool:
                 n = served_points(d)
                 if n != seen[-1]:
                     seen.append(n)
-                    versions_routed.append(gw.gateway.router.version)
+                    routed.append(gw.gateway.router.version)
                 return n >= 4
 
             WebDriverWait(driver, 420, poll_frequency=0.2).until(grew, f"the reward chart stopped at {seen}")
-            screenshot = os.environ.get("STREAMRL_DASHBOARD_SCREENSHOT")
-            driver.save_screenshot(screenshot or str(tmp_path / "dashboard.png"))
-            data = httpx.get(f"{gw.url}/dashboard/data").json()
+            driver.save_screenshot(os.environ.get("STREAMRL_DASHBOARD_SCREENSHOT") or str(tmp_path / "dashboard.png"))
+            out["data"] = httpx.get(f"{gw.url}/dashboard/data").json()
+            out["gateway_metrics"] = httpx.get(f"{gw.url}/metrics").text
+            out["trainer_metrics"] = httpx.get(f"http://127.0.0.1:{trainer.metrics_port}/metrics").text
             stop.set()
             producer.join(120)
     finally:
@@ -186,13 +213,43 @@ def test_the_reward_chart_gains_points_as_versions_are_published(tiny_model: Pat
         if trainer_thread.is_alive():
             trainer_thread.join(120)
         unload(engine, name)
+    return out
+
+
+def test_the_reward_chart_gains_points_as_versions_are_published(loop: dict[str, Any]) -> None:
+    seen, routed, data = loop["seen"], loop["routed"], loop["data"]
+    assert loop["initial"] == 0, "nothing served yet when the page opened"
     assert seen == sorted(seen) and seen[-1] >= 4, seen  # points only ever added, one per served version
-    assert versions_routed[-1] >= 3, "points came with versions being published and routed"
+    assert routed == sorted(routed) and routed[-1] >= 3, "points came as versions were published and routed"
     rewarded = [v for v in data["versions"] if v["rewards"]]
     assert len(rewarded) >= 4 and rewarded[0]["version"] == 0  # the base model's, then each version served
     published = [v for v in data["versions"] if v["version"] >= 1 and v["published"]]
     assert len(published) >= 3 and all("reward_mean" in v["trainer"] and "staleness_mean" in v["trainer"]
-                                       for v in published)
-    assert all(v["publish_to_route_s"] is not None and v["publish_to_route_s"] >= 0 for v in published
-               if v["routed"])
-    assert set(produced) >= {0, 1, 2}
+                                       and "kafka_lag" in v["trainer"] for v in published)
+    assert all(v["publish_to_route_s"] >= 0 for v in published if v["routed"])
+    assert set(loop["produced"]) >= {0, 1, 2}
+
+
+GRAFANA = Path(__file__).parent.parent / "infra" / "grafana" / "dashboards" / "streamrl.json"
+
+
+def queried_metrics(board: dict[str, Any]) -> set[str]:
+    """The metric names of every panel's PromQL (streamrl's all start with ``streamrl_``)."""
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    return {m for e in exprs for m in re.findall(r"\bstreamrl_[a-z0-9_]+", e)}
+
+
+def exported_metrics(text: str) -> set[str]:
+    """Sample names of a Prometheus text exposition."""
+    return {re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_the_grafana_dashboard_queries_only_exported_metrics(loop: dict[str, Any]) -> None:
+    board = json.loads(GRAFANA.read_text())
+    queried = queried_metrics(board)
+    assert len(queried) >= 20 and "streamrl_trainer_kafka_lag" in queried
+    exported = exported_metrics(loop["gateway_metrics"]) | exported_metrics(loop["trainer_metrics"])
+    assert queried - exported == set(), "the Grafana dashboard queries metrics nobody exports"
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids)) and all(p["datasource"]["uid"] == "streamrl-prometheus" for p in board["panels"])
