@@ -60,6 +60,8 @@ class VersionStats:
     """The policy record's ``metrics``: the trainer's step that made this version."""
     eval: dict[str, float] | None = None
     """Its held-out evaluation, as an evaluator reported it (``POST /dashboard/eval``)."""
+    changed: int = 0
+    """The ``Dashboard.seq`` that will include its last change: a viewer at an older ``seq`` gets it again."""
 
     def view(self) -> dict[str, Any]:
         n = self.rewards
@@ -104,6 +106,7 @@ class Dashboard:
         """A logged call of the policy name was served by ``version`` (the completion path)."""
         stats = self.versions.get(version) or self._version(version)
         stats.calls += 1
+        stats.changed = self.seq + 1
         served = self._served
         served[trajectory_id] = version
         if len(served) > self.max_tracked:
@@ -118,6 +121,7 @@ class Dashboard:
                 self.unattributed += 1
                 continue
             stats = self._version(version)
+            stats.changed = self.seq + 1
             stats.rewards += 1
             stats.reward_sum += r.reward
             stats.reward_sq += r.reward * r.reward
@@ -128,17 +132,19 @@ class Dashboard:
     def published(self, record: PolicyRecord) -> None:
         """A policy record read from the policy topic (the trainer's metrics of the step that made it)."""
         stats = self._version(record.version)
-        stats.published, stats.trainer = record.created, dict(record.metrics)
+        stats.published, stats.trainer, stats.changed = record.created, dict(record.metrics), self.seq + 1
         self._bump()
 
     def evaluated(self, version: int, score: float, answered: int, problems: int) -> None:
         """A held-out evaluation of ``version`` (``producers/evaluate.py`` reports each one)."""
-        self._version(version).eval = {"score": score, "answered": answered, "problems": problems,
-                                       "time": time.time()}
+        stats = self._version(version)
+        stats.eval, stats.changed = {"score": score, "answered": answered, "problems": problems,
+                                     "time": time.time()}, self.seq + 1
         self._bump()
 
     def routed(self, version: int, at: float) -> None:
-        self._version(version).routed = at
+        stats = self._version(version)
+        stats.routed, stats.changed = at, self.seq + 1
         self._bump()
 
     def _bump(self) -> None:
@@ -204,8 +210,9 @@ class Dashboard:
         return self.seq
 
     # -- what a viewer fetches -----------------------------------------------------------------------
-    def snapshot(self, since: float = 0.0) -> dict[str, Any]:
-        """Every version, and the samples taken after ``since`` (a viewer passes the last one it has)."""
+    def snapshot(self, since: float = 0.0, seq: int | None = None) -> dict[str, Any]:
+        """The versions changed after ``seq`` (all without it) and the samples taken after ``since``: a
+        viewer passes the last ``seq`` and sample time it has, and merges what comes by version."""
         routed = self.router.routed
         return {
             "seq": self.seq, "now": time.time(), "started": self.started, "interval_s": self.interval_s,
@@ -213,7 +220,8 @@ class Dashboard:
                        "served_name": routed.served_name if routed else None},
             "upstreams": [{"url": u.url, "healthy": u.healthy, "in_flight": u.in_flight, "last_error": u.last_error}
                           for u in self.pool.upstreams],
-            "versions": [self.versions[v].view() for v in sorted(self.versions)],
+            "versions": [self.versions[v].view() for v in sorted(self.versions)
+                         if seq is None or self.versions[v].changed > seq],
             "rewards_unattributed": self.unattributed,
             "points": [p for p in self.points if p["time"] > since],
         }

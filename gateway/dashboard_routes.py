@@ -1,7 +1,8 @@
 """The dashboard's routes: the page and its assets (files of this package, no CDN), and its data.
 
 ``POST /dashboard/eval`` takes a held-out evaluation's result for a version (``producers/evaluate.py``
-posts each one). ``GET /dashboard/data?since=T&seq=N`` answers ``Dashboard.snapshot(since)``; with ``seq`` equal to the
+posts each one). ``GET /dashboard/data?since=T&seq=N`` answers ``Dashboard.snapshot(since, seq)`` (the versions changed after
+``seq``, the samples after ``T``); with ``seq`` equal to the
 current one it first waits (at most ``wait`` seconds, 15 by default) for something to change, so that an
 open page gets each change as it happens with one request in flight and none while nothing happens
 (a long poll: no per-viewer state in the gateway). Every route needs the ``admin`` scope when API keys are
@@ -73,5 +74,5 @@ def add_dashboard_routes(app: FastAPI, dashboard: Dashboard) -> None:
             return error_response(400, f"wait must be between 0 and {MAX_WAIT_S:.0f} seconds", "wait")
         if seq is not None:
             await dashboard.changed(seq, wait)
-        return Response(orjson.dumps(dashboard.snapshot(since)), media_type=JSON,
+        return Response(orjson.dumps(dashboard.snapshot(since, seq)), media_type=JSON,
                         headers={"Cache-Control": "no-store"})

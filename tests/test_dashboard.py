@@ -86,6 +86,7 @@ def test_rewards_count_for_the_version_that_served_the_call(keyed: GatewayServer
     later = httpx.get(f"{keyed.url}/dashboard/data", headers=admin,
                       params={"since": data["points"][-1]["time"], "seq": seq}).json()
     assert later["seq"] > seq and later["points"]
+    assert later["versions"] == [], "with seq, only the versions changed since come (none did)"
     assert later["points"][-1]["completion_tokens"] > 0 and later["points"][-1]["records_offered"] >= 2 * GROUP_SIZE
     assert all(p["time"] > data["points"][-1]["time"] for p in later["points"])
 

@@ -3,7 +3,8 @@
 "use strict";
 
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"];
-const state = { seq: null, since: 0, points: [], data: null, key: sessionStorage.getItem("streamrl-key") };
+const state = { seq: null, since: 0, points: [], versions: new Map(), data: null,
+                key: sessionStorage.getItem("streamrl-key") };
 
 function fmt(v) {
   if (v === null || v === undefined || Number.isNaN(v)) return "-";
@@ -93,7 +94,8 @@ function trainer(versions, key) {
 }
 
 function render() {
-  const d = state.data, points = state.points, vs = d.versions;
+  const d = state.data, points = state.points;
+  const vs = [...state.versions.values()].sort((a, b) => a.version - b.version);
   document.getElementById("policy").textContent =
     `policy ${d.policy.name}: v${d.policy.version}` + (d.policy.served_name ? ` (${d.policy.served_name})` : " (base model)");
   const rewarded = vs.filter(v => v.rewards > 0);
@@ -157,6 +159,7 @@ async function poll() {
     const d = await r.json();
     state.points = state.points.concat(d.points).slice(-3600);
     if (d.points.length) state.since = d.points[d.points.length - 1].time;
+    for (const v of d.versions) state.versions.set(v.version, v);  // only the changed ones come
     state.seq = d.seq; state.data = d;
     setStatus("live", "live · " + clock(d.now));
     render();
