@@ -49,8 +49,8 @@ function draw(id, series, opts = {}) {
     g.fillText(fmt(y), 4, Y(y) + 4);
   }
   const whole = !opts.time && all.every(p => Number.isInteger(p[0]));
-  for (let i = 0; i <= 3; i++) {
-    const x = whole ? Math.round(x0 + (x1 - x0) * i / 3) : x0 + (x1 - x0) * i / 3;
+  const step = whole ? Math.max(1, Math.ceil((x1 - x0) / 3)) : (x1 - x0) / 3;
+  for (let x = x0; x <= x1 + 1e-9; x += step) {
     const label = opts.time ? clock(x) : fmt(x);
     g.fillText(label, Math.min(X(x) - 10, w - right - g.measureText(label).width), h - 6);
   }
