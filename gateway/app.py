@@ -27,6 +27,8 @@ from streamrl.broker.topics import Topics
 
 from .auth import AuthMiddleware, check_bind, has_scope, load_keys, request_key
 from .config import GatewayConfig
+from .dashboard import Dashboard
+from .dashboard_routes import add_dashboard_routes
 from .hotswap import PolicyFollower
 from .loop_lag import LoopLagMonitor
 from .metrics import GatewayMetrics
@@ -62,6 +64,11 @@ class Gateway:
         self.loop_lag = LoopLagMonitor(self.metrics.loop_lag.observe)
         self.metrics.watch(self.pool, lambda: self.producer.stats if self.producer else None,
                            lambda: self.producer.buffered if self.producer else 0, lambda: self.router.version)
+        self.dashboard = Dashboard(self.router, self.pool, self.metrics,
+                                   lambda: self.producer.stats if self.producer else None,
+                                   lambda: self.producer.buffered if self.producer else 0,
+                                   interval_s=config.dashboard_interval_s) if config.dashboard else None
+        self.proxy.dashboard = self.dashboard
 
     async def start(self) -> None:
         c = self.config
@@ -83,9 +90,11 @@ class Gateway:
         self.proxy.session = self.session
         self.proxy.fresh_session = self.fresh_session
         await self.pool.start(self.session)
+        if self.dashboard is not None:
+            self.dashboard.start()
         if c.bootstrap_servers is not None and c.follow_policy:
             self.follower = PolicyFollower(c, self.pool, self.router, self.session, self.topics.policy,
-                                           self.metrics)
+                                           self.metrics, self.dashboard)
             await self.follower.start(c.policy_catch_up_s)
         log.info("gateway up: upstreams %s, logging %s, policy name %r, %s", list(c.upstreams),
                  "to " + c.bootstrap_servers if c.bootstrap_servers else "off", c.policy_name,
@@ -93,6 +102,8 @@ class Gateway:
 
     async def stop(self) -> None:
         self.loop_lag.stop()
+        if self.dashboard is not None:
+            await self.dashboard.stop()
         if self.follower is not None:
             await self.follower.stop()
         await self.pool.stop()
@@ -177,7 +188,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         started = time.perf_counter()
         key = request_key(request.scope)
         response = await post_rewards(request, gateway.producer, gateway.topics.rewards, config.max_body_bytes,
-                                      key.key_id if key is not None else None)
+                                      key.key_id if key is not None else None,
+                                      gateway.dashboard.rewarded if gateway.dashboard is not None else None)
         gateway.metrics.observe("/v1/rewards", response.status_code, time.perf_counter() - started)
         if response.status_code == 200:
             gateway.metrics.rewards.inc(orjson.loads(response.body)["accepted"])
@@ -206,6 +218,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def openapi() -> Response:
         return Response(openapi_json, media_type=JSON)
 
+    if gateway.dashboard is not None:
+        add_dashboard_routes(app, gateway.dashboard)
     if gateway.keys:
         app.add_middleware(AuthMiddleware, keys=gateway.keys)
     return app

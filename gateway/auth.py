@@ -42,8 +42,13 @@ ROUTE_SCOPES: dict[str, str] = {
     "/metrics": "admin",
     "/health": OPEN,
     "/openapi.json": OPEN,
+    "/dashboard": OPEN,
+    "/dashboard/static/dashboard.js": OPEN,
+    "/dashboard/static/dashboard.css": OPEN,
+    "/dashboard/data": "admin",
 }
-"""The scope each route needs; any other path needs ``admin``."""
+"""The scope each route needs; any other path needs ``admin``. The dashboard's page and assets hold no data
+(a browser sends no key when it opens a page); its data needs ``admin``, which the page asks for."""
 
 PINNED_VERSION_SCOPE = "admin"
 """A request naming a pinned policy version (``policy@v<N>``) rather than the policy name needs this scope

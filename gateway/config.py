@@ -74,6 +74,11 @@ class GatewayConfig:
     ``publisher_id``, ``streamrl publish --publisher``)."""
     kafka: KafkaSecurity = field(default_factory=KafkaSecurity)
     """Kafka security settings of the gateway's producer and policy consumer."""
+    dashboard: bool = True
+    """Serve the live dashboard at ``/dashboard`` (docs/gateway.md, "Dashboard"); off, nothing is kept for it
+    and its routes are absent."""
+    dashboard_interval_s: float = 1.0
+    """Seconds between the dashboard's samples of the gateway's counters (throughput, records, health)."""
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -87,6 +92,8 @@ class GatewayConfig:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.health_failures_to_eject < 1:
             raise ValueError("health_failures_to_eject must be >= 1")
+        if self.dashboard_interval_s <= 0:
+            raise ValueError("dashboard_interval_s must be > 0")
         if self.upstream_keepalive_s <= 0:
             raise ValueError("upstream_keepalive_s must be > 0")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))

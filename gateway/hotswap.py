@@ -29,6 +29,7 @@ from streamrl.broker.clients import FETCH_MAX_WAIT_MS, make_consumer
 from streamrl.broker.schema import PolicyRecord, RecordError, decode
 
 from .config import GatewayConfig
+from .dashboard import Dashboard
 from .metrics import GatewayMetrics
 from .policy import PolicyRouter, VersionState
 from .trust import PolicyRejected, check_adapter, check_publisher
@@ -42,9 +43,10 @@ _CAUGHT_UP = object()
 
 class PolicyFollower:
     def __init__(self, config: GatewayConfig, pool: UpstreamPool, router: PolicyRouter,
-                 session: aiohttp.ClientSession, topic: str, metrics: GatewayMetrics) -> None:
+                 session: aiohttp.ClientSession, topic: str, metrics: GatewayMetrics,
+                 dashboard: Dashboard | None = None) -> None:
         self.config, self.pool, self.router, self.session = config, pool, router, session
-        self.topic, self.metrics = topic, metrics
+        self.topic, self.metrics, self.dashboard = topic, metrics, dashboard
         self.caught_up = asyncio.Event()
         self.rejected = 0
         self._queue: asyncio.Queue[object] = asyncio.Queue()
@@ -145,6 +147,9 @@ class PolicyFollower:
             while not self._queue.empty():
                 items.append(self._queue.get_nowait())
             records = [i for i in items if isinstance(i, PolicyRecord)]
+            if self.dashboard is not None:
+                for record in records:  # every version's trainer metrics, the skipped ones' too
+                    self.dashboard.published(record)
             if records:
                 newest = max(records, key=lambda r: r.version)
                 if newest.version > self.router.version:
@@ -180,6 +185,8 @@ class PolicyFollower:
         self._trim()
         self.metrics.swaps.inc()
         self.metrics.publish_to_route.observe(max(0.0, state.loaded_at - record.created))
+        if self.dashboard is not None:
+            self.dashboard.routed(record.version, state.loaded_at)
         log.info("policy %r now served by %s (was %s): received %.0f ms after publication, verified in %.0f ms, "
                  "loaded in %.0f ms", self.router.name, name, old.served_name if old else "the base model",
                  (t0 - record.created) * 1000, (t1 - t0) * 1000, (state.loaded_at - t1) * 1000)

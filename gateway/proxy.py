@@ -38,6 +38,7 @@ from .capture import (
     usage_tokens,
 )
 from .config import GatewayConfig
+from .dashboard import Dashboard
 from .metrics import GatewayMetrics
 from .policy import Lease, PolicyRouter
 from .strip import client_body
@@ -242,6 +243,8 @@ class Proxy:
         self._upstream_headers = {"Content-Type": JSON, **config.extra_headers}
         self._capture_headers = {**self._upstream_headers, CAPTURE_HEADER: "1"}
         self._fallback_logged = False
+        self.dashboard: Dashboard | None = None
+        """Told which version served each logged call of the policy name (``dashboard.py``)."""
         self._late_captures: set[asyncio.Task[None]] = set()
         """``_late_capture`` tasks in progress (the loop keeps only weak references to tasks)."""
 
@@ -419,6 +422,9 @@ class Proxy:
             return
         self.metrics.prompt_tokens.inc(tokens[0])
         self.metrics.completion_tokens.inc(tokens[1])
+        ctx = call.ctx
+        if self.dashboard is not None and ctx.policy_name is not None and ctx.purpose == "train":
+            self.dashboard.served(ctx.trajectory_id, ctx.policy_version)
         total_s = time.perf_counter() - call.ctx.started
         self.producer.offer_deferred(self.topic, functools.partial(build, total_s), count)
 

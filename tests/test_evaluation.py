@@ -88,6 +88,8 @@ def test_evaluation_is_recorded_as_eval_and_never_held_by_the_trainer(engine_gat
     [result] = asyncio.run(evaluator.run(stop))
     assert (result.version, result.answered, result.problems) == (0, 4, 4) and 0.0 <= result.score <= 1.0
     assert json.loads(out.read_text())["version"] == 0 and lines[0].startswith("eval v0: held-out score")
+    shown = engine_gateway.gateway.dashboard.versions[0].eval  # posted to the gateway's dashboard too
+    assert shown is not None and shown["score"] == result.score and shown["problems"] == 4
     records = completions.wait_for(lambda r: r.trajectory_id.startswith("eval-v0-"), count=4)
     assert {r.purpose for r in records} == {"eval"}
     # even with rewards posted for them, the trainer's assembler never holds an evaluation

@@ -167,6 +167,7 @@ def test_external_broker_and_upstream_then_ctrl_c(tmp_path: Path, tiny_model: Pa
         log.close()
     text = (tmp_path / "up.log").read_text()
     assert "engine  | external upstream" in text and "external Kafka" in text
+    assert f"live dashboard at http://127.0.0.1:{port}/dashboard" in text
     assert "embedded broker ready" not in text and "starting vLLM" not in text
     assert "SIGINT: shutting down" in text and "did not stop within" not in text
     assert _leftovers(str(tmp_path)) == []

@@ -42,6 +42,13 @@ class TrainerConfig:
     save_batches: str | None = None
     history: str | None = None
     metrics_port: int | None = None
+    report_to: tuple[str, ...] = ()
+    """Also log each step's metrics to these trackers: ``wandb`` (Weights & Biases; ``WANDB_MODE=offline``
+    needs no account) and/or ``tensorboard``. Empty (default): neither. Needs ``pip install 'streamrl[tracking]'``."""
+    tracking_dir: str = ""
+    """Where the trackers write (``tensorboard/`` event files, ``wandb/`` runs). Default <adapters>/<name>/tracking."""
+    run_name: str = ""
+    """The run's name in the trackers (wandb project ``streamrl``). Default the policy name."""
     device: str = "auto"
     cpu_threads: int = 0
     """torch's threads when training on the CPU; 0: half the machine's cores (at least one). vLLM's CPU
@@ -124,6 +131,10 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         self.target_modules = tuple(self.target_modules)
         self.key_ids = tuple(self.key_ids)
+        self.report_to = tuple(self.report_to)
+        from .tracking import check_trackers
+
+        check_trackers(self.report_to)
         self.kafka = KafkaSecurity.of(self.kafka)
         self.adam_betas = (float(self.adam_betas[0]), float(self.adam_betas[1]))
         if self.group_size < 1 or self.groups_per_step < 1:
@@ -154,6 +165,10 @@ class TrainerConfig:
     @property
     def state_path(self) -> Path:
         return Path(self.state_dir) if self.state_dir else self.policy_dir / ".state"
+
+    @property
+    def tracking_path(self) -> Path:
+        return Path(self.tracking_dir) if self.tracking_dir else self.policy_dir / "tracking"
 
     @property
     def publisher(self) -> str:

@@ -26,6 +26,7 @@ from .metrics import Metrics, batch_metrics
 from .model import load_policy, pick_device
 from .publish import prune, write_adapter
 from .state import TrainerState, load_state, save_state
+from .tracking import open_trackers
 
 log = logging.getLogger("streamrl.trainer")
 
@@ -86,7 +87,9 @@ class Trainer:
         self.policy_log = None
         if self.rank == 0:
             self.source = open_source(c, self.state)
-            self.metrics = Metrics(c.metrics_port, c.history)
+            trackers = open_trackers(c.report_to, c.tracking_path, c.run_name or c.name,
+                                     {**asdict(c), "kafka": c.kafka.redacted()}) if c.report_to else []
+            self.metrics = Metrics(c.metrics_port, c.history, trackers)
             if not c.replay:
                 from streamrl.broker.policy_log import PolicyLog
                 from streamrl.broker.schema import PolicyRecord
@@ -145,6 +148,9 @@ class Trainer:
         step = {"version": state.version + 1, "step": state.step, "groups": len(batches),
                 **batch_metrics(batches, state.version), **asdict(stats),
                 "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9)}
+        lag = source.lag()
+        if lag is not None:
+            step["kafka_lag"] = lag
         t = time.monotonic()
         path, sha = write_adapter(self.model, c.policy_dir, state.version + 1, {"step": state.step, "groups": groups})
         timings["adapter_s"] = time.monotonic() - t
@@ -175,6 +181,8 @@ class Trainer:
         metrics.report({**step, **timings, "group_ids": groups, "path": str(path)}, source.counts)
 
     def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         if self.source is not None:
             self.source.close()
         if self.policy_log is not None:

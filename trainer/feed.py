@@ -78,6 +78,10 @@ class GroupSource(ABC):
     def published(self) -> dict[int, float]:
         return {}
 
+    def lag(self) -> int | None:
+        """Records in Kafka not yet read (``kafka_lag`` in each step's metrics); None when not known."""
+        return None
+
     def commit(self, offsets: dict[str, int]) -> None:  # noqa: B027 - optional for backends
         pass
 
@@ -268,6 +272,9 @@ class StreamGroups(GroupSource):
 
     def commit(self, offsets: dict[str, int]) -> None:
         self.records.commit(offsets)
+
+    def lag(self) -> int | None:
+        return self.records.lag()
 
     def close(self) -> None:
         self.records.close()

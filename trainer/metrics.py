@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .batch import GroupBatch
+from .tracking import Tracker, numbers
 
 log = logging.getLogger("streamrl.trainer")
 
@@ -47,8 +48,11 @@ PER_STEP = {"groups_trained": "trained", "groups_dropped_stale": "stale", "group
 class Metrics:
     """Everything a step reports goes through ``report``."""
 
-    def __init__(self, port: int | None = None, history: str | None = None) -> None:
+    def __init__(self, port: int | None = None, history: str | None = None,
+                 trackers: list[Tracker] | None = None) -> None:
         self.history = Path(history) if history else None
+        self.trackers = trackers or []
+        """``report_to``'s trackers (``tracking.py``), each given every step's numbers."""
         self.port = port
         self._last: Counter[str] = Counter()
         """``PER_STEP`` counts at the previous report."""
@@ -114,7 +118,13 @@ class Metrics:
                 if isinstance(v, int | float):
                     self._gauge(k).set(v)
         self.count(counts)
+        for tracker in self.trackers:
+            tracker.log(numbers(step), step["step"])
         if self.history is not None:
             self.history.parent.mkdir(parents=True, exist_ok=True)
             with open(self.history, "a") as f:
                 f.write(json.dumps({"time": time.time(), **step, "counts": dict(counts)}) + "\n")
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()

@@ -56,6 +56,10 @@ class RecordSource(ABC):
     def commit(self, offsets: dict[str, int]) -> None:  # noqa: B027 - optional for backends
         """Record progress where monitoring can see it (Kafka group offsets)."""
 
+    def lag(self) -> int | None:
+        """Records written but not yet read, over every partition, as last known (None: unknown)."""
+        return None
+
     def close(self) -> None:  # noqa: B027
         pass
 
@@ -141,6 +145,16 @@ class KafkaRecordSource(RecordSource):
             self.consumer.seek(tp, at.offset)
             self._next[key] = at.offset
         return skipped
+
+    def lag(self) -> int | None:
+        """From the high watermarks of the last fetch responses (no request to the broker)."""
+        total, known = 0, False
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)
+            if high is not None:
+                total += max(0, high - self._next.get(f"{tp.topic}:{tp.partition}", 0))
+                known = True
+        return total if known else None
 
     def set_paused(self, paused: bool) -> None:
         """kafka-python's ``pause``/``resume`` of every assigned partition. A fetch already buffered or

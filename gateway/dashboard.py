@@ -1,0 +1,227 @@
+"""What the live dashboard (``/dashboard``) shows: small bounded aggregates kept by the gateway itself.
+
+The gateway already sees every piece of the run the dashboard draws: which policy version served each
+call, every posted reward, every published version (with the trainer's per-step metrics in the policy
+record's ``metrics``: reward and staleness of the trained groups, tokens/s, Kafka lag), when each version
+was routed, the producer's record counts and the upstreams' health. This module keeps of them:
+
+- per version (at most ``max_versions``, oldest dropped): the rewards of the calls that version served
+  (count, sum, sum of squares: mean and spread), the calls it served, its publication and routing times
+  and the trainer's metrics of the step that made it;
+- a ring of ``max_points`` samples taken every ``interval_s`` by one background task: counters (tokens,
+  requests, rewards, records by outcome), healthy upstreams, routed version.
+
+Cost on the request path: a served call that was logged adds one dict entry (its trajectory id -> version,
+at most ``max_tracked``, oldest evicted) so that its reward, posted later, is counted for the version that
+served it, not for whichever is routed when the reward arrives; a posted reward is one dict pop and three
+adds. Everything else happens in the sampler and when the dashboard asks (``snapshot``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamrl.broker.log_producer import ProducerStats
+from streamrl.broker.schema import PolicyRecord, RewardRecord
+
+from .metrics import GatewayMetrics
+from .policy import PolicyRouter
+from .upstreams import UpstreamPool
+
+COUNTED = frozenset(("streamrl_gateway_requests", "streamrl_gateway_rewards", "streamrl_gateway_tokens"))
+"""The metric families the sampler reads (``prometheus_client`` names counters without ``_total``)."""
+
+
+@dataclass(slots=True)
+class VersionStats:
+    """One policy version as the gateway saw it."""
+
+    version: int
+    calls: int = 0
+    """Logged calls it served (``purpose`` train)."""
+    rewards: int = 0
+    reward_sum: float = 0.0
+    reward_sq: float = 0.0
+    first_reward: float = 0.0
+    """Wall-clock time of its first reward (0: none yet)."""
+    published: float = 0.0
+    """When the trainer published it (the policy record's ``created``; 0 for version 0 or not seen)."""
+    routed: float = 0.0
+    """When the policy name was routed to it here (0: not (yet) routed)."""
+    trainer: dict[str, float] = field(default_factory=dict)
+    """The policy record's ``metrics``: the trainer's step that made this version."""
+    eval: dict[str, float] | None = None
+    """Its held-out evaluation, as an evaluator reported it (``POST /dashboard/eval``)."""
+    changed: int = 0
+    """The ``Dashboard.seq`` that will include its last change: a viewer at an older ``seq`` gets it again."""
+
+    def view(self) -> dict[str, Any]:
+        n = self.rewards
+        mean = self.reward_sum / n if n else None
+        std = math.sqrt(max(0.0, self.reward_sq / n - mean * mean)) if n else None
+        return {"version": self.version, "calls": self.calls, "rewards": n, "reward_mean": mean, "reward_std": std,
+                "first_reward": self.first_reward or None, "published": self.published or None,
+                "routed": self.routed or None,
+                "publish_to_route_s": self.routed - self.published if self.routed and self.published else None,
+                "trainer": self.trainer, "eval": self.eval}
+
+
+class Dashboard:
+    def __init__(self, router: PolicyRouter, pool: UpstreamPool, metrics: GatewayMetrics,
+                 producer_stats: Callable[[], ProducerStats | None], buffered: Callable[[], int], *,
+                 max_versions: int = 2000, max_points: int = 3600, interval_s: float = 1.0,
+                 max_tracked: int = 100_000) -> None:
+        self.router, self.pool, self.metrics = router, pool, metrics
+        self.producer_stats, self.buffered = producer_stats, buffered
+        self.max_versions, self.max_tracked, self.interval_s = max_versions, max_tracked, interval_s
+        self.versions: dict[int, VersionStats] = {}
+        self.points: deque[dict[str, Any]] = deque(maxlen=max_points)
+        self.seq = 0
+        """Bumped at every change a viewer should fetch (a sample, a reward, a version)."""
+        self.unattributed = 0
+        """Rewards whose call this gateway did not serve (or served too long ago to remember)."""
+        self._served: dict[str, int] = {}
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.started = time.time()
+
+    # -- updates from the gateway's own paths --------------------------------------------------------
+    def _version(self, version: int) -> VersionStats:
+        stats = self.versions.get(version)
+        if stats is None:
+            stats = self.versions[version] = VersionStats(version)
+            if len(self.versions) > self.max_versions:
+                del self.versions[min(self.versions)]
+        return stats
+
+    def served(self, trajectory_id: str, version: int) -> None:
+        """A logged call of the policy name was served by ``version`` (the completion path)."""
+        stats = self.versions.get(version) or self._version(version)
+        stats.calls += 1
+        stats.changed = self.seq + 1
+        served = self._served
+        served[trajectory_id] = version
+        if len(served) > self.max_tracked:
+            del served[next(iter(served))]
+
+    def rewarded(self, records: Iterable[RewardRecord]) -> None:
+        """Rewards accepted by ``POST /v1/rewards``: each counts for the version that served its call."""
+        now = time.time()
+        for r in records:
+            version = self._served.pop(r.trajectory_id, None)
+            if version is None:
+                self.unattributed += 1
+                continue
+            stats = self._version(version)
+            stats.changed = self.seq + 1
+            stats.rewards += 1
+            stats.reward_sum += r.reward
+            stats.reward_sq += r.reward * r.reward
+            if not stats.first_reward:
+                stats.first_reward = now
+        self._bump()
+
+    def published(self, record: PolicyRecord) -> None:
+        """A policy record read from the policy topic (the trainer's metrics of the step that made it)."""
+        stats = self._version(record.version)
+        stats.published, stats.trainer, stats.changed = record.created, dict(record.metrics), self.seq + 1
+        self._bump()
+
+    def evaluated(self, version: int, score: float, answered: int, problems: int) -> None:
+        """A held-out evaluation of ``version`` (``producers/evaluate.py`` reports each one)."""
+        stats = self._version(version)
+        stats.eval, stats.changed = {"score": score, "answered": answered, "problems": problems,
+                                     "time": time.time()}, self.seq + 1
+        self._bump()
+
+    def routed(self, version: int, at: float) -> None:
+        stats = self._version(version)
+        stats.routed, stats.changed = at, self.seq + 1
+        self._bump()
+
+    def _bump(self) -> None:
+        self.seq += 1
+        self._changed.set()
+
+    # -- the sampler ---------------------------------------------------------------------------------
+    def _counters(self) -> dict[str, float]:
+        """The request, token and reward counters, read through the registry's public ``collect``."""
+        out = {"requests": 0.0, "requests_failed": 0.0, "rewards": 0.0, "prompt_tokens": 0.0,
+               "completion_tokens": 0.0}
+        for family in self.metrics.registry.collect():
+            if family.name not in COUNTED:
+                continue
+            for s in family.samples:
+                if s.name == "streamrl_gateway_requests_total":
+                    out["requests"] += s.value
+                    if s.labels["status"] >= "500":
+                        out["requests_failed"] += s.value
+                elif s.name == "streamrl_gateway_rewards_total":
+                    out["rewards"] = s.value
+                elif s.name == "streamrl_gateway_tokens_total":
+                    out[f"{s.labels['kind']}_tokens"] = s.value
+        return out
+
+    def sample(self) -> dict[str, Any]:
+        stats = self.producer_stats()
+        point: dict[str, Any] = {
+            "time": time.time(),
+            **self._counters(),
+            "healthy_upstreams": sum(u.healthy for u in self.pool.upstreams),
+            "upstreams": len(self.pool.upstreams),
+            "in_flight": sum(u.in_flight for u in self.pool.upstreams),
+            "version": self.router.version,
+        }
+        if stats is not None:
+            point.update({f"records_{k}": v for k, v in dataclasses.asdict(stats).items()})
+            point["records_buffered"] = self.buffered()
+        self.points.append(point)
+        self._bump()
+        return point
+
+    async def _sampling(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._sampling())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def changed(self, seq: int, timeout_s: float) -> int:
+        """Wait until something changed after ``seq`` (or the timeout); the current ``seq``."""
+        if self.seq == seq:
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+        return self.seq
+
+    # -- what a viewer fetches -----------------------------------------------------------------------
+    def snapshot(self, since: float = 0.0, seq: int | None = None) -> dict[str, Any]:
+        """The versions changed after ``seq`` (all without it) and the samples taken after ``since``: a
+        viewer passes the last ``seq`` and sample time it has, and merges what comes by version."""
+        routed = self.router.routed
+        return {
+            "seq": self.seq, "now": time.time(), "started": self.started, "interval_s": self.interval_s,
+            "policy": {"name": self.router.name, "version": self.router.version,
+                       "served_name": routed.served_name if routed else None},
+            "upstreams": [{"url": u.url, "healthy": u.healthy, "in_flight": u.in_flight, "last_error": u.last_error}
+                          for u in self.pool.upstreams],
+            "versions": [self.versions[v].view() for v in sorted(self.versions)
+                         if seq is None or self.versions[v].changed > seq],
+            "rewards_unattributed": self.unattributed,
+            "points": [p for p in self.points if p["time"] > since],
+        }

@@ -1,0 +1,177 @@
+// The streamrl dashboard: long-polls /dashboard/data and draws small canvas charts (no libraries, no CDN).
+// Each chart's canvas carries data-points (points drawn) so that tests can read progress from the DOM.
+"use strict";
+
+const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"];
+const state = { seq: null, since: 0, points: [], versions: new Map(), data: null,
+                key: sessionStorage.getItem("streamrl-key") };
+
+function fmt(v) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "-";
+  const a = Math.abs(v);
+  if (a >= 1e6) return (v / 1e6).toFixed(1) + "M";
+  if (a >= 1e3) return (v / 1e3).toFixed(1) + "k";
+  if (a >= 10 || Number.isInteger(v)) return v.toFixed(0);
+  return v.toFixed(a >= 1 ? 2 : 3);
+}
+
+function clock(t) { return new Date(t * 1000).toLocaleTimeString(); }
+
+// series: [{name, points: [[x, y]], band: [[x, lo, hi]] | undefined}]; opts.time: x is unix seconds
+function draw(id, series, opts = {}) {
+  const canvas = document.getElementById(id);
+  const dpr = window.devicePixelRatio || 1;
+  const w = canvas.clientWidth, h = canvas.clientHeight;
+  canvas.width = w * dpr; canvas.height = h * dpr;
+  const g = canvas.getContext("2d");
+  g.scale(dpr, dpr);
+  g.clearRect(0, 0, w, h);
+  const all = series.flatMap(s => s.points.concat((s.band || []).flatMap(b => [[b[0], b[1]], [b[0], b[2]]])))
+    .filter(p => Number.isFinite(p[1]));
+  canvas.dataset.points = String(series.reduce((n, s) => n + s.points.filter(p => Number.isFinite(p[1])).length, 0));
+  canvas.dataset.series = series.map(s => s.name + ":" + s.points.length).join(",");
+  const left = 48, right = 10, top = 18, bottom = 22;
+  g.font = "11px system-ui, sans-serif";
+  if (!all.length) {
+    g.fillStyle = "#6b7280"; g.fillText("no data yet", left, top + 20); return;
+  }
+  let [x0, x1] = [Math.min(...all.map(p => p[0])), Math.max(...all.map(p => p[0]))];
+  let [y0, y1] = [Math.min(...all.map(p => p[1])), Math.max(...all.map(p => p[1]))];
+  if (opts.zero !== false) y0 = Math.min(0, y0);
+  if (x1 === x0) { x0 -= 1; x1 += 1; }
+  if (y1 === y0) { y1 = y0 + 1; }
+  const X = x => left + (x - x0) / (x1 - x0) * (w - left - right);
+  const Y = y => h - bottom - (y - y0) / (y1 - y0) * (h - top - bottom);
+  g.strokeStyle = "#e5e7eb"; g.fillStyle = "#6b7280"; g.lineWidth = 1;
+  for (let i = 0; i <= 4; i++) {
+    const y = y0 + (y1 - y0) * i / 4;
+    g.beginPath(); g.moveTo(left, Y(y)); g.lineTo(w - right, Y(y)); g.stroke();
+    g.fillText(fmt(y), 4, Y(y) + 4);
+  }
+  const whole = !opts.time && all.every(p => Number.isInteger(p[0]));
+  const step = whole ? Math.max(1, Math.ceil((x1 - x0) / 3)) : (x1 - x0) / 3;
+  for (let x = x0; x <= x1 + 1e-9; x += step) {
+    const label = opts.time ? clock(x) : fmt(x);
+    g.fillText(label, Math.min(X(x) - 10, w - right - g.measureText(label).width), h - 6);
+  }
+  series.forEach((s, i) => {
+    const color = s.color || COLORS[i % COLORS.length];
+    if (s.band && s.band.length) {
+      g.fillStyle = color + "22"; g.beginPath();
+      s.band.forEach((b, j) => j ? g.lineTo(X(b[0]), Y(b[2])) : g.moveTo(X(b[0]), Y(b[2])));
+      [...s.band].reverse().forEach(b => g.lineTo(X(b[0]), Y(b[1])));
+      g.closePath(); g.fill();
+    }
+    const pts = s.points.filter(p => Number.isFinite(p[1]));
+    g.strokeStyle = color; g.fillStyle = color; g.lineWidth = 1.5; g.beginPath();
+    pts.forEach((p, j) => j ? g.lineTo(X(p[0]), Y(p[1])) : g.moveTo(X(p[0]), Y(p[1])));
+    g.stroke();
+    if (pts.length < 120) pts.forEach(p => { g.beginPath(); g.arc(X(p[0]), Y(p[1]), 2.2, 0, 7); g.fill(); });
+    g.fillText(s.name, left + 8 + i * 150, 11);
+  });
+}
+
+// per-second rates of a counter between consecutive samples
+function rate(points, key) {
+  const out = [];
+  for (let i = 1; i < points.length; i++) {
+    const a = points[i - 1], b = points[i];
+    if (b[key] === undefined || a[key] === undefined || b.time <= a.time) continue;
+    out.push([b.time, Math.max(0, b[key] - a[key]) / (b.time - a.time)]);
+  }
+  return out;
+}
+
+function delta(points, key) {
+  const out = [];
+  for (let i = 1; i < points.length; i++)
+    if (points[i][key] !== undefined) out.push([points[i].time, points[i][key] - (points[i - 1][key] || 0)]);
+  return out;
+}
+
+function trainer(versions, key) {
+  return versions.filter(v => v.trainer && v.trainer[key] !== undefined).map(v => [v.version, v.trainer[key]]);
+}
+
+function render() {
+  const d = state.data, points = state.points;
+  const vs = [...state.versions.values()].sort((a, b) => a.version - b.version);
+  document.getElementById("policy").textContent =
+    `policy ${d.policy.name}: v${d.policy.version}` + (d.policy.served_name ? ` (${d.policy.served_name})` : " (base model)");
+  const rewarded = vs.filter(v => v.rewards > 0);
+  draw("reward-version", [
+    { name: "served", points: rewarded.map(v => [v.version, v.reward_mean]),
+      band: rewarded.map(v => [v.version, v.reward_mean - v.reward_std, v.reward_mean + v.reward_std]) },
+    { name: "trained groups", points: trainer(vs, "reward_mean") },
+  ]);
+  const timed = rewarded.filter(v => v.first_reward);
+  draw("reward-time", [{ name: "served", points: timed.map(v => [v.first_reward, v.reward_mean]),
+                         band: timed.map(v => [v.first_reward, v.reward_mean - v.reward_std, v.reward_mean + v.reward_std]) }],
+       { time: true });
+  draw("eval", [{ name: "held-out score", points: vs.filter(v => v.eval).map(v => [v.version, v.eval.score]) }]);
+  draw("throughput", [{ name: "rollout tok/s", points: rate(points, "completion_tokens") },
+                      { name: "trainer tok/s", points: vs.filter(v => v.published && v.trainer.tokens_per_s !== undefined)
+                          .map(v => [v.published, v.trainer.tokens_per_s]) }], { time: true });
+  draw("staleness", [{ name: "mean", points: trainer(vs, "staleness_mean") },
+                     { name: "max", points: trainer(vs, "staleness_max") }]);
+  draw("lag", [{ name: "records behind", points: trainer(vs, "kafka_lag") }]);
+  draw("swap", [{ name: "seconds", points: vs.filter(v => v.publish_to_route_s !== null)
+                   .map(v => [v.version, v.publish_to_route_s]) }]);
+  draw("failures", [{ name: "failed requests", points: delta(points, "requests_failed") },
+                    { name: "records failed", points: delta(points, "records_failed") },
+                    { name: "records dropped", points: delta(points, "records_dropped") },
+                    { name: "buffered", points: points.filter(p => p.records_buffered !== undefined)
+                        .map(p => [p.time, p.records_buffered]) }], { time: true });
+  document.querySelector("#upstreams tbody").innerHTML = d.upstreams.map(u =>
+    `<tr><td>${u.url}</td><td class="${u.healthy ? "" : "bad"}">${u.healthy ? "yes" : "no"}</td>` +
+    `<td class="num">${u.in_flight}</td><td>${u.last_error || ""}</td></tr>`).join("");
+  const last = points[points.length - 1] || {};
+  const rows = Object.keys(last).filter(k => k.startsWith("records_") || k === "rewards" || k === "requests")
+    .map(k => `<tr><td>${k.replace("records_", "records ")}</td><td class="num">${fmt(last[k])}</td></tr>`);
+  rows.push(`<tr><td>rewards not matched to a served call</td><td class="num">${d.rewards_unattributed}</td></tr>`);
+  document.querySelector("#records tbody").innerHTML = rows.join("");
+}
+
+function setStatus(s, text) {
+  const el = document.getElementById("status");
+  el.dataset.state = s; el.textContent = text;
+}
+
+async function poll() {
+  for (;;) {
+    const q = new URLSearchParams({ since: state.since });
+    if (state.seq !== null) q.set("seq", state.seq);
+    const headers = state.key ? { Authorization: "Bearer " + state.key } : {};
+    let r;
+    try {
+      r = await fetch("/dashboard/data?" + q, { headers, cache: "no-store" });
+    } catch (e) {
+      setStatus("error", "gateway unreachable, retrying");
+      await new Promise(res => setTimeout(res, 2000));
+      continue;
+    }
+    if (r.status === 401 || r.status === 403) {
+      setStatus("key", "needs an API key with the admin scope");
+      document.getElementById("key-form").hidden = false;
+      return;
+    }
+    if (!r.ok) { setStatus("error", `HTTP ${r.status}`); await new Promise(res => setTimeout(res, 2000)); continue; }
+    const d = await r.json();
+    state.points = state.points.concat(d.points).slice(-3600);
+    if (d.points.length) state.since = d.points[d.points.length - 1].time;
+    for (const v of d.versions) state.versions.set(v.version, v);  // only the changed ones come
+    state.seq = d.seq; state.data = d;
+    setStatus("live", "live · " + clock(d.now));
+    render();
+  }
+}
+
+document.getElementById("key-form").addEventListener("submit", e => {
+  e.preventDefault();
+  state.key = document.getElementById("key").value.trim();
+  sessionStorage.setItem("streamrl-key", state.key);
+  document.getElementById("key-form").hidden = true;
+  poll();
+});
+window.addEventListener("resize", () => state.data && render());
+poll();
