@@ -228,7 +228,10 @@ def test_the_reward_chart_gains_points_as_versions_are_published(loop: dict[str,
     assert len(published) >= 3 and all("reward_mean" in v["trainer"] and "staleness_mean" in v["trainer"]
                                        and "kafka_lag" in v["trainer"] for v in published)
     assert all(v["publish_to_route_s"] >= 0 for v in published if v["routed"])
-    assert set(loop["produced"]) >= {0, 1, 2}
+    # the calls were served by the base model, then by versions as they came (the gateway routes the newest
+    # it has: a version superseded before it was routed serves nothing, so not every number appears)
+    served = set(loop["produced"])
+    assert min(served) == 0 and len(served) >= 4, served
 
 
 GRAFANA = Path(__file__).parent.parent / "infra" / "grafana" / "dashboards" / "streamrl.json"
