@@ -16,7 +16,7 @@ A variant is ``MODE[:rN][:recompute]``:
 * ``rN``: N rows (one 4k sequence each) per micro-batch (default: ``--rows`` for the shape).
 * ``recompute``: ``recompute_logits`` on (each logit chunk recomputed in the backward pass); without
   it the chunk logits are kept for the backward pass (more memory, one lm_head matmul fewer), as in
-  the figures in docs/benchmarks.md. ``eager-recompute`` is the old name of ``eager:recompute``.
+  the figures in docs/benchmarks.md.
 
 Several GPUs (``--nproc N``): for each variant, one rank and then N ranks, each rank in a process of
 its own (torch.multiprocessing spawn; NCCL on CUDA, gloo on the CPU), each running the trainer's
@@ -88,8 +88,6 @@ class Variant:
 
     @classmethod
     def parse(cls, spec: str) -> Variant:
-        if spec == "eager-recompute":
-            spec = "eager:recompute"
         mode, *opts = spec.strip().split(":")
         if mode not in ("eager", "compile", "compile-static"):
             raise ValueError(f"unknown variant mode {mode!r} in {spec!r}")
