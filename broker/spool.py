@@ -26,6 +26,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,17 +101,23 @@ class Spool:
 
     Thread-safe: one thread may append while another reads and commits."""
 
-    def __init__(self, directory: str | Path, max_bytes: int = 1 << 30, segment_bytes: int = 16 << 20) -> None:
+    def __init__(self, directory: str | Path, max_bytes: int = 1 << 30, segment_bytes: int = 16 << 20,
+                 lock_wait_s: float = 0.0) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.segment_bytes = max_bytes, segment_bytes
         self.lock = threading.Lock()
         self._lock_fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise RuntimeError(f"spool directory {self.dir} is in use by another process") from None
+        deadline = time.monotonic() + lock_wait_s
+        while True:  # (a predecessor may still be delivering what it held: wait for it up to lock_wait_s)
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self._lock_fd)
+                    raise RuntimeError(f"spool directory {self.dir} is in use by another process") from None
+                time.sleep(0.1)
         self.corrupt = 0
         """Corrupt regions skipped (frames that failed their checksum)."""
         self.torn_bytes = 0
