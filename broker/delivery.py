@@ -34,7 +34,7 @@ from .spool import Spool, SpoolFull, SpoolRecord
 log = logging.getLogger(__name__)
 
 (DELIVERED, FAILED, INVALID, BYTES, SPOOLED, REPLAYED, SPOOL_DROPPED, SPOOL_BYTES, SPOOL_RECORDS, SPOOL_FULL,
- SPOOL_CORRUPT, NCOUNTS) = range(12)
+ SPOOL_CORRUPT, SPOOLING, NCOUNTS) = range(13)
 """Indices of the counters a ``Delivery`` keeps (a list, or shared memory read by a parent process).
 ``SPOOL_*`` from ``SPOOL_BYTES`` on are gauges."""
 
@@ -84,6 +84,7 @@ class Delivery:
         if s is not None:
             self.counts[SPOOL_BYTES], self.counts[SPOOL_RECORDS] = s.bytes, s.records
             self.counts[SPOOL_FULL], self.counts[SPOOL_CORRUPT] = int(s.full), s.corrupt
+            self.counts[SPOOLING] = int(self.spooling)
 
     # -- the caller's side ----------------------------------------------------------------------------
     def put(self, topic: str, key: bytes | None, value: bytes) -> None:
@@ -288,7 +289,7 @@ class Delivery:
                     left = len(self.unacked)
                     self.unacked.clear()
                 self._count(FAILED, left)
-        _close(self.producer, timeout_s=0 if self.spool is not None else 1)
+        _close(self.producer, force=self.spool is not None)
         self.producer = None
         if self.spool is not None:
             self._gauges()
@@ -307,10 +308,19 @@ def _fail(fut: Future | None, why: str) -> None:
             fut.set_exception(NotDurable(why))
 
 
-def _close(producer: KafkaProducer | None, timeout_s: float = 0) -> None:
-    """Drop a producer; with timeout 0 its pending batches are aborted (their records are in the spool)."""
-    if producer is not None:
+def _close(producer: KafkaProducer | None, force: bool = True) -> None:
+    """Drop a producer, on a thread of its own (a close waits for kafka-python's sender thread). Forced,
+    its pending batches are aborted: their records are in the spool, and a producer left to retry them
+    could deliver one after the spool's replay of a later record of its key."""
+    if producer is None:
+        return
+
+    def close() -> None:
         try:
-            producer.close(timeout=timeout_s)
+            if force:  # kafka-python's close flushes before it would force: abort first
+                producer._sender.force_close()
+            producer.close(timeout=30)
         except Exception as exc:
             log.debug("producer close: %s", exc)
+
+    threading.Thread(target=close, name="streamrl-producer-close", daemon=True).start()

@@ -36,6 +36,7 @@ from .delivery import (
     SPOOL_FULL,
     SPOOL_RECORDS,
     SPOOLED,
+    SPOOLING,
     Delivery,
 )
 from .frame_pipe import FrameReader, PipeWriter
@@ -69,6 +70,8 @@ class ProducerStats:
     spool_records: int = 0
     """Records in the spool waiting for Kafka."""
     spool_full: bool = False
+    spooling: bool = False
+    """Records go to the spool now (Kafka not taking them, or the spool not yet drained)."""
     spool_corrupt: int = 0
     """Corrupt regions of the spool skipped at start (frames that failed their checksum)."""
 
@@ -81,7 +84,8 @@ class ProducerStats:
         """From a ``Delivery``'s counters."""
         return cls(delivered=c[DELIVERED], bytes_delivered=c[BYTES], spooled=c[SPOOLED], replayed=c[REPLAYED],
                    spool_dropped=c[SPOOL_DROPPED], spool_bytes=c[SPOOL_BYTES], spool_records=c[SPOOL_RECORDS],
-                   spool_full=bool(c[SPOOL_FULL]), spool_corrupt=c[SPOOL_CORRUPT], **fields)
+                   spool_full=bool(c[SPOOL_FULL]), spool_corrupt=c[SPOOL_CORRUPT], spooling=bool(c[SPOOLING]),
+                   **fields)
 
 
 Build = Callable[[], list[tuple[bytes | None, bytes]]]
@@ -193,8 +197,9 @@ class LogProducer:
                  client_id: str = "streamrl-gateway", process: bool = False, spool_dir: str | Path | None = None,
                  spool_max_bytes: int = 1 << 30, spool_after_ms: int = 2_000) -> None:
         self.bootstrap_servers = bootstrap_servers
-        config = SenderConfig(bootstrap_servers, compression, send_timeout_ms, client_id,
-                              None if spool_dir is None else str(spool_dir), spool_max_bytes, spool_after_ms)
+        self.config = config = SenderConfig(bootstrap_servers, compression, send_timeout_ms, client_id,
+                                            None if spool_dir is None else str(spool_dir), spool_max_bytes,
+                                            spool_after_ms)
         self.max_buffered = max_buffered
         self._offered = self._dropped = self._unsendable = 0
         self._send_timeout_ms = send_timeout_ms

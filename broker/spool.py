@@ -4,7 +4,7 @@ records and replays them in the order appended, from a cursor that is persisted 
 
 On disk: segment files ``<n>.seg`` (n = 0, 1, 2, ... zero-padded, a new one once the current one holds
 ``segment_bytes``) of frames, and ``cursor`` (``<segment> <offset>``: where the first undelivered frame
-starts). A frame is ``MAGIC`` (2 bytes), the payload's length (u32) and the CRC-32 (zlib) of length and
+starts). A frame is ``MAGIC`` (2 bytes), the payload's length (u32) and the CRC-32C of length and
 payload (u32), then the payload: timestamp in ms (i64), topic length (u16), key length (i32, -1 for
 none), topic, key, value. Opening a spool reads every frame after the cursor: a frame that fails its
 checksum is skipped and counted (``corrupt``), reading resumes at the next frame that checks; bytes at
@@ -27,15 +27,16 @@ import os
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from crc32c import crc32c
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"\xa5\x5a"
 HEAD = struct.Struct("<2sII")
-"""magic, payload length, CRC-32 of (length, payload)."""
+"""magic, payload length, CRC-32C of (length, payload)."""
 META = struct.Struct("<qHi")
 """timestamp ms, topic length, key length (-1: no key)."""
 SUFFIX = ".seg"
@@ -53,7 +54,7 @@ def encode_frame(r: SpoolRecord) -> bytes:
     topic = r.topic.encode()
     payload = META.pack(r.timestamp_ms, len(topic), -1 if r.key is None else len(r.key)) + topic + (r.key or b"") + r.value
     length = len(payload).to_bytes(4, "little")
-    return HEAD.pack(MAGIC, len(payload), zlib.crc32(payload, zlib.crc32(length))) + payload
+    return HEAD.pack(MAGIC, len(payload), crc32c(payload, crc32c(length))) + payload
 
 
 def decode_payload(payload: bytes | memoryview) -> SpoolRecord:
@@ -77,8 +78,8 @@ def scan(data: bytes, start: int = 0) -> tuple[list[int], int, int]:
     while pos + HEAD.size <= n:
         magic, length, crc = HEAD.unpack_from(data, pos)
         stop = pos + HEAD.size + length
-        if magic == MAGIC and stop <= n and zlib.crc32(view[pos + HEAD.size:stop],
-                                                        zlib.crc32(length.to_bytes(4, "little"))) == crc:
+        if magic == MAGIC and stop <= n and crc32c(view[pos + HEAD.size:stop],
+                                                        crc32c(length.to_bytes(4, "little"))) == crc:
             frames.append(pos)
             corrupt += bad
             pos = end = stop

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import LOG_DIR
+from kafka import TopicPartition
 
+from streamrl.broker.clients import make_consumer
+from streamrl.broker.delivery import NCOUNTS, REPLAYED, SPOOL_RECORDS, SPOOLED
+from streamrl.broker.embedded import EmbeddedBroker
+from streamrl.broker.log_producer import LogProducer, SenderConfig
 from streamrl.broker.spool import HEAD, SUFFIX, Spool, SpoolFull, SpoolRecord, encode_frame
+from streamrl.broker.topics import Topics
 
 
 def _records(n: int, tag: str = "r", size: int = 100, keyless: bool = True) -> list[SpoolRecord]:
@@ -153,3 +162,123 @@ def test_fsynced_append_and_read_bounds(tmp_path: Path) -> None:
     got2, _ = spool.read(max_records=100, max_bytes=1)  # at least one record however small the bound
     assert len(got2) == 1
     spool.close()
+
+
+# -- with the real broker: an outage, records given meanwhile, the broker back -----------------------------
+
+
+class LogReader:
+    """Every record of some topics of a (restarted, so empty at first) broker, from the beginning."""
+
+    def __init__(self, bootstrap_servers: str, topics: list[str]) -> None:
+        self.consumer = make_consumer(bootstrap_servers, group_id=None)
+        parts = []
+        for topic in topics:
+            wait_until(lambda t=topic: self.consumer.partitions_for_topic(t), f"partitions of {topic}")
+            parts += [TopicPartition(topic, p) for p in sorted(self.consumer.partitions_for_topic(topic))]
+        self.consumer.assign(parts)
+        self.consumer.seek_to_beginning(*parts)
+        self.records: list[tuple[str, int, bytes | None, bytes]] = []
+        """(topic, partition, key, value) in log order per partition."""
+
+    def read_until(self, count: int, timeout_s: float = 60.0) -> list[tuple[str, int, bytes | None, bytes]]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.records) < count and time.monotonic() < deadline:
+            for tp, batch in self.consumer.poll(timeout_ms=200).items():
+                self.records += [(tp.topic, tp.partition, m.key, m.value) for m in batch]
+        assert len(self.records) >= count, f"{len(self.records)} of {count} records arrived"
+        return self.records
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def wait_until(check: Callable[[], object], what: str, timeout_s: float = 60.0) -> object:
+    """Poll ``check`` (state in another process or thread, with no event to wait on) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout_s}s: {what}")
+
+
+def per_key(records: list[tuple[str, int, bytes | None, bytes]]) -> dict[bytes | None, list[bytes]]:
+    out: dict[bytes | None, list[bytes]] = {}
+    for _, _, key, value in records:
+        out.setdefault(key, []).append(value)
+    return out
+
+
+def test_records_given_during_a_broker_outage_arrive_in_order_once_it_is_back(tmp_path: Path) -> None:
+    """A producer process with a spool: Kafka stops (the process is gone), records keep coming and are
+    spooled, rewards given as durable are answered once fsynced there; the broker comes back on the
+    same port (an empty log: the embedded broker keeps none) and every record arrives, each key's in
+    the order given, none twice (nothing was in flight when the broker stopped)."""
+    topics = Topics("spool")
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    broker = EmbeddedBroker(topics=topics, partitions=2, log_file=LOG_DIR / "broker-spool.log").start()
+    producer = LogProducer(broker.bootstrap_servers, process=True, spool_dir=tmp_path, spool_after_ms=300,
+                           send_timeout_ms=3_000)
+    try:
+        before = [(f"k{i % 4}".encode(), f"before-{i}".encode()) for i in range(20)]
+        for key, value in before:
+            assert producer.offer(topics.completions, key, value)
+        wait_until(lambda: producer.stats.delivered == 20, "records delivered before the outage")
+        broker.stop()
+        during = [(f"k{i % 4}".encode(), f"during-{i}".encode()) for i in range(200)]
+        for key, value in during:
+            assert producer.offer(topics.completions, key, value)
+        wait_until(lambda: producer.stats.spool_records == 200, "records spooled")
+        assert producer.stats.delivered == 20 and producer.stats.undelivered == 0
+        broker.start()
+        reader = LogReader(broker.bootstrap_servers, [topics.completions])
+        got = reader.read_until(200)
+        reader.close()
+        wait_until(lambda: not producer.stats.spooling, "spool drained, records go straight to Kafka")
+        after = [(f"k{i % 4}".encode(), f"after-{i}".encode()) for i in range(20)]
+        for key, value in after:  # straight to Kafka again, behind the replayed ones
+            assert producer.offer(topics.completions, key, value)
+        reader = LogReader(broker.bootstrap_servers, [topics.completions])
+        got = reader.read_until(220)
+        reader.close()
+    finally:
+        producer.close()
+        broker.stop()
+    expected: dict[bytes | None, list[bytes]] = {}
+    for key, value in during + after:
+        expected.setdefault(key, []).append(value)
+    assert per_key(got) == expected
+    stats = producer.stats
+    assert (stats.offered, stats.delivered, stats.undelivered) == (240, 240, 0)
+    # the outage's 200 went through the spool (and the first records too if given before the producer
+    # process had connected: until then it spools)
+    assert stats.spooled == stats.replayed and stats.spooled in (200, 220)
+
+
+def test_durable_records_are_answered_from_the_spool_while_kafka_is_down(tmp_path: Path) -> None:
+    """``put_many(durable=True)``: with the broker down, futures resolve once the records are fsynced in
+    the spool; a new process on the same spool delivers them when the broker is up."""
+    topics = Topics("spool-durable")
+    broker = EmbeddedBroker(topics=topics, partitions=2, log_file=LOG_DIR / "broker-spool.log")
+    config = SenderConfig(broker.bootstrap_servers, None, 2_000, "test", str(tmp_path), spool_after_ms=300)
+    counts = [0] * NCOUNTS
+    delivery = config.delivery(counts, "rewards", linger_ms=0)  # no broker yet: it starts spooling
+    futures = delivery.put_many([(topics.rewards, f"t{i}".encode(), f"r{i}".encode()) for i in range(30)],
+                                durable=True)
+    assert all(f.result(timeout=30) for f in futures)
+    assert counts[SPOOLED] == 30 and counts[SPOOL_RECORDS] == 30
+    delivery.close(1.0)
+    broker.start()
+    try:
+        counts2 = [0] * NCOUNTS
+        again = config.delivery(counts2, "rewards", linger_ms=0)
+        reader = LogReader(broker.bootstrap_servers, [topics.rewards])
+        got = reader.read_until(30)
+        reader.close()
+        wait_until(lambda: counts2[SPOOL_RECORDS] == 0, "spool drained")
+        again.close(5.0)
+    finally:
+        broker.stop()
+    assert sorted(v for *_, v in got) == sorted(f"r{i}".encode() for i in range(30))
+    assert counts2[REPLAYED] == 30
