@@ -157,8 +157,10 @@ class Delivery:
                 log.error("RECORDS DROPPED: %s (dropped so far: %d)", exc, self.counts[SPOOL_DROPPED])
             for _, d in entries:
                 _fail(d, f"spool full or unwritable: {exc}")
+            self._gauges()
             return
         self._count(SPOOLED, len(entries))
+        self._gauges()
         for _, d in entries:
             _resolve(d)
 
