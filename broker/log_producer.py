@@ -113,10 +113,13 @@ class SenderConfig:
     delivering what it had after its server died)."""
 
     def connect(self, linger_ms: int = 20) -> KafkaProducer:
+        """acks=all, one request in flight (a retry cannot reorder a partition); a broker that is down
+        is found out within 2 s (kafka-python waits 30 s by default), one back up within 1 s."""
         t = self.send_timeout_ms
         return make_producer(self.bootstrap_servers, compression=self.compression, acks="all", max_block_ms=t,
                              request_timeout_ms=t, delivery_timeout_ms=t + 5_000, client_id=self.client_id,
-                             linger_ms=linger_ms, max_in_flight_requests_per_connection=1)
+                             linger_ms=linger_ms, max_in_flight_requests_per_connection=1,
+                             bootstrap_timeout_ms=2_000, reconnect_backoff_max_ms=1_000)
 
     def delivery(self, counts: Any, subdir: str, linger_ms: int = 20) -> Delivery:
         spool = None
