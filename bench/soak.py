@@ -41,7 +41,7 @@ import httpx
 import psutil
 from kafka import TopicPartition
 
-from streamrl.broker.clients import make_consumer
+from streamrl.broker.clients import make_consumer, make_producer
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import CompletionRecord, RewardRecord, decode
 from streamrl.broker.topics import Topics
@@ -50,6 +50,8 @@ from streamrl.engine import Engine, EngineConfig
 from streamrl.tiny_model import build_model
 
 CHAT = [{"role": "user", "content": "Count with me: one, two"}]
+SENTINEL = b"soak-sentinel"
+"""Written by the soak into every partition when the collector seems stuck (see ``nudge``)."""
 
 
 class Collector:
@@ -91,10 +93,13 @@ class Collector:
                 parts += [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
             consumer.assign(parts)
             consumer.seek_to_beginning(*parts)
+            self.assigned = sorted((tp.topic, tp.partition) for tp in parts)
             while self.running.is_set():
                 for batch in consumer.poll(timeout_ms=200).values():
                     with self.lock:
                         for m in batch:
+                            if m.value == SENTINEL:
+                                continue
                             rec = decode(m.value)
                             if isinstance(rec, CompletionRecord):
                                 key = (rec.request_id, rec.choice_index)
@@ -111,6 +116,8 @@ class Traffic:
     def __init__(self, url: str, model: str, workers: int, seed: int = 0) -> None:
         self.url, self.model = url, model
         self.offered: set[tuple[str, int]] = set()
+        self.kinds: dict[str, str] = {}
+        """request id -> kind of call (for the report of what is missing)."""
         self.accepted: dict[str, float] = {}
         self.status_5xx: dict[int, int] = {}
         self.connection_errors = 0
@@ -176,6 +183,7 @@ class Traffic:
                 self.status_5xx[status] = self.status_5xx.get(status, 0) + 1
             elif status == 200 and complete and request_id:
                 self.offered.update((request_id, c) for c in range(n))
+                self.kinds[request_id] = f"{kind} n={n} t={time.time():.3f}"
 
     def _work(self, i: int, seed: int) -> None:
         rng = random.Random(seed)
@@ -263,9 +271,68 @@ def main() -> int:
             offered, accepted = set(traffic.offered), set(traffic.accepted)
         return collector.holds(offered, accepted)
 
+    def reread() -> set[tuple[str, int]]:
+        """Every completion in the broker now, read afresh from the beginning (is the collector wrong?)."""
+        consumer = make_consumer(broker.bootstrap_servers, group_id=None)
+        parts = [TopicPartition(topics.completions, p) for p in consumer.partitions_for_topic(topics.completions)]
+        consumer.assign(parts)
+        consumer.seek_to_beginning(*parts)
+        ends = consumer.end_offsets(parts)
+        seen: set[tuple[str, int]] = set()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(consumer.position(tp) < ends[tp] for tp in parts):
+            for batch in consumer.poll(timeout_ms=200).values():
+                for m in batch:
+                    if m.value == SENTINEL:
+                        continue
+                    rec = decode(m.value)
+                    seen.add((rec.request_id, rec.choice_index))
+        consumer.close()
+        return seen
+
+    def missing() -> dict[str, Any]:
+        again = reread()
+        with traffic.lock, collector.lock:
+            records = traffic.offered - set(collector.completions)
+            rewards = set(traffic.accepted) - set(collector.rewards)
+            kinds: dict[str, int] = {}
+            for request_id, choice in records:
+                kinds[f"{request_id}/{choice}"] = traffic.kinds[request_id] + (
+                    " (found on a fresh read)" if (request_id, choice) in again else " (not in the broker)")
+            return {"records": len(records), "by_kind": kinds, "rewards": len(rewards),
+                    "collector_partitions": collector.assigned, "fresh_total": len(again),
+                    "collected": [len(collector.completions), len(collector.rewards)]}
+
+    def nudge() -> None:
+        """A record of the soak's own into every partition: whether records the collector has not seen
+        become visible once they are no longer the last of their partition (a broker quirk) or are lost."""
+        producer = make_producer(broker.bootstrap_servers, acks="all")
+        for topic in (topics.completions, topics.rewards):
+            for p in producer.partitions_for(topic):
+                producer.send(topic, value=SENTINEL, partition=p)
+        producer.flush()
+        producer.close()
+
+    def settle(what: str) -> float | None:
+        """Wait until the collector holds everything offered and accepted; None (and the details in the
+        report) when it does not within 2 minutes."""
+        try:
+            return wait_for(caught_up, 10, what)
+        except RuntimeError:
+            before = missing()
+            nudge()
+            try:
+                waited = wait_for(caught_up, 110, what)
+                event("collector caught up only after a record was written behind the missing ones",
+                      missing_before=before)
+                return waited
+            except RuntimeError:
+                event("collector did not catch up", missing=missing(), missing_before_nudge=before)
+                return None
+
     def stop_broker() -> None:
         traffic.pause()
-        waited = wait_for(caught_up, 120, "the collector to read what the gateway delivered")
+        waited = settle("the collector to read what the gateway delivered")
         collector.pause()
         broker.stop()
         traffic.resume()
@@ -302,11 +369,7 @@ def main() -> int:
         traffic.stop()
         event("traffic stopped")
         health = httpx.get(f"{url}/health").json()
-        drain_s = None
-        try:
-            drain_s = wait_for(caught_up, 180, "everything offered to arrive")
-        except RuntimeError as exc:
-            print(exc, flush=True)
+        drain_s = settle("everything offered to arrive")
         rss["second_end"] = rss_mb(gateway.pid)
         health = httpx.get(f"{url}/health").json()
     finally:
