@@ -117,6 +117,10 @@ class Traffic:
         self.url, self.model = url, model
         self.offered: set[tuple[str, int]] = set()
         self.kinds: dict[str, str] = {}
+        self.life = 1
+        """Which life of the gateway answered (set to 2 once the restarted one answers)."""
+        self.per_life: dict[int, int] = {}
+        """Records offered per life of the gateway, to set against its own producer's count."""
         """request id -> kind of call (for the report of what is missing)."""
         self.accepted: dict[str, float] = {}
         self.status_5xx: dict[int, int] = {}
@@ -183,7 +187,8 @@ class Traffic:
                 self.status_5xx[status] = self.status_5xx.get(status, 0) + 1
             elif status == 200 and complete and request_id:
                 self.offered.update((request_id, c) for c in range(n))
-                self.kinds[request_id] = f"{kind} n={n} t={time.time():.3f}"
+                self.kinds[request_id] = f"{kind} n={n} t={time.time():.3f} life={self.life}"
+                self.per_life[self.life] = self.per_life.get(self.life, 0) + n
 
     def _work(self, i: int, seed: int) -> None:
         rng = random.Random(seed)
@@ -354,10 +359,12 @@ def main() -> int:
         start_broker()
         at(0.45)
         rss["first_end"] = rss_mb(gateway.pid)
+        report["gateway_producer_before_kill"] = httpx.get(f"{url}/health").json()["producer"]
         gateway.send_signal(signal.SIGKILL)  # the gateway's process; its producer process is left to finish
         gateway.wait()
         event("gateway killed (SIGKILL)")
         gateway = spawn(cmd, log=logs / "gateway.log")
+        traffic.life = 2  # (a call answered just before the kill may be counted in life 2: a bound, not exact)
         wait_http(url, 120, gateway, what="gateway")
         event("gateway restarted")
         rss["second_start"] = rss_mb(gateway.pid)
@@ -387,6 +394,7 @@ def main() -> int:
     report.update({
         "calls": traffic.calls,
         "records_offered": len(traffic.offered),
+        "records_offered_per_gateway_life": traffic.per_life,
         "records_in_kafka": len(set(got_completions) & traffic.offered),
         "records_lost": len(lost_records),
         "records_duplicated": sum(n - 1 for n in got_completions.values()),
