@@ -116,10 +116,9 @@ class SenderConfig:
         """acks=all, one request in flight (a retry cannot reorder a partition); a broker that is down
         is found out within 2 s (kafka-python waits 30 s by default), one back up within 1 s.
 
-        Not idempotent (kafka-python turns it on with acks=all): the embedded broker hands out producer
-        ids afresh after a restart, so a producer started later can get the id of one it saw before and
-        have its first batches acknowledged as duplicates and dropped (seen in ``bench/soak.py``: records
-        acknowledged, never stored). Delivery is at least once anyway, and the trainer drops duplicates."""
+        Not idempotent (kafka-python turns it on with acks=all): nothing relies on it (delivery is at
+        least once, the trainer drops duplicates), and the embedded broker keeps the producer-id state
+        it needs in memory only, which a restart of the broker loses."""
         t = self.send_timeout_ms
         return make_producer(self.bootstrap_servers, compression=self.compression, acks="all", max_block_ms=t,
                              request_timeout_ms=t, delivery_timeout_ms=t + 5_000, client_id=self.client_id,
