@@ -18,6 +18,9 @@ read everything the gateway delivered, then resumes for the whole outage. The ga
 paused for: requests cut by it fail on the client's side (counted, not offered) and are not retried.
 
 Reported: offered vs in Kafka, accepted vs in Kafka, lost (must be 0), duplicates, 5xx answers,
+records offered per life of the gateway as the clients saw them against the gateway's own producer's
+count (life 1: read just before the kill, so a lower bound), which tells records the gateway never
+handed to its producer from records lost after it did,
 connection errors (the gateway's restart), the gateway's RSS (its process and its producer process) at
 the start and at the end of each of its two lives, and its spool counters.
 """
@@ -264,8 +267,11 @@ def main() -> int:
     total = args.minutes * 60
     started = time.monotonic()
 
+    paused = [0.0]
+    """Seconds the traffic was paused before broker stops: the timeline moves on by as much."""
+
     def at(fraction: float) -> None:
-        time.sleep(max(0.0, started + fraction * total - time.monotonic()))
+        time.sleep(max(0.0, started + paused[0] + fraction * total - time.monotonic()))
 
     def event(what: str, **extra: Any) -> None:
         report["events"].append({"t_s": round(time.monotonic() - started, 1), "event": what, **extra})
@@ -318,16 +324,16 @@ def main() -> int:
         producer.flush()
         producer.close()
 
-    def settle(what: str) -> float | None:
+    def settle(what: str, timeout_s: float) -> float | None:
         """Wait until the collector holds everything offered and accepted; None (and the details in the
-        report) when it does not within 2 minutes."""
+        report) when it does not within ``timeout_s``."""
         try:
             return wait_for(caught_up, 10, what)
         except RuntimeError:
             before = missing()
             nudge()
             try:
-                waited = wait_for(caught_up, 110, what)
+                waited = wait_for(caught_up, timeout_s, what)
                 event("collector caught up only after a record was written behind the missing ones",
                       missing_before=before)
                 return waited
@@ -337,7 +343,9 @@ def main() -> int:
 
     def stop_broker() -> None:
         traffic.pause()
-        waited = settle("the collector to read what the gateway delivered")
+        pause_started = time.monotonic()
+        waited = settle("the collector to read what the gateway delivered", 10)
+        paused[0] += time.monotonic() - pause_started
         collector.pause()
         broker.stop()
         traffic.resume()
@@ -376,7 +384,7 @@ def main() -> int:
         traffic.stop()
         event("traffic stopped")
         health = httpx.get(f"{url}/health").json()
-        drain_s = settle("everything offered to arrive")
+        drain_s = settle("everything offered to arrive", 110)
         rss["second_end"] = rss_mb(gateway.pid)
         health = httpx.get(f"{url}/health").json()
     finally:
@@ -395,6 +403,9 @@ def main() -> int:
         "calls": traffic.calls,
         "records_offered": len(traffic.offered),
         "records_offered_per_gateway_life": traffic.per_life,
+        "gateway_producer_offered_per_life": {
+            "1": report.get("gateway_producer_before_kill", {}).get("offered"),
+            "2": (health.get("producer") or {}).get("offered")},
         "records_in_kafka": len(set(got_completions) & traffic.offered),
         "records_lost": len(lost_records),
         "records_duplicated": sum(n - 1 for n in got_completions.values()),
