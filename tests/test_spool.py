@@ -11,8 +11,16 @@ from conftest import LOG_DIR
 from kafka import TopicPartition
 
 from streamrl.broker.clients import make_consumer
-from streamrl.broker.delivery import NCOUNTS, REPLAYED, SPOOL_RECORDS, SPOOLED
-from streamrl.broker.embedded import EmbeddedBroker
+from streamrl.broker.delivery import (
+    NCOUNTS,
+    REPLAYED,
+    SPOOL_DROPPED,
+    SPOOL_FULL,
+    SPOOL_RECORDS,
+    SPOOLED,
+    NotDurable,
+)
+from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.log_producer import LogProducer, SenderConfig
 from streamrl.broker.spool import HEAD, SUFFIX, Spool, SpoolFull, SpoolRecord, encode_frame
 from streamrl.broker.topics import Topics
@@ -282,3 +290,22 @@ def test_durable_records_are_answered_from_the_spool_while_kafka_is_down(tmp_pat
         broker.stop()
     assert sorted(v for *_, v in got) == sorted(f"r{i}".encode() for i in range(30))
     assert counts2[REPLAYED] == 30
+
+
+def test_a_full_spool_drops_records_counts_them_and_refuses_durability(tmp_path: Path) -> None:
+    """Kafka unreachable and the spool at its bound: records are dropped and counted, the spool says it
+    is full, and a caller waiting for durability is told it did not get it (the gateway answers 503)."""
+    config = SenderConfig(f"127.0.0.1:{free_port()}", None, 1_000, "test", str(tmp_path), spool_max_bytes=4_000)
+    counts = [0] * NCOUNTS
+    delivery = config.delivery(counts, "rewards", linger_ms=0)  # nothing listens there: it spools
+    try:
+        kept = delivery.put_many([("t", b"k", b"x" * 1_000)] * 3, durable=True)
+        assert all(f.result(timeout=30) for f in kept)
+        refused = delivery.put_many([("t", b"k", b"y" * 1_000)] * 2, durable=True)
+        for f in refused:
+            with pytest.raises(NotDurable, match="spool full"):
+                f.result(timeout=30)
+        delivery.put("t", b"k", b"z" * 1_000)  # fire and forget: dropped, counted
+        assert (counts[SPOOLED], counts[SPOOL_DROPPED], counts[SPOOL_FULL], counts[SPOOL_RECORDS]) == (3, 3, 1, 3)
+    finally:
+        delivery.close(1.0)
