@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -394,6 +395,7 @@ def main() -> int:
         broker.stop()
         if engine is not None:
             engine.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the tiny model and the spool
     got_completions = dict(collector.completions)
     got_rewards = dict(collector.rewards)
     lost_records = traffic.offered - set(got_completions)
