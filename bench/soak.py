@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 from kafka import TopicPartition
 
 from streamrl.broker.clients import make_consumer, make_producer
@@ -220,11 +219,25 @@ class Traffic:
                         self.accepted[traj] = reward
 
 
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            out += [int(child), *_children(int(child))]
+    return out
+
+
 def rss_mb(pid: int) -> dict[str, float]:
-    """RSS of the gateway's process and of its children (the producer process)."""
-    p = psutil.Process(pid)
-    return {"gateway": round(p.memory_info().rss / 2**20, 1),
-            "children": round(sum(c.memory_info().rss for c in p.children(recursive=True)) / 2**20, 1)}
+    """RSS of the gateway's process and of its children (the producer process), from /proc (Linux)."""
+    return {"gateway": round(_rss_kb(pid) / 1024, 1),
+            "children": round(sum(_rss_kb(c) for c in _children(pid)) / 1024, 1)}
 
 
 def wait_for(check: Any, timeout_s: float, what: str) -> float:
