@@ -1,11 +1,13 @@
 """``LogProducer``: what a latency-sensitive server (the gateway) logs through. ``offer()`` never blocks
 and never raises. Records go into a bounded buffer drained by a background thread, or through a pipe
-(``frame_pipe``) into a child process, that owns the KafkaProducer; when the buffer is full or the broker
-is unreachable, records are counted as dropped / failed instead of slowing a response.
+(``frame_pipe``) into a child process, that owns the ``Delivery`` (``delivery.py``): the KafkaProducer,
+and the spool on disk that keeps records while the broker cannot take them. A full buffer, or a full
+spool, drops records and counts them instead of slowing a response.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import multiprocessing
@@ -13,16 +15,33 @@ import pickle
 import queue
 import signal
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kafka import KafkaProducer
 
 from .clients import DEFAULT_COMPRESSION, PLAINTEXT, make_producer
+from .delivery import (
+    BYTES,
+    DELIVERED,
+    FAILED,
+    INVALID,
+    NCOUNTS,
+    REPLAYED,
+    SPOOL_BYTES,
+    SPOOL_CORRUPT,
+    SPOOL_DROPPED,
+    SPOOL_FULL,
+    SPOOL_RECORDS,
+    SPOOLED,
+    SPOOLING,
+    Delivery,
+)
 from .frame_pipe import FrameReader, PipeWriter
 from .security import KafkaSecurity
+from .spool import Spool
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +50,9 @@ log = logging.getLogger(__name__)
 class ProducerStats:
     offered: int = 0
     delivered: int = 0
+    """Acknowledged by Kafka (straight, or replayed from the spool)."""
     failed: int = 0
-    """Sent but not acknowledged (broker unreachable, timeouts)."""
+    """Not acknowledged and not spooled (no spool configured; or lost with a dead producer process)."""
     dropped: int = 0
     """Refused at the door because the buffer was full."""
     invalid: int = 0
@@ -41,55 +61,90 @@ class ProducerStats:
     waited: int = 0
     """Records that found the pipe to the producer process full and waited in the backlog (a producer
     process falling behind; each such wait wakes a thread in the server)."""
+    spooled: int = 0
+    """Written to the spool because Kafka could not take them (then replayed from there)."""
+    replayed: int = 0
+    """Delivered from the spool."""
+    spool_dropped: int = 0
+    """Lost because the spool was full (or its disk failed)."""
+    spool_bytes: int = 0
+    spool_records: int = 0
+    """Records in the spool waiting for Kafka."""
+    spool_full: bool = False
+    spooling: bool = False
+    """Records go to the spool now (Kafka not taking them, or the spool not yet drained)."""
+    spool_corrupt: int = 0
+    """Corrupt regions of the spool skipped at start (frames that failed their checksum)."""
 
     @property
     def undelivered(self) -> int:
-        return self.failed + self.dropped
+        return self.failed + self.dropped + self.spool_dropped
+
+    @classmethod
+    def from_counts(cls, c: Any, **fields: Any) -> ProducerStats:
+        """From a ``Delivery``'s counters."""
+        return cls(delivered=c[DELIVERED], bytes_delivered=c[BYTES], spooled=c[SPOOLED], replayed=c[REPLAYED],
+                   spool_dropped=c[SPOOL_DROPPED], spool_bytes=c[SPOOL_BYTES], spool_records=c[SPOOL_RECORDS],
+                   spool_full=bool(c[SPOOL_FULL]), spool_corrupt=c[SPOOL_CORRUPT], spooling=bool(c[SPOOLING]),
+                   **fields)
 
 
 Build = Callable[[], list[tuple[bytes | None, bytes]]]
 """Makes (key, value) pairs on the producer's side, so encoding stays off the caller's thread. With
 ``LogProducer(process=True)`` it must be picklable (e.g. a ``functools.partial`` of a module-level function)."""
 
-_DELIVERED, _FAILED, _INVALID, _BYTES = range(4)
 Item = tuple[str, bytes | None, bytes | Build, int]
 
 
+@dataclass(frozen=True)
+class SenderConfig:
+    """What the producer side needs, picklable for the producer process."""
+
+    bootstrap_servers: str
+    compression: str | None
+    send_timeout_ms: int
+    client_id: str
+    spool_dir: str | None = None
+    """Where records wait when Kafka cannot take them (None: they are counted as failed)."""
+    spool_max_bytes: int = 1 << 30
+    spool_after_ms: int = 2_000
+    spool_sync_interval_s: float = 1.0
+    spool_lock_wait_s: float = 30.0
+    """How long to wait for the spool directory held by another process (a predecessor still
+    delivering what it had after its server died)."""
+    security: KafkaSecurity = PLAINTEXT
+
+    def connect(self, linger_ms: int = 20) -> KafkaProducer:
+        """acks=all, one request in flight (a retry cannot reorder a partition); a broker that is down
+        is found out within 2 s (kafka-python waits 30 s by default), one back up within 1 s.
+
+        Not idempotent (kafka-python turns it on with acks=all): nothing relies on it (delivery is at
+        least once, the trainer drops duplicates), and the embedded broker keeps the producer-id state
+        it needs in memory only, which a restart of the broker loses."""
+        t = self.send_timeout_ms
+        return make_producer(self.bootstrap_servers, security=self.security, compression=self.compression,
+                             acks="all", max_block_ms=t,
+                             request_timeout_ms=t, delivery_timeout_ms=t + 5_000, client_id=self.client_id,
+                             linger_ms=linger_ms, max_in_flight_requests_per_connection=1,
+                             bootstrap_timeout_ms=2_000, reconnect_backoff_max_ms=1_000, enable_idempotence=False)
+
+    def delivery(self, counts: Any, subdir: str, linger_ms: int = 20) -> Delivery:
+        spool = None
+        if self.spool_dir is not None:
+            spool = Spool(Path(self.spool_dir) / subdir, max_bytes=self.spool_max_bytes,
+                          lock_wait_s=self.spool_lock_wait_s)
+        return Delivery(functools.partial(self.connect, linger_ms), counts, spool,
+                        spool_after_s=self.spool_after_ms / 1000, send_timeout_s=self.send_timeout_ms / 1000,
+                        sync_interval_s=self.spool_sync_interval_s)
+
+
 class _Sender:
-    """Owns the KafkaProducer: builds deferred records, sends, counts outcomes into ``counts``
-    (a plain list in a thread, shared memory in a child process)."""
+    """Builds deferred records and hands them to the ``Delivery`` (Kafka, or the spool), which counts
+    outcomes into ``counts`` (a plain list in a thread, shared memory in a child process)."""
 
-    def __init__(self, bootstrap_servers: str, compression: str | None, send_timeout_ms: int, client_id: str,
-                 counts: Any, security: KafkaSecurity = PLAINTEXT) -> None:
-        self.bootstrap_servers, self.compression, self.security = bootstrap_servers, compression, security
-        self.send_timeout_ms, self.client_id, self.counts = send_timeout_ms, client_id, counts
-        self.lock = threading.Lock()
-        self.producer: KafkaProducer | None = None
-
-    def _count(self, index: int, n: int = 1) -> None:
-        with self.lock:
-            self.counts[index] += n
-
-    def _connect(self) -> KafkaProducer | None:
-        try:
-            return make_producer(self.bootstrap_servers, security=self.security, compression=self.compression,
-                                 max_block_ms=self.send_timeout_ms, request_timeout_ms=self.send_timeout_ms,
-                                 delivery_timeout_ms=self.send_timeout_ms + 5_000, client_id=self.client_id,
-                                 linger_ms=20)
-        except Exception as exc:  # broker down at start: keep serving, retry on the next record
-            log.warning("cannot connect producer to %s: %s", self.bootstrap_servers, exc)
-            return None
-
-    def _on_ok(self, nbytes: int) -> Callable[[Any], None]:
-        def ok(_meta: Any) -> None:
-            with self.lock:
-                self.counts[_DELIVERED] += 1
-                self.counts[_BYTES] += nbytes
-        return ok
-
-    def _on_err(self, exc: BaseException) -> None:
-        self._count(_FAILED)
-        log.debug("record not delivered: %s", exc)
+    def __init__(self, config: SenderConfig, counts: Any) -> None:
+        self.config, self.counts = config, counts
+        self.delivery = config.delivery(counts, "completions")
 
     def handle(self, item: Item) -> None:
         topic, key, value, count = item
@@ -97,35 +152,15 @@ class _Sender:
             try:
                 pairs = value()
             except Exception as exc:
-                self._count(_INVALID, count)
+                self.counts[INVALID] += count
                 log.warning("record not built: %s", exc)
                 return
         else:
             pairs = [(key, value)]
-        if self.producer is None:
-            self.producer = self._connect()
-            if self.producer is None:
-                self._count(_FAILED, len(pairs))
-                time.sleep(0.2)
-                return
-        for k, v in pairs:
-            try:
-                fut = self.producer.send(topic, key=k, value=v)
-                fut.add_callback(self._on_ok(len(v))).add_errback(self._on_err)
-            except Exception as exc:  # metadata timeout, buffer exhausted in the client
-                self._on_err(exc)
+        self.delivery.put_many([(topic, k, v) for k, v in pairs])
 
     def close(self) -> None:
-        if self.producer is None:
-            return
-        try:
-            self.producer.flush(timeout=self.send_timeout_ms / 1000)
-        except Exception as exc:  # broker gone: what is left is counted by the errbacks
-            log.warning("records left undelivered at close: %s", exc)
-        try:
-            self.producer.close(timeout=0)
-        except Exception as exc:
-            log.debug("producer close: %s", exc)
+        self.delivery.close(self.config.send_timeout_ms / 1000)
 
 
 def _collect_rarely() -> None:
@@ -143,15 +178,14 @@ def _collect_rarely() -> None:
     gc.set_threshold(20_000, 50, 100)
 
 
-def _child_main(conn: Any, bootstrap_servers: str, compression: str | None, send_timeout_ms: int,
-                client_id: str, counts: Any, security: KafkaSecurity) -> None:
+def _child_main(conn: Any, config: SenderConfig, counts: Any) -> None:
     """The producer process: receives pickled items until an empty frame, then flushes and exits."""
     # The parent decides when to stop: a Ctrl-C or a SIGTERM sent to the whole process group must not
     # lose what is buffered here. The pipe closing (the parent gone) ends this loop too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _collect_rarely()
-    sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, counts, security)
+    sender = _Sender(config, counts)
     try:
         for data in FrameReader(conn.fileno()):
             sender.handle(pickle.loads(data))
@@ -170,9 +204,13 @@ class LogProducer:
 
     def __init__(self, bootstrap_servers: str, *, max_buffered: int = 100_000, max_buffered_bytes: int = 256 << 20,
                  compression: str | None = DEFAULT_COMPRESSION, send_timeout_ms: int = 10_000,
-                 client_id: str = "streamrl-gateway", process: bool = False,
+                 client_id: str = "streamrl-gateway", process: bool = False, spool_dir: str | Path | None = None,
+                 spool_max_bytes: int = 1 << 30, spool_after_ms: int = 2_000,
                  security: KafkaSecurity = PLAINTEXT) -> None:
         self.bootstrap_servers, self.security = bootstrap_servers, security
+        self.config = config = SenderConfig(bootstrap_servers, compression, send_timeout_ms, client_id,
+                                            None if spool_dir is None else str(spool_dir), spool_max_bytes,
+                                            spool_after_ms, security=security)
         self.max_buffered = max_buffered
         self._offered = self._dropped = self._unsendable = 0
         self._send_timeout_ms = send_timeout_ms
@@ -181,18 +219,16 @@ class LogProducer:
         self._queue: queue.Queue[Item | None] = queue.Queue(max_buffered)
         if process:
             ctx = multiprocessing.get_context("spawn")
-            self._counts: Any = ctx.Array("q", 4, lock=False)
+            self._counts: Any = ctx.Array("q", NCOUNTS, lock=False)
             reader, writer = ctx.Pipe(duplex=False)
             self._process = ctx.Process(target=_child_main, name="streamrl-log-producer", daemon=True,
-                                        args=(reader, bootstrap_servers, compression, send_timeout_ms, client_id,
-                                              self._counts, security))
+                                        args=(reader, config, self._counts))
             self._process.start()
             reader.close()
             self._pipe = PipeWriter(writer, max_buffered, max_buffered_bytes)
         else:
-            self._counts = [0, 0, 0, 0]
-            self._sender = _Sender(bootstrap_servers, compression, send_timeout_ms, client_id, self._counts,
-                                   security)
+            self._counts = [0] * NCOUNTS
+            self._sender = _Sender(config, self._counts)
             self._thread = threading.Thread(target=self._run, name="streamrl-log-producer", daemon=True)
             self._thread.start()
 
@@ -200,9 +236,8 @@ class LogProducer:
     def stats(self) -> ProducerStats:
         c = self._counts
         lost, waited = (self._pipe.lost, self._pipe.waited) if self._pipe is not None else (0, 0)
-        return ProducerStats(offered=self._offered, delivered=c[_DELIVERED], failed=c[_FAILED] + lost,
-                             dropped=self._dropped, invalid=c[_INVALID] + self._unsendable, bytes_delivered=c[_BYTES],
-                             waited=waited)
+        return ProducerStats.from_counts(c, offered=self._offered, failed=c[FAILED] + lost, dropped=self._dropped,
+                                         invalid=c[INVALID] + self._unsendable, waited=waited)
 
     def offer(self, topic: str, key: bytes | None, value: bytes) -> bool:
         """Queue a record; False (and counted as dropped) when the buffer is full. Never blocks."""

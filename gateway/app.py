@@ -22,7 +22,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamrl.broker.log_producer import LogProducer
+from streamrl.broker.delivery import FAILED, NCOUNTS, Delivery
+from streamrl.broker.log_producer import LogProducer, ProducerStats
 from streamrl.broker.topics import Topics
 
 from .auth import AuthMiddleware, check_bind, has_scope, load_keys, request_key
@@ -56,6 +57,10 @@ class Gateway:
                                  token_capture=config.token_capture)
         self.router = PolicyRouter(config.policy_name, self.pool)
         self.producer: LogProducer | None = None
+        self.reward_counts = [0] * NCOUNTS
+        self.reward_delivery: Delivery | None = None
+        """Rewards are delivered from this process, not the producer's: a ``POST /v1/rewards`` is answered
+        once its rewards are durable (acknowledged by Kafka or fsynced in the spool)."""
         self.proxy = Proxy(config, self.pool, self.router, None, self.metrics, self.topics.completions,
                            auth_on=bool(self.keys))
         self.follower: PolicyFollower | None = None
@@ -63,7 +68,8 @@ class Gateway:
         self.fresh_session: aiohttp.ClientSession | None = None
         self.loop_lag = LoopLagMonitor(self.metrics.loop_lag.observe)
         self.metrics.watch(self.pool, lambda: self.producer.stats if self.producer else None,
-                           lambda: self.producer.buffered if self.producer else 0, lambda: self.router.version)
+                           lambda: self.producer.buffered if self.producer else 0, lambda: self.router.version,
+                           self.reward_stats)
         self.dashboard = Dashboard(self.router, self.pool, self.metrics,
                                    lambda: self.producer.stats if self.producer else None,
                                    lambda: self.producer.buffered if self.producer else 0,
@@ -85,7 +91,9 @@ class Gateway:
             self.producer = LogProducer(c.bootstrap_servers, max_buffered=c.max_buffered_records,
                                         max_buffered_bytes=c.max_buffered_bytes,
                                         send_timeout_ms=c.producer_send_timeout_ms, process=c.producer_process,
-                                        security=c.kafka)
+                                        spool_dir=c.spool_path, spool_max_bytes=c.spool_max_bytes,
+                                        spool_after_ms=c.spool_after_ms, security=c.kafka)
+            self.reward_delivery = self.producer.config.delivery(self.reward_counts, "rewards", linger_ms=0)
         self.proxy.producer = self.producer
         self.proxy.session = self.session
         self.proxy.fresh_session = self.fresh_session
@@ -113,16 +121,20 @@ class Gateway:
                 await session.close()
         if self.producer is not None:
             self.producer.close()
+        if self.reward_delivery is not None:
+            self.reward_delivery.close(self.config.producer_send_timeout_ms / 1000)
 
     def health(self, detail: bool = True, policy: bool = True) -> dict[str, object]:
         """The full state with ``detail`` (admin); else the status, and with ``policy`` the routed version
         (which any inference caller learns from ``X-Policy-Version`` anyway)."""
         healthy = sum(u.healthy for u in self.pool.upstreams)
-        status = "ok" if healthy else "no_healthy_upstream"
+        stats = self.producer.stats if self.producer else None
+        rewards = self.reward_stats()
+        spool_full = any(s is not None and s.spool_full for s in (stats, rewards))
+        status = "no_healthy_upstream" if not healthy else "spool_full" if spool_full else "ok"
         if not detail:
             return {"status": status, "policy": {"name": self.router.name, "version": self.router.version}} \
                 if policy else {"status": status}
-        stats = self.producer.stats if self.producer else None
         return {
             "status": status,
             "upstreams": [u.state() for u in self.pool.upstreams],
@@ -132,7 +144,17 @@ class Gateway:
                 "dropped": stats.dropped, "invalid": stats.invalid, "buffered": self.producer.buffered,
                 "waited": stats.waited, "pipe_bytes": self.producer.pipe_bytes,
             },
+            "spool": None if stats is None or rewards is None else {
+                "dir": str(self.config.spool_path), "full": spool_full,
+                "completions": spool_state(stats), "rewards": spool_state(rewards),
+            },
         }
+
+    def reward_stats(self) -> ProducerStats | None:
+        if self.reward_delivery is None:
+            return None
+        c = self.reward_counts
+        return ProducerStats.from_counts(c, failed=c[FAILED])
 
     def models(self) -> dict[str, object]:
         cards = self.pool.model_cards()
@@ -142,6 +164,11 @@ class Gateway:
                           "root": self.router.routed.served_name if self.router.routed else base,
                           "parent": base})
         return {"object": "list", "data": cards}
+
+
+def spool_state(s: ProducerStats) -> dict[str, object]:
+    return {"spooling": s.spooling, "records": s.spool_records, "bytes": s.spool_bytes, "full": s.spool_full, "spooled": s.spooled,
+            "replayed": s.replayed, "dropped": s.spool_dropped, "corrupt": s.spool_corrupt}
 
 
 def tune_runtime() -> None:
@@ -187,7 +214,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def rewards(request: Request) -> Response:
         started = time.perf_counter()
         key = request_key(request.scope)
-        response = await post_rewards(request, gateway.producer, gateway.topics.rewards, config.max_body_bytes,
+        response = await post_rewards(request, gateway.reward_delivery, gateway.topics.rewards, config.max_body_bytes,
+                                      (config.spool_after_ms + config.producer_send_timeout_ms) / 1000,
                                       key.key_id if key is not None else None,
                                       gateway.dashboard.rewarded if gateway.dashboard is not None else None)
         gateway.metrics.observe("/v1/rewards", response.status_code, time.perf_counter() - started)

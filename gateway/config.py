@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,18 @@ class GatewayConfig:
     max_buffered_bytes: int = 256 << 20
     """Bound in bytes of the records waiting for the producer process (a record can carry a 100 KB body)."""
     producer_send_timeout_ms: int = 10_000
+    spool_dir: str | None = None
+    """Directory of the spool: records (``completions/``) and rewards (``rewards/``) wait there, on disk,
+    while Kafka cannot take them, and are delivered in order once it can, also by the next gateway
+    started on the same directory (after a crash). None: ``<temp dir>/streamrl-spool-<port>``; give a
+    directory on a persistent disk in production."""
+    spool_max_bytes: int = 1 << 30
+    """Bound of each spool (completions, rewards) in bytes; beyond it records are dropped, counted, and
+    ``/health`` says ``spool_full``."""
+    spool_after_ms: int = 2_000
+    """A record not acknowledged by Kafka after this long sends it, and every record after it, to the
+    spool (Kafka slow or down). Also about the longest a ``POST /v1/rewards`` waits before its rewards
+    are fsynced in the spool instead."""
     producer_process: bool = True
     """Run the Kafka client and record encoding in a child process, off the event loop's GIL."""
     token_capture: bool = True
@@ -96,6 +109,10 @@ class GatewayConfig:
             raise ValueError("dashboard_interval_s must be > 0")
         if self.upstream_keepalive_s <= 0:
             raise ValueError("upstream_keepalive_s must be > 0")
+        if self.spool_max_bytes < 1 << 20:
+            raise ValueError("spool_max_bytes must be >= 1 MiB")
+        if self.spool_after_ms < 1:
+            raise ValueError("spool_after_ms must be >= 1")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))
         object.__setattr__(self, "trusted_publishers", tuple(self.trusted_publishers))
         object.__setattr__(self, "kafka", KafkaSecurity.of(self.kafka))
@@ -105,6 +122,10 @@ class GatewayConfig:
         """Defaults, then the file (TOML or JSON; a ``[gateway]`` table is used if present), then the
         overrides whose value is not None."""
         return load_config(cls, path, "gateway", overrides)
+
+    @property
+    def spool_path(self) -> Path:
+        return Path(self.spool_dir) if self.spool_dir else Path(tempfile.gettempdir()) / f"streamrl-spool-{self.port}"
 
     @property
     def logging_enabled(self) -> bool:

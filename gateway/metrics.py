@@ -26,8 +26,10 @@ class _StateCollector(Collector):
     """Reads live state at scrape time: upstreams, producer counters, policy version."""
 
     def __init__(self, pool: UpstreamPool, stats: Callable[[], ProducerStats | None],
-                 buffered: Callable[[], int], policy_version: Callable[[], int]) -> None:
+                 buffered: Callable[[], int], policy_version: Callable[[], int],
+                 reward_stats: Callable[[], ProducerStats | None]) -> None:
         self.pool, self.stats, self.buffered, self.policy_version = pool, stats, buffered, policy_version
+        self.reward_stats = reward_stats
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         up = GaugeMetricFamily("streamrl_gateway_upstream_healthy", "1 if the upstream is in rotation",
@@ -51,13 +53,35 @@ class _StateCollector(Collector):
             yield CounterMetricFamily("streamrl_gateway_records_waited",
                                       "records that found the pipe to the producer process full", value=s.waited)
             yield CounterMetricFamily("streamrl_gateway_records_undelivered",
-                                      "records offered but not delivered (failed + dropped)", value=s.undelivered)
+                                      "records offered but not delivered (failed + dropped + dropped by a full spool)", value=s.undelivered)
             yield CounterMetricFamily("streamrl_gateway_record_bytes", "record bytes delivered (before compression)",
                                       value=s.bytes_delivered)
             yield GaugeMetricFamily("streamrl_gateway_records_buffered", "records waiting for the producer",
                                     value=self.buffered())
+            yield from _spool_metrics({"completions": s, "rewards": self.reward_stats()})
         yield GaugeMetricFamily("streamrl_gateway_policy_version", "policy version routed for the policy name",
                                 value=self.policy_version())
+
+
+def _spool_metrics(streams: dict[str, ProducerStats | None]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The spools of completions and rewards (``stream`` label)."""
+    records = CounterMetricFamily("streamrl_gateway_spool_records", "records through the spool by outcome: "
+                                  "spooled (Kafka could not take them), replayed (delivered from the spool), "
+                                  "dropped (the spool was full)", labels=["stream", "outcome"])
+    waiting = GaugeMetricFamily("streamrl_gateway_spool_waiting", "records in the spool waiting for Kafka",
+                                labels=["stream"])
+    size = GaugeMetricFamily("streamrl_gateway_spool_bytes", "bytes of the spool on disk", labels=["stream"])
+    full = GaugeMetricFamily("streamrl_gateway_spool_full", "1 while the spool refuses records", labels=["stream"])
+    for name, s in streams.items():
+        if s is None:
+            continue
+        records.add_metric([name, "spooled"], s.spooled)
+        records.add_metric([name, "replayed"], s.replayed)
+        records.add_metric([name, "dropped"], s.spool_dropped)
+        waiting.add_metric([name], s.spool_records)
+        size.add_metric([name], s.spool_bytes)
+        full.add_metric([name], float(s.spool_full))
+    yield from (records, waiting, size, full)
 
 
 class GatewayMetrics:
@@ -99,8 +123,8 @@ class GatewayMetrics:
                                   buckets=LAG_BUCKETS, registry=self.registry)
 
     def watch(self, pool: UpstreamPool, stats: Callable[[], ProducerStats | None], buffered: Callable[[], int],
-              policy_version: Callable[[], int]) -> None:
-        self.registry.register(_StateCollector(pool, stats, buffered, policy_version))
+              policy_version: Callable[[], int], reward_stats: Callable[[], ProducerStats | None]) -> None:
+        self.registry.register(_StateCollector(pool, stats, buffered, policy_version, reward_stats))
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()

@@ -1,12 +1,16 @@
 """``POST /v1/rewards``: one reward or a list of them, validated as a whole, then sent to Kafka.
 
-Either every item is valid and every one is offered to the producer, or the request gets a 4xx and
-nothing is produced.
+Either every item is valid and every one is delivered, or the request gets a 4xx and nothing is
+produced. The answer is a 200 only once every reward is durable: acknowledged by Kafka (acks=all) or
+fsynced in the gateway's spool. A 503 says some may not be: the client sends them again (a reward
+delivered twice is harmless, the trainer keeps a trajectory's first).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +18,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamrl.broker.log_producer import LogProducer
+from streamrl.broker.delivery import Delivery, NotDurable
 from streamrl.broker.schema import RecordError, RewardRecord, encode, reward_record
 
 from .proxy import JSON, BadRequest, error_response, read_body
@@ -37,11 +41,12 @@ def parse_reward(item: Any, where: str, key_id: str | None = None) -> RewardReco
         raise BadRequest(400, f"{where}: {exc}") from None
 
 
-async def post_rewards(request: Request, producer: LogProducer | None, topic: str, max_body_bytes: int,
-                       key_id: str | None = None,
+async def post_rewards(request: Request, delivery: Delivery | None, topic: str, max_body_bytes: int,
+                       timeout_s: float, key_id: str | None = None,
                        accepted: Callable[[list[RewardRecord]], None] | None = None) -> Response:
-    """``key_id``: the id of the request's API key, stamped on every reward (None without keys);
-    ``accepted`` is told the rewards once they are all offered (the dashboard's per-version rewards)."""
+    """``timeout_s``: how long the rewards may take to be durable before the answer is a 503; ``key_id``:
+    the id of the request's API key, stamped on every reward (None without keys); ``accepted`` is told
+    the rewards once they are all durable (the dashboard's per-version rewards)."""
     try:
         raw = await read_body(request, max_body_bytes)
         try:
@@ -54,12 +59,19 @@ async def post_rewards(request: Request, producer: LogProducer | None, topic: st
         records = [parse_reward(item, f"reward {i}", key_id) for i, item in enumerate(items)]
     except BadRequest as exc:
         return error_response(exc.status, exc.message, exc.param)
-    if producer is None:
+    if delivery is None:
         return error_response(503, "this gateway has no Kafka producer (logging is off)")
-    if producer.buffered + len(records) > producer.capacity:
-        return error_response(503, "the record buffer is full; retry later")
-    for record in records:
-        producer.offer(topic, record.trajectory_id.encode(), encode(record))
+    values = [(topic, r.trajectory_id.encode(), encode(r)) for r in records]
+    # off the event loop: a send may wait for Kafka's metadata, a spooled batch for its fsync
+    futures = await asyncio.get_running_loop().run_in_executor(None, functools.partial(delivery.put_many, values,
+                                                                                       durable=True))
+    try:
+        await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), timeout_s)
+    except NotDurable as exc:
+        return error_response(503, f"rewards not stored durably ({exc}); send them again")
+    except TimeoutError:
+        return error_response(503, f"rewards not acknowledged by Kafka nor spooled within {timeout_s:g}s; "
+                                   "send them again")
     if accepted is not None:
         accepted(records)
     return Response(orjson.dumps({"accepted": len(records)}), 200, media_type=JSON)

@@ -370,11 +370,14 @@ def undelivered(gw: GatewayServer) -> float:
     return metric(gw, "streamrl_gateway_records_undelivered_total")
 
 
-def test_broker_stopped_requests_succeed_and_undelivered_rises(engine, base_model):
+def test_broker_stopped_requests_succeed_and_records_are_spooled(engine, base_model, tmp_path):
+    """Kafka gone: calls still succeed and their records wait in the spool, none counted undelivered
+    (delivery once the broker is back: tests/test_gateway_spool.py)."""
     own = EmbeddedBroker(topics=Topics("down")).start()
     try:
         config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=own.bootstrap_servers, port=free_port(),
-                               topic_prefix="down", producer_send_timeout_ms=1000, follow_policy=False)
+                               topic_prefix="down", producer_send_timeout_ms=1000, follow_policy=False,
+                               spool_dir=str(tmp_path), spool_after_ms=300)
         with GatewayServer(config) as gw:
             oai = client(gw)
             oai.chat.completions.create(model=base_model, messages=CHAT, max_tokens=4)
@@ -387,10 +390,12 @@ def test_broker_stopped_requests_succeed_and_undelivered_rises(engine, base_mode
             for _ in range(3):
                 assert oai.chat.completions.create(model=base_model, messages=CHAT, max_tokens=4).choices
             deadline = time.monotonic() + 60
-            while undelivered(gw) < 1:
-                assert time.monotonic() < deadline, "undelivered counter did not rise"
+            while gw.gateway.producer.stats.spool_records < 3:
+                assert time.monotonic() < deadline, "records not spooled"
                 time.sleep(0.2)
             assert oai.chat.completions.create(model=base_model, messages=CHAT, max_tokens=4).choices
+            assert undelivered(gw) == 0
+            assert metric(gw, 'streamrl_gateway_spool_waiting{stream="completions"}') >= 3
     finally:
         own.stop()
 
