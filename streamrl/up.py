@@ -133,10 +133,11 @@ class UpConfig:
         return {k.sasl_password_env: k.sasl_password} if k.sasl_password is not None else {}
 
     def gateway_config(self, upstreams: list[str], bootstrap_servers: str, port: int) -> GatewayConfig:
-        """Defaults ``up`` picks (the adapter root: its trainer's adapters) < the [gateway] table < what ``up``
-        owns (upstreams, broker and its security, address, topics, policy name, token capture, which the
-        engine shares)."""
-        values = {"adapter_root": str(self.run_dir / "adapters"), **self.gateway_table,
+        """Defaults ``up`` picks (the adapter root: its trainer's adapters; the spool: in the run's directory,
+        found again by the next ``up`` on it) < the [gateway] table < what ``up`` owns (upstreams, broker and
+        its security, address, topics, policy name, token capture, which the engine shares)."""
+        values = {"adapter_root": str(self.run_dir / "adapters"), "spool_dir": str(self.run_dir / "spool"),
+                  **self.gateway_table,
                   "upstreams": tuple(upstreams), "bootstrap_servers": bootstrap_servers, "kafka": self.child_kafka,
                   "host": self.host, "port": port, "topic_prefix": self.topic_prefix,
                   "policy_name": self.policy_name, "token_capture": self.token_capture}

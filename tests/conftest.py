@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,17 @@ from streamrl.gateway.server import GatewayServer
 from streamrl.tiny_model import build_model
 
 LOG_DIR = Path(os.environ.get("STREAMRL_TEST_LOGS", "/tmp/streamrl-test-logs"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """In-process parts' temp files (a gateway's default spool, ``<temp dir>/streamrl-spool-<port>``) under
+    this session's own directory: a spool an earlier run left on a port used again is never replayed
+    into this run's topics."""
+    old = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
+    yield
+    tempfile.tempdir = old
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ const state = { seq: null, since: 0, points: [], versions: new Map(), data: null
 
 function fmt(v) {
   if (v === null || v === undefined || Number.isNaN(v)) return "-";
+  if (typeof v !== "number") return String(v);  // e.g. the spool's flags (records_spooling: true)
   const a = Math.abs(v);
   if (a >= 1e6) return (v / 1e6).toFixed(1) + "M";
   if (a >= 1e3) return (v / 1e3).toFixed(1) + "k";
