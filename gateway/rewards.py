@@ -18,7 +18,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from streamrl.broker.log_producer import LogProducer
-from streamrl.broker.schema import JudgeRequest, RecordError, RewardRecord, encode, judge_request, reward_record
+from streamrl.broker.schema import (
+    JudgeRequest,
+    RecordError,
+    RewardRecord,
+    encode,
+    judge_request,
+    reward_record,
+)
 
 from .proxy import JSON, BadRequest, error_response, read_body
 
