@@ -16,7 +16,7 @@ import openai
 
 from .config import JudgeConfig
 from .parse import BadAnswer, Verdict, parse_answer
-from .prompt import answer_schema, messages
+from .prompt import answer_regex, answer_schema, messages
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +51,13 @@ class JudgeClient:
     def judge(self, rubric: str, rendered: list[str], group_id: str) -> Judged:
         c = self.config
         kwargs: dict = {}
-        if c.structured_output:
-            kwargs["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": "judgement", "strict": True,
-                "schema": answer_schema(len(rendered), c.max_score, c.max_explanation_chars)}}
+        if c.structured_output == "vllm":
+            kwargs["extra_body"] = {"structured_outputs": {
+                "regex": answer_regex(len(rendered), c.max_score, c.max_explanation_chars)}}
+        elif c.structured_output == "json_schema":
+            schema = answer_schema(len(rendered), c.max_score, c.max_explanation_chars)
+            kwargs["response_format"] = {"type": "json_schema",
+                                         "json_schema": {"name": "judgement", "strict": True, "schema": schema}}
         prompt = messages(rubric, rendered, c.max_score)
         backoff, attempts, failures = c.retry_backoff_s, 0, 0
         tokens = [0, 0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from streamrl.broker.security import KafkaSecurity
 from streamrl.config_file import load_config
@@ -48,8 +48,10 @@ class JudgeConfig:
     max_tokens: int = 1024
     """Token budget of one judge answer."""
     temperature: float = 0.0
-    structured_output: bool = True
-    """Ask for a JSON-schema answer (``response_format`` ``json_schema``): vLLM then only samples valid JSON."""
+    structured_output: Literal["vllm", "json_schema", "off"] = "vllm"
+    """How the answer's shape is asked for. ``vllm``: vLLM's ``structured_outputs`` with a regular expression
+    of the exact answer (its JSON-schema grammar lets a weak model pad whitespace until ``max_tokens``);
+    ``json_schema``: the OpenAI ``response_format`` (hosted APIs); ``off``: the prompt only."""
     max_attempts: int = 3
     """Judge answers that fail the strict parser are asked again this many times in all, then the group is
     counted ``judge_failures`` and left unrewarded."""
@@ -67,7 +69,9 @@ class JudgeConfig:
     max_trajectories: int = 50_000
     """Bound on trajectories held; the oldest are forgotten beyond it (counted ``evicted``)."""
     commit_interval_s: float = 1.0
-    """Offsets are committed at most this often, and only once the rewards before them are acknowledged."""
+    """Offsets are committed this often, only up to records whose rewards are acknowledged. A restart re-reads
+    what came after the last commit and skips the trajectories it finds its own rewards for, so a longer
+    interval costs re-reading, never a duplicate."""
     poll_timeout_s: float = 0.2
 
     def __post_init__(self) -> None:
@@ -77,6 +81,8 @@ class JudgeConfig:
             raise ValueError("weight must be in [0, 1]")
         if self.max_score < 1 or self.max_attempts < 1 or self.concurrency < 1:
             raise ValueError("max_score, max_attempts and concurrency must be >= 1")
+        if self.structured_output not in ("vllm", "json_schema", "off"):
+            raise ValueError(f"structured_output must be vllm, json_schema or off, not {self.structured_output!r}")
         if self.quiet_period_s < 0:
             raise ValueError("quiet_period_s must be >= 0")
 

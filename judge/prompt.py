@@ -2,8 +2,10 @@
 
 Trajectories are labelled ``T1``..``Tn`` in the group's order; the answer is one object with an
 ``explanation`` and a ``scores`` object that has exactly the labels as keys, each an integer in
-[0, max_score]. The schema is sent as ``response_format`` when structured output is on, so a server that
-supports it (vLLM) samples only answers of that shape; ``parse.py`` checks every answer anyway.
+[0, max_score]. Structured output makes the server sample only answers of that shape: with vLLM as a
+regular expression of the exact answer (vLLM 0.32's JSON-schema grammar lets a weak model pad whitespace
+between tokens until ``max_tokens``: measured with the tiny random model), with hosted APIs as the JSON
+schema (``response_format``). ``parse.py`` checks every answer anyway.
 """
 
 from __future__ import annotations
@@ -41,3 +43,12 @@ def messages(rubric: str, rendered: list[str], max_score: int) -> list[dict[str,
     keys = ", ".join(f'"{label}": <score>' for label in labels(len(rendered)))
     parts.append(f'Answer with one JSON object: {{"explanation": "<why, briefly>", "scores": {{{keys}}}}}')
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\n".join(parts)}]
+
+
+def answer_regex(n: int, max_score: int, max_explanation_chars: int) -> str:
+    """The exact answer as a regular expression: the explanation without quotes, backslashes or control
+    characters (so it needs no escapes), then every label once, in order, with an integer score."""
+    score = "(" + "|".join(str(i) for i in range(max_score, -1, -1)) + ")"
+    scores = ", ".join(f'"{label}": {score}' for label in labels(n))
+    explanation = r'"[^"\\\x00-\x1f]{0,' + str(max_explanation_chars) + '}"'
+    return r'\{"explanation": ' + explanation + r', "scores": \{' + scores + r'\}\}'

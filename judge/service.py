@@ -169,7 +169,6 @@ class JudgeService:
                 if self._caught_up(polled):
                     for group in self.book.ready(time.monotonic()):
                         running[pool.submit(self._judge, group)] = group
-                finished = False
                 for fut in [f for f in running if f.done()]:
                     group = running.pop(fut)
                     try:
@@ -183,9 +182,8 @@ class JudgeService:
                         log.exception("judging group %s failed", group.group_id)
                         self.counts["judge_failures"] += 1
                     self.book.finish(group)
-                    finished = True
                 now = time.monotonic()
-                if finished or now - last_commit >= self.config.commit_interval_s:
+                if now - last_commit >= self.config.commit_interval_s:
                     self._commit()
                     last_commit = now
         finally:

@@ -42,7 +42,7 @@ from streamrl.judge.client import JudgeClient, JudgeFailed
 from streamrl.judge.config import JudgeConfig
 from streamrl.judge.groups import GroupBook
 from streamrl.judge.parse import BadAnswer, parse_answer
-from streamrl.judge.prompt import answer_schema
+from streamrl.judge.prompt import answer_regex, answer_schema
 from streamrl.judge.render import Call, render
 from streamrl.judge.service import JudgeService, mix
 from streamrl.trainer.config import TrainerConfig
@@ -86,6 +86,20 @@ def test_the_answer_schema_asks_for_every_label_once() -> None:
     s = answer_schema(3, 10, 50)
     assert s["properties"]["scores"]["required"] == ["T1", "T2", "T3"]
     assert s["properties"]["scores"]["properties"]["T2"]["enum"] == list(range(11))
+
+
+def test_the_answer_regex_admits_exactly_parseable_answers() -> None:
+    import re
+
+    rx = answer_regex(2, 10, 5)
+    assert re.fullmatch(rx, '{"explanation": "ok", "scores": {"T1": 10, "T2": 0}}')
+    for bad in ('{"explanation": "too long", "scores": {"T1": 1, "T2": 0}}',
+                '{"explanation": "a\\"b", "scores": {"T1": 1, "T2": 0}}',
+                '{"explanation": "", "scores": {"T1": 11, "T2": 0}}',
+                '{"explanation": "", "scores": {"T2": 1, "T1": 0}}',
+                '{"explanation": "",  "scores": {"T1": 1, "T2": 0}}'):
+        assert not re.fullmatch(rx, bad), bad
+    assert parse_answer('{"explanation": "ok", "scores": {"T1": 10, "T2": 0}}', 2, 10).scores == [10, 0]
 
 
 def test_mixing_rule() -> None:
@@ -220,7 +234,7 @@ def wait_until(check, timeout: float, what: str):
 
 def test_the_client_retries_malformed_answers_then_fails_clearly(engine: Engine, base_model: str) -> None:
     """Without structured output the random model's answers are never JSON: every attempt is refused."""
-    config = JudgeConfig(base_url=f"{engine.url}/v1", model=base_model, structured_output=False, max_tokens=8,
+    config = JudgeConfig(base_url=f"{engine.url}/v1", model=base_model, structured_output="off", max_tokens=8,
                          max_attempts=2, retry_backoff_s=0.01)
     with pytest.raises(JudgeFailed, match=r"group g1: no usable judge answer in 2 attempts; last: "):
         JudgeClient(config, threading.Event()).judge("be right", ["user: hi\nassistant: yo"] * 2, "g1")
@@ -257,9 +271,12 @@ def test_a_group_posted_without_rewards_is_judged_and_trained(broker, engine, ba
     assert bad.status_code == 400 and "rubric" in bad.json()["error"]["message"]
     bad = httpx.post(f"{gw.url}/v1/rewards", json={"trajectory_id": "x", "judge": {}, "metrics": {}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "metrics"
+    # the agent's own rewards, mixed in with a small weight on the judge: the random tiny model's scores
+    # may all be equal, and a group whose rewards are all equal has nothing to train on
+    agent_rewards = dict(zip(tids, (0.0, 0.5, 1.0), strict=True))
     posted = httpx.post(f"{gw.url}/v1/rewards", json=[
-        {"trajectory_id": tid, "group_id": gid, "group_size": 3, "reward": 1.0,
-         "judge": {"rubric": "Is the final answer 5?", "weight": 0.5}} for tid in tids])
+        {"trajectory_id": tid, "group_id": gid, "group_size": 3, "reward": agent_rewards[tid],
+         "judge": {"rubric": "Is the final answer 5?", "weight": 0.05}} for tid in tids])
     assert posted.json() == {"accepted": 3}
 
     stop = threading.Event()
@@ -275,8 +292,8 @@ def test_a_group_posted_without_rewards_is_judged_and_trained(broker, engine, ba
         runner.join(30)
     assert sorted(r.trajectory_id for r in judged) == tids
     for r in judged:
-        assert 0.0 <= r.metrics["judge_score"] <= 1.0 and r.metrics["agent_reward"] == 1.0
-        assert r.reward == pytest.approx(0.5 * r.metrics["judge_score"] + 0.5)
+        assert 0.0 <= r.metrics["judge_score"] <= 1.0 and r.metrics["agent_reward"] == agent_rewards[r.trajectory_id]
+        assert r.reward == pytest.approx(0.05 * r.metrics["judge_score"] + 0.95 * agent_rewards[r.trajectory_id])
         assert (r.group_id, r.group_size) == (gid, 3) and r.metrics["judge_prompt_tokens"] > 0
     # the judge's own call went through the gateway, recorded as purpose judge
     completions = read_all(broker, topics.completions)
@@ -291,9 +308,14 @@ def test_a_group_posted_without_rewards_is_judged_and_trained(broker, engine, ba
     source = KafkaRecordSource(broker.bootstrap_servers, topics, "judge-e2e-trainer")
     feed = StreamGroups(source, config)
     try:
-        [batch] = wait_until(lambda: feed.next_groups(1, 0, 0.5), 60, "a trained group")
+        batches = []
+        deadline = time.monotonic() + 60
+        while not batches and time.monotonic() < deadline:
+            batches = feed.next_groups(1, 0, 0.5)
+        assert batches, dict(feed.counts)
     finally:
         feed.close()
+    [batch] = batches
     assert batch.group_id == gid
     assert sorted(s.trajectory_id for s in batch.sequences) == tids
     assert {s.trajectory_id: s.reward for s in batch.sequences} == {r.trajectory_id: r.reward for r in judged}
@@ -301,17 +323,43 @@ def test_a_group_posted_without_rewards_is_judged_and_trained(broker, engine, ba
     assert feed.counts["not_trained_judge_request"] == 3
 
 
-def judge_process(broker: EmbeddedBroker, topics: Topics, engine: Engine, model: str, log: Path) -> subprocess.Popen:
+def judge_process(broker: EmbeddedBroker, topics: Topics, engine: Engine, model: str, log: Path,
+                  commit_interval_s: float) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "streamrl.cli", "judge", "--bootstrap-servers", broker.bootstrap_servers,
          "--topic-prefix", topics.prefix, "--base-url", f"{engine.url}/v1", "--model", model, "--name", "once",
-         "--max-explanation-chars", "24", "--max-tokens", "256", "--concurrency", "2", "--commit-interval-s", "0.2"],
-        stdout=log.open("ab"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+         "--max-explanation-chars", "24", "--max-tokens", "256", "--concurrency", "1",
+         "--commit-interval-s", str(commit_interval_s)],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+class RewardWatch:
+    """The judged rewards on a topic as they come (from its beginning), for acting the moment a count is reached."""
+
+    def __init__(self, broker: EmbeddedBroker, topic: str, judge: str) -> None:
+        self.consumer = make_consumer(broker.bootstrap_servers, group_id=None)
+        tps = [TopicPartition(topic, p) for p in sorted(self.consumer.partitions_for_topic(topic) or ())]
+        self.consumer.assign(tps)
+        self.consumer.seek_to_beginning(*tps)
+        self.judge, self.seen = judge, []
+
+    def wait_for(self, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.seen) < count:
+            assert time.monotonic() < deadline, f"{len(self.seen)} of {count} judged rewards within {timeout}s"
+            for records in self.consumer.poll(timeout_ms=100).values():
+                for m in records:
+                    r = decode(m.value)
+                    if isinstance(r, RewardRecord) and r.judged_by == self.judge:
+                        self.seen.append(r)
+
+    def close(self) -> None:
+        self.consumer.close()
 
 
 def test_kill_9_and_restart_judges_every_trajectory_exactly_once(broker, engine, base_model) -> None:
     topics = fresh_topics(broker, "judge-once")
-    groups, size = 8, 3
+    groups, size = 12, 3
     records: list = []
     for g in range(groups):
         for i in range(size):
@@ -326,20 +374,26 @@ def test_kill_9_and_restart_judges_every_trajectory_exactly_once(broker, engine,
     def judged() -> list[RewardRecord]:
         return [r for r in read_all(broker, topics.rewards) if isinstance(r, RewardRecord) and r.judged_by == "once"]
 
-    first = judge_process(broker, topics, engine, base_model, log)
+    # The first judge commits no offset after its start (commit interval of an hour): killed once it has
+    # posted rewards, its restart must read every request again and find its own rewards for them.
+    watch = RewardWatch(broker, topics.rewards, "once")
+    first = judge_process(broker, topics, engine, base_model, LOG_DIR / "judge-once-1.log", 3600)
     try:
-        wait_until(lambda: len(judged()) >= 4, 120, "the first judged rewards")
+        watch.wait_for(4, 120)
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(30)
-    at_kill = len(judged())
-    second = judge_process(broker, topics, engine, base_model, log)
+    log = LOG_DIR / "judge-once-2.log"
+    second = judge_process(broker, topics, engine, base_model, log, 0.2)
     try:
-        wait_until(lambda: {r.trajectory_id for r in judged()} >= want, 180, "every trajectory judged")
+        watch.wait_for(len(want), 180)
+        wait_until(lambda: "caught up" in log.read_text(), 60, "the restarted judge catching up")
     finally:
+        watch.close()
         second.send_signal(signal.SIGTERM)
         assert second.wait(60) == 0
     counts = Counter(r.trajectory_id for r in judged())
-    assert set(counts) == want and set(counts.values()) == {1}, (at_kill, counts)
+    assert set(counts) == want and set(counts.values()) == {1}, counts
+    assert "'own_rewards_seen'" in log.read_text()  # the restart met rewards of the first run
     for r in judged():
         assert 0.0 <= r.reward <= 1.0 and r.group_size == size and "agent_reward" not in r.metrics
