@@ -17,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import openai
 import pytest
 from conftest import LOG_DIR
 from kafka import TopicPartition
@@ -45,6 +44,7 @@ from streamrl.judge.parse import BadAnswer, parse_answer
 from streamrl.judge.prompt import answer_regex, answer_schema
 from streamrl.judge.render import Call, render
 from streamrl.judge.service import JudgeService, mix
+from streamrl.producers.client import Gateway
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.feed import StreamGroups
 from streamrl.trainer.source import KafkaRecordSource
@@ -259,25 +259,26 @@ def judge_gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[tuple[Gate
 
 def test_a_group_posted_without_rewards_is_judged_and_trained(broker, engine, base_model, judge_gateway) -> None:
     gw, topics = judge_gateway
-    agent = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
     gid, tids = "e2e-group", ["e2e-t0", "e2e-t1", "e2e-t2"]
-    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
-    history = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-               {"role": "tool", "tool_call_id": "c1", "content": "5"}]
-    for tid in tids:
-        agent.chat.completions.create(model=base_model, messages=history, max_tokens=6,
-                                      extra_headers={"X-Trajectory-Id": tid, "X-Group-Id": gid})
     bad = httpx.post(f"{gw.url}/v1/rewards", json={"trajectory_id": "x", "judge": {"rubric": 5}})
     assert bad.status_code == 400 and "rubric" in bad.json()["error"]["message"]
     bad = httpx.post(f"{gw.url}/v1/rewards", json={"trajectory_id": "x", "judge": {}, "metrics": {}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "metrics"
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    history = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "5"}]
     # the agent's own rewards, mixed in with a small weight on the judge: the random tiny model's scores
     # may all be equal, and a group whose rewards are all equal has nothing to train on
     agent_rewards = dict(zip(tids, (0.0, 0.5, 1.0), strict=True))
-    posted = httpx.post(f"{gw.url}/v1/rewards", json=[
-        {"trajectory_id": tid, "group_id": gid, "group_size": 3, "reward": agent_rewards[tid],
-         "judge": {"rubric": "Is the final answer 5?", "weight": 0.05}} for tid in tids])
-    assert posted.json() == {"accepted": 3}
+    with Gateway(gw.url) as agent:
+        for tid in tids:
+            with agent.trajectory(group_id=gid, group_size=3, trajectory_id=tid) as t:
+                t.client.chat.completions.create(model=base_model, messages=history, max_tokens=6)
+                t.reward(agent_rewards[tid])
+                t.judge("Is the final answer 5?", weight=0.05)
+            assert t.posted
+        with pytest.raises(ValueError, match="weight must be a number in"):
+            agent.trajectory().judge(weight=1.5)
 
     stop = threading.Event()
     service = JudgeService(judge_config(broker, topics, f"{gw.url}/v1", base_model, name="e2e"), stop)
