@@ -41,6 +41,9 @@ class JudgeConfig:
     quiet_period_s: float = 5.0
     """A group whose requests say no ``group_size`` is complete when none of its records came for this long
     (its completions too: a straggling call postpones it)."""
+    settle_s: float = 1.0
+    """A group complete by ``group_size`` is judged once none of its records came for this long: a
+    trajectory's last call may reach the log after its judge request."""
     max_score: int = 10
     """The judge scores each trajectory with an integer in [0, max_score]; the reward is score / max_score."""
     max_explanation_chars: int = 600

@@ -4,8 +4,9 @@ Rules (each outcome counted in ``GroupBook.counts``):
 
 * A trajectory is judged when its ``JudgeRequest`` has come and it has at least one recorded call. Its
   group is the request's ``group_id``, else the trajectory id.
-* A group is complete when ``group_size`` (the first request that says one) requests have come, or, when
-  none says, after ``quiet_period_s`` without a new record for it. A complete group whose members' calls
+* A group is complete when ``group_size`` (the first request that says one) requests have come and no
+  record for it came for ``settle_s`` (a multi-turn trajectory's last call may be logged after its request),
+  or, when no request says a size, after ``quiet_period_s`` without a new record for it. A complete group whose members' calls
   have not all come waits for them up to the quiet period; then the members with calls are judged and the
   rest counted ``no_completions``.
 * A trajectory with a reward of this judge's own (``judged_by``) is done: its request, met again after a
@@ -62,8 +63,9 @@ class ReadyGroup:
 
 
 class GroupBook:
-    def __init__(self, judge_id: str, *, quiet_period_s: float, ttl_s: float, max_trajectories: int) -> None:
-        self.judge_id = judge_id
+    def __init__(self, judge_id: str, *, quiet_period_s: float, ttl_s: float, max_trajectories: int,
+                 settle_s: float = 0.0) -> None:
+        self.judge_id, self.settle_s = judge_id, settle_s
         self.quiet_period_s, self.ttl_s, self.max_trajectories = quiet_period_s, ttl_s, max_trajectories
         self.held: OrderedDict[str, Held] = OrderedDict()
         self.groups: dict[str, PendingGroup] = {}
@@ -160,6 +162,8 @@ class GroupBook:
         for g in list(self.groups.values()):
             quiet = now - g.last_activity >= self.quiet_period_s
             if g.size is not None and len(g.requested) < g.size and not quiet:
+                continue
+            if now - g.last_activity < self.settle_s:
                 continue
             if g.size is None and not quiet:
                 continue

@@ -42,6 +42,9 @@ from .render import render
 
 log = logging.getLogger(__name__)
 
+LOG_EVERY_S = 30.0
+"""How often the counters are logged while they change."""
+
 
 def mix(score: float, agent: float | None, weight: float) -> float:
     """The group's rule: the judge's score alone, or ``weight * judge + (1 - weight) * agent``."""
@@ -54,7 +57,7 @@ class JudgeService:
         self.stop = stop or threading.Event()
         self.topics = Topics(config.topic_prefix)
         self.book = GroupBook(config.name, quiet_period_s=config.quiet_period_s, ttl_s=config.trajectory_ttl_s,
-                              max_trajectories=config.max_trajectories)
+                              max_trajectories=config.max_trajectories, settle_s=config.settle_s)
         self.counts: Counter[str] = self.book.counts
         self.client = JudgeClient(config, self.stop)
         self.judged_tokens = 0
@@ -162,7 +165,8 @@ class JudgeService:
         self._connect()
         pool = ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="judge")
         running: dict[Future[Judged], ReadyGroup] = {}
-        last_commit = 0.0
+        last_commit = last_log = 0.0
+        logged: dict[str, int] = {}
         try:
             while not self.stop.is_set():
                 polled = self._consume()
@@ -186,6 +190,9 @@ class JudgeService:
                 if now - last_commit >= self.config.commit_interval_s:
                     self._commit()
                     last_commit = now
+                if now - last_log >= LOG_EVERY_S and dict(self.counts) != logged:
+                    logged, last_log = dict(self.counts), now
+                    log.info("judge %s: %s", self.config.name, logged)
         finally:
             self.stop.set()
             pool.shutdown(wait=True, cancel_futures=True)

@@ -155,6 +155,18 @@ def test_a_group_is_complete_by_size_once_every_member_has_calls() -> None:
     assert book.counts["already_judged"] == 1 and book.ready(now=100) == []
 
 
+def test_a_complete_group_settles_before_it_is_judged() -> None:
+    """A trajectory's last call may reach the log after its request: it still makes the judged trajectory."""
+    book = GroupBook("j", quiet_period_s=30, ttl_s=60, max_trajectories=100, settle_s=1.0)
+    book.add_completion(completion("a", [{"role": "user", "content": "q"}], answer="first"), ("c:0", 0), now=0)
+    book.add_request(req("a", size=1), ("r:0", 0), now=0)
+    book.add_completion(completion("a", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "first"},
+                                         {"role": "user", "content": "sure?"}], answer="second"), ("c:0", 1), now=0.5)
+    assert book.ready(now=1.2) == []
+    [group] = book.ready(now=1.6)
+    assert render(group.members[0].calls, 1000).endswith("user: sure?\nassistant: second")
+
+
 def test_a_group_without_size_waits_for_quiet_and_own_rewards_are_not_judged_again() -> None:
     book = GroupBook("j", quiet_period_s=5, ttl_s=60, max_trajectories=100)
     for tid in "abc":
