@@ -7,11 +7,13 @@ Three record kinds travel over Kafka:
   and compactly: int32 / float32 little-endian bytes, never JSON lists of numbers.
 * ``RewardRecord`` (topic ``rewards``, key = trajectory id): one per scored trajectory.
 * ``PolicyRecord`` (topic ``policy``, key = policy name): one per adapter version the trainer publishes.
+* ``JudgeRequest`` (topic ``rewards``, key = trajectory id): "judge this trajectory with its group" instead
+  of a reward; ``streamrl judge`` answers it with a ``RewardRecord``, trainers never train on it.
 
 Wire format of a record value (all integers little-endian)::
 
     offset 0  3 bytes  magic b"SRL"
-    offset 3  1 byte   kind (1 completion, 2 reward, 3 policy)
+    offset 3  1 byte   kind (1 completion, 2 reward, 3 policy, 4 judge request)
     offset 4  1 byte   schema version of that kind (see SCHEMA_VERSIONS)
     offset 5  4 bytes  length J of the JSON header (uint32)
     offset 9  J bytes  JSON header (orjson): every field of the record's dataclass but a completion's
@@ -33,6 +35,12 @@ counting) instead of guessing, so a consumer can count and skip it. Version hist
   refuses these (upgrade trainers before gateways).
 * policy v2: ``publisher``, the id of the trainer (or ``streamrl publish``) that published the version;
   a gateway configured with ``trusted_publishers`` serves only their versions. Older records read as None.
+* purpose ``judge`` (no version change): the judge service's own calls to a model. A reader that does not
+  know it refuses the record (``bad_purpose``), so it is never trained on, by old trainers either.
+* reward v3: ``judged_by`` (the id of the ``streamrl judge`` service that scored the trajectory; None:
+  posted by the producer) and ``explanation`` (the judge's words). Older records read as None and "".
+* judge request v1 (kind 4): the first version. A reader that does not know the kind refuses it
+  (``unknown_kind``), so old trainers skip it.
 """
 
 from __future__ import annotations
@@ -52,12 +60,15 @@ MAGIC = b"SRL"
 KIND_COMPLETION = 1
 KIND_REWARD = 2
 KIND_POLICY = 3
-SCHEMA_VERSIONS = {KIND_COMPLETION: 3, KIND_REWARD: 2, KIND_POLICY: 2}
+KIND_JUDGE_REQUEST = 4
+SCHEMA_VERSIONS = {KIND_COMPLETION: 3, KIND_REWARD: 3, KIND_POLICY: 2, KIND_JUDGE_REQUEST: 1}
 """The version each kind is written in."""
-READABLE_VERSIONS = {KIND_COMPLETION: (1, 2, 3), KIND_REWARD: (1, 2), KIND_POLICY: (1, 2)}
+READABLE_VERSIONS = {KIND_COMPLETION: (1, 2, 3), KIND_REWARD: (1, 2, 3), KIND_POLICY: (1, 2),
+                     KIND_JUDGE_REQUEST: (1,)}
 """The versions of each kind this module reads."""
-PURPOSES = ("train", "eval")
-"""What a completion was generated for: only ``train`` completions are trained on."""
+PURPOSES = ("train", "eval", "judge")
+"""What a completion was generated for: only ``train`` completions are trained on (``eval``: held-out
+evaluation; ``judge``: the judge service scoring trajectories)."""
 _HEADER = struct.Struct("<3sBBI")
 
 MAX_ID_LENGTH = 256
@@ -112,7 +123,8 @@ class CompletionRecord:
     tool_calls: list[dict[str, Any]] | None = None
     created: float = field(default_factory=time.time)
     purpose: str = "train"
-    """``train``, or ``eval``: generated to evaluate a version on held-out problems, never trained on."""
+    """``train``; ``eval``: generated to evaluate a version on held-out problems; ``judge``: the judge
+    service's call scoring trajectories. Only ``train`` is ever trained on."""
     key_id: str | None = None
     """The id of the API key the call came with (None: the gateway checks no keys)."""
 
@@ -134,6 +146,36 @@ class RewardRecord:
     created: float = field(default_factory=time.time)
     key_id: str | None = None
     """The id of the API key the reward was posted with (set by the gateway, never by the poster)."""
+    judged_by: str | None = None
+    """The id of the ``streamrl judge`` service that scored the trajectory (None: posted by the producer);
+    a judge restarting skips the trajectories it finds rewards of its own for."""
+    explanation: str = ""
+    """The judge's explanation of its scores of the group (``metrics`` holds only numbers)."""
+
+
+JUDGE_FIELDS = frozenset(("rubric", "weight"))
+"""What the ``judge`` object of a posted judge request may carry."""
+
+
+@dataclass(slots=True)
+class JudgeRequest:
+    """A producer's request to have a trajectory scored by the judge service relative to its group,
+    instead of (or mixed with) a reward of its own. ``group_size`` says how many requests make the group
+    complete; without it, the group is complete after the judge's quiet period."""
+
+    trajectory_id: str
+    group_id: str | None = None
+    group_size: int | None = None
+    rubric: str | None = None
+    """What to judge by; None: the judge's configured rubric for the group."""
+    agent_reward: float | None = None
+    """The producer's own reward, mixed with the judge's score: ``weight * judge + (1 - weight) * agent``."""
+    weight: float | None = None
+    """The judge score's weight in [0, 1] when ``agent_reward`` is given; None: the judge's default. The
+    first request of a group sets the group's rule."""
+    created: float = field(default_factory=time.time)
+    key_id: str | None = None
+    """The id of the API key the request was posted with (set by the gateway)."""
 
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -168,7 +210,7 @@ class PolicyRecord:
         return f"{self.name}@v{self.version}"
 
 
-Record = CompletionRecord | RewardRecord | PolicyRecord
+Record = CompletionRecord | RewardRecord | PolicyRecord | JudgeRequest
 
 
 def _pack(kind: int, header: dict[str, Any], tail: bytes = b"") -> bytes:
@@ -186,7 +228,7 @@ def _header_fields(cls: type) -> tuple[tuple[str, bool], ...]:
                  for f in fields(cls) if f.name not in _ARRAYS)
 
 
-_HEADER_FIELDS = {cls: _header_fields(cls) for cls in (CompletionRecord, RewardRecord, PolicyRecord)}
+_HEADER_FIELDS = {cls: _header_fields(cls) for cls in (CompletionRecord, RewardRecord, PolicyRecord, JudgeRequest)}
 """Worked out once: encoding and decoding are on the gateway's and the trainer's paths for every record."""
 
 
@@ -210,6 +252,8 @@ def encode(record: Record) -> bytes:
         return _pack(KIND_REWARD, _header(record))
     if isinstance(record, PolicyRecord):
         return _pack(KIND_POLICY, _header(record))
+    if isinstance(record, JudgeRequest):
+        return _pack(KIND_JUDGE_REQUEST, _header(record))
     raise TypeError(f"not a streamrl record: {type(record).__name__}")
 
 
@@ -243,6 +287,8 @@ def _decode(value: bytes | None) -> Record:
         return _decode_completion(h, memoryview(value)[end:])
     if kind == KIND_REWARD:
         return _decode_reward(h)
+    if kind == KIND_JUDGE_REQUEST:
+        return _decode_judge_request(h)
     return _decode_policy(h)
 
 
@@ -325,10 +371,32 @@ def check_metrics(value: Any) -> dict[str, float]:
     return {k: float(v) for k, v in value.items()}
 
 
-def reward_record(fields: dict[str, Any], created: float | None = None, key_id: str | None = None) -> RewardRecord:
+MAX_TEXT_LENGTH = 65_536
+"""A rubric or an explanation is a string of at most this many characters."""
+
+
+def check_text(value: Any, name: str, *, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or len(value) > MAX_TEXT_LENGTH:
+        raise RecordError("bad_text", f"{name} must be a string of at most {MAX_TEXT_LENGTH} chars")
+    return value
+
+
+def check_weight(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise RecordError("bad_weight", f"weight must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def reward_record(fields: dict[str, Any], created: float | None = None, key_id: str | None = None,
+                  judged_by: str | None = None) -> RewardRecord:
     """A ``RewardRecord`` from its fields, every rule of a reward checked here and nowhere else: the
     gateway's ``POST /v1/rewards`` items, the producer SDK's bodies and decoded records all come through.
-    ``key_id`` is passed apart: the gateway sets it from the request's key, never from the posted item."""
+    ``key_id`` and ``judged_by`` are passed apart: the gateway sets the first from the request's key, the
+    judge service the second; never a posted item."""
     if "trajectory_id" not in fields or "reward" not in fields:
         raise RecordError("missing", "trajectory_id and reward are required")
     return RewardRecord(
@@ -339,11 +407,43 @@ def reward_record(fields: dict[str, Any], created: float | None = None, key_id: 
         metrics=check_metrics(fields.get("metrics")),
         **({} if created is None else {"created": created}),
         key_id=check_id(key_id, "key_id", optional=True),
+        judged_by=check_id(judged_by, "judged_by", optional=True),
+        explanation=check_text(fields.get("explanation") or "", "explanation"),  # type: ignore[arg-type]
     )
 
 
 def _decode_reward(h: dict[str, Any]) -> RewardRecord:
-    return reward_record(h, created=float(h.get("created", 0.0)), key_id=h.get("key_id"))
+    return reward_record(h, created=float(h.get("created", 0.0)), key_id=h.get("key_id"),
+                         judged_by=h.get("judged_by"))
+
+
+def judge_request(fields: dict[str, Any], created: float | None = None, key_id: str | None = None) -> JudgeRequest:
+    """A ``JudgeRequest`` from a posted item (``{"trajectory_id", "group_id", "group_size", "reward",
+    "judge": {"rubric", "weight"}}``) or a decoded header; every rule of a judge request is checked here."""
+    if "trajectory_id" not in fields:
+        raise RecordError("missing", "trajectory_id is required")
+    judge = fields.get("judge", {})
+    if judge is None:
+        judge = {}
+    if not isinstance(judge, dict) or set(judge) - JUDGE_FIELDS:
+        raise RecordError("bad_judge", f"judge must be an object with at most {sorted(JUDGE_FIELDS)}")
+    rubric = judge.get("rubric", fields.get("rubric"))
+    weight = judge.get("weight", fields.get("weight"))
+    agent = fields.get("reward", fields.get("agent_reward"))
+    return JudgeRequest(
+        trajectory_id=check_id(fields["trajectory_id"], "trajectory_id"),  # type: ignore[arg-type]
+        group_id=check_id(fields.get("group_id"), "group_id", optional=True),
+        group_size=check_group_size(fields.get("group_size")),
+        rubric=check_text(rubric, "rubric", optional=True),
+        agent_reward=None if agent is None else check_reward(agent),
+        weight=check_weight(weight),
+        **({} if created is None else {"created": created}),
+        key_id=check_id(key_id, "key_id", optional=True),
+    )
+
+
+def _decode_judge_request(h: dict[str, Any]) -> JudgeRequest:
+    return judge_request(h, created=float(h.get("created", 0.0)), key_id=h.get("key_id"))
 
 
 def _decode_policy(h: dict[str, Any]) -> PolicyRecord:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamrl.broker.schema import MAX_ID_LENGTH, PURPOSES
+from streamrl.broker.schema import MAX_ID_LENGTH, MAX_TEXT_LENGTH, PURPOSES
 
 from .rewards import MAX_ITEMS
 
@@ -77,11 +77,26 @@ _REWARD = {
         "group_id": _ID,
         "group_size": {"type": "integer", "minimum": 1, "maximum": 4096},
         "metrics": {"type": "object", "additionalProperties": {"type": "number"}},
+        "explanation": {"type": "string", "maxLength": MAX_TEXT_LENGTH},
     },
 }
-_REWARDS = {"oneOf": [{"$ref": "#/components/schemas/Reward"},
-                      {"type": "array", "minItems": 1, "maxItems": MAX_ITEMS,
-                       "items": {"$ref": "#/components/schemas/Reward"}}]}
+_JUDGE_REQUEST = {
+    "type": "object",
+    "description": "Ask streamrl judge to score the trajectory relative to its group (docs/judge.md)",
+    "required": ["trajectory_id", "judge"],
+    "additionalProperties": False,
+    "properties": {
+        "trajectory_id": _ID,
+        "group_id": _ID,
+        "group_size": {"type": "integer", "minimum": 1, "maximum": 4096},
+        "reward": {"type": "number", "description": "the producer's own reward, mixed with the judge's score"},
+        "judge": {"type": "object", "additionalProperties": False, "properties": {
+            "rubric": {"type": "string", "maxLength": MAX_TEXT_LENGTH},
+            "weight": {"type": "number", "minimum": 0, "maximum": 1}}},
+    },
+}
+_ITEM = {"oneOf": [{"$ref": "#/components/schemas/Reward"}, {"$ref": "#/components/schemas/JudgeRequest"}]}
+_REWARDS = {"oneOf": [_ITEM, {"type": "array", "minItems": 1, "maxItems": MAX_ITEMS, "items": _ITEM}]}
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
@@ -112,7 +127,7 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
         "info": {"title": title, "version": version},
         "components": {
             "schemas": {"Error": _ERROR, "ChatCompletionRequest": _CHAT, "CompletionRequest": _COMPLETIONS,
-                        "Reward": _REWARD},
+                        "Reward": _REWARD, "JudgeRequest": _JUDGE_REQUEST},
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer",
                                            "description": "needed when the gateway has API keys"}},
         },

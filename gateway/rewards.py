@@ -1,7 +1,11 @@
 """``POST /v1/rewards``: one reward or a list of them, validated as a whole, then sent to Kafka.
 
+An item with a ``judge`` object (``{"trajectory_id", "group_id", "group_size", "reward"?, "judge":
+{"rubric"?, "weight"?}}``) asks ``streamrl judge`` to score the trajectory with its group: it goes to the
+rewards topic as a ``JudgeRequest``, which trainers never train on; the judge answers with the reward.
+
 Either every item is valid and every one is delivered, or the request gets a 4xx and nothing is
-produced. The answer is a 200 only once every reward is durable: acknowledged by Kafka (acks=all) or
+produced. The answer is a 200 only once every item is durable: acknowledged by Kafka (acks=all) or
 fsynced in the gateway's spool. A 503 says some may not be: the client sends them again (a reward
 delivered twice is harmless, the trainer keeps a trajectory's first).
 """
@@ -19,24 +23,34 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from streamrl.broker.delivery import Delivery, NotDurable
-from streamrl.broker.schema import RecordError, RewardRecord, encode, reward_record
+from streamrl.broker.schema import (
+    JudgeRequest,
+    RecordError,
+    RewardRecord,
+    encode,
+    judge_request,
+    reward_record,
+)
 
 from .proxy import JSON, BadRequest, error_response, read_body
 
-FIELDS = frozenset(f.name for f in dataclasses.fields(RewardRecord)) - {"created", "key_id"}
+FIELDS = frozenset(f.name for f in dataclasses.fields(RewardRecord)) - {"created", "key_id", "judged_by"}
 """What a posted reward may carry: the record's fields but its creation time and the API key's id, which
-the gateway stamps."""
+the gateway stamps, and ``judged_by``, which only the judge service sets."""
+JUDGE_REQUEST_FIELDS = frozenset(("trajectory_id", "group_id", "group_size", "reward", "judge"))
+"""What a posted judge request may carry (``reward``: the producer's own, mixed with the judge's score)."""
 MAX_ITEMS = 10_000
 
 
-def parse_reward(item: Any, where: str, key_id: str | None = None) -> RewardRecord:
+def parse_reward(item: Any, where: str, key_id: str | None = None) -> RewardRecord | JudgeRequest:
     if not isinstance(item, dict):
         raise BadRequest(400, f"{where}: a reward must be an object")
-    unknown = set(item) - FIELDS
+    judged = "judge" in item
+    unknown = set(item) - (JUDGE_REQUEST_FIELDS if judged else FIELDS)
     if unknown:
         raise BadRequest(400, f"{where}: unknown fields {sorted(unknown)}", sorted(unknown)[0])
     try:
-        return reward_record(item, key_id=key_id)
+        return judge_request(item, key_id=key_id) if judged else reward_record(item, key_id=key_id)
     except RecordError as exc:
         raise BadRequest(400, f"{where}: {exc}") from None
 
@@ -73,5 +87,5 @@ async def post_rewards(request: Request, delivery: Delivery | None, topic: str, 
         return error_response(503, f"rewards not acknowledged by Kafka nor spooled within {timeout_s:g}s; "
                                    "send them again")
     if accepted is not None:
-        accepted(records)
+        accepted([r for r in records if isinstance(r, RewardRecord)])
     return Response(orjson.dumps({"accepted": len(records)}), 200, media_type=JSON)

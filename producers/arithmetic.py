@@ -20,6 +20,9 @@ from .episode import Outcome, final_number, served_version
 NAMES = ("Tom", "Anna", "Ravi", "Mei", "Omar", "Lena", "Sam", "Ines")
 ITEMS = ("apple", "book", "marble", "coin", "card", "shell", "pencil", "stamp")
 INSTRUCTION = "Answer with just the number."
+JUDGE_RUBRIC = ("The user asked an arithmetic word problem and to answer with just the number. Score a "
+                "trajectory high when its final number is the correct answer, low when it is wrong or missing.")
+"""The judge's rubric for the arithmetic task with ``streamrl up --demo-reward judge``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,10 @@ class ArithmeticTask:
     held_out_size: int = 64
     """How many of ``HELD_OUT`` an evaluation scores (at most 256; the first 64 on a CPU, more on a GPU
     where a larger set costs nothing and resolves smaller differences)."""
+    judge_rubric: str | None = None
+    """When given, each trajectory asks ``streamrl judge`` for its reward by this rubric instead of posting
+    the exact-match one (docs/judge.md); the exact-match score is still what the episode reports, so the
+    demo's figures and the held-out evaluation stay comparable with an exact-match run."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.held_out_size <= len(HELD_OUT):
@@ -116,5 +123,8 @@ class ArithmeticTask:
                 model=self.model, messages=self.messages(problem),  # type: ignore[arg-type]
                 max_tokens=self.max_tokens, temperature=self.temperature)
             score = reward(raw.parse().choices[0].message.content or "", problem.answer)
-            t.reward(score)
+            if self.judge_rubric is None:
+                t.reward(score)
+            else:
+                t.judge(self.judge_rubric)
         return Outcome(score, served_version(raw.headers), t.trajectory_id)

@@ -23,7 +23,7 @@ import httpx
 import openai
 from httpx_aiohttp import HttpxAiohttpClient
 
-from streamrl.broker.schema import reward_record
+from streamrl.broker.schema import RecordError, judge_request, reward_record
 
 TRAJECTORY_HEADER = "X-Trajectory-Id"
 GROUP_HEADER = "X-Group-Id"
@@ -111,6 +111,7 @@ class _Episode:
         self.headers = _tag_headers(self.trajectory_id, group_id)
         self._reward: float | None = None
         self._metrics: dict[str, float] = {}
+        self._judge: dict[str, Any] | None = None
         self.posted = False
 
     def reward(self, value: float, **metrics: float) -> None:
@@ -119,17 +120,35 @@ class _Episode:
         self._reward = float(value)
         self._metrics = {k: float(v) for k, v in metrics.items()}
 
+    def judge(self, rubric: str | None = None, *, weight: float | None = None) -> None:
+        """Have ``streamrl judge`` score this trajectory relative to its group (docs/judge.md) instead of a
+        reward of its own; with ``reward()`` too, the two are mixed: ``weight * judge + (1 - weight) * reward``.
+        Posted when the block ends. Without ``rubric``, the judge's configured one."""
+        judge = {k: v for k, v in (("rubric", rubric), ("weight", weight)) if v is not None}
+        try:
+            judge_request({"trajectory_id": self.trajectory_id, "judge": judge})  # now, where the bug is
+        except RecordError as exc:
+            raise ValueError(str(exc)) from None
+        self._judge = judge
+
     @property
     def has_reward(self) -> bool:
-        return self._reward is not None
+        return self._reward is not None or self._judge is not None
 
     def body(self) -> dict[str, Any]:
+        if self._judge is not None:
+            if self._metrics:
+                raise ValueError("a judged trajectory's metrics come from the judge; reward() without metrics")
+            body: dict[str, Any] = {"trajectory_id": self.trajectory_id, "judge": self._judge}
+            body.update({k: v for k, v in (("group_id", self.group_id), ("group_size", self.group_size),
+                                           ("reward", self._reward)) if v is not None})
+            return body
         if self._reward is None:
             raise ValueError(f"trajectory {self.trajectory_id} has no reward")
         return reward_body(self.trajectory_id, self._reward, self.group_id, self.group_size, self._metrics)
 
     def _should_post(self, exc_type: type[BaseException] | None) -> bool:
-        return exc_type is None and self._reward is not None and not self.posted
+        return exc_type is None and self.has_reward and not self.posted
 
 
 class Trajectory(_Episode):

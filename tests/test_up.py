@@ -69,6 +69,7 @@ def test_without_demo_the_trainer_keeps_its_own_defaults(tmp_path: Path) -> None
     ("[engine]\ntoken_capture = false\n", r"\[engine\]: token_capture is set by \[up\]"),
     ("[trainers]\n", "unknown table"),
     ("[demo]\ntask = 'chess'\n", "demo task"),
+    ("[demo]\nreward = 'judge'\n", "demo reward must be exact, or judge with the arithmetic task"),
 ])
 def test_config_errors_are_clear(tmp_path: Path, text: str, error: str) -> None:
     path = tmp_path / "bad.toml"
@@ -139,17 +140,18 @@ def _leftovers(marker: str) -> list[str]:
 
 def test_external_broker_and_upstream_then_ctrl_c(tmp_path: Path, tiny_model: Path, broker: EmbeddedBroker,
                                                  engine: Engine) -> None:
-    """With --bootstrap-servers and --upstream, up starts only the gateway and the trainer; the gateway
-    serves through the external vLLM; SIGINT stops both (no SIGKILL needed) and leaves nothing behind."""
+    """With --bootstrap-servers and --upstream, up starts only the gateway and the trainer (and, with
+    --judge, the judge); the gateway serves through the external vLLM; SIGINT stops them all (no SIGKILL
+    needed) and leaves nothing behind."""
     port = free_port()
     cmd = [sys.executable, "-m", "streamrl.cli", "up", "--model", str(tiny_model), "--port", str(port),
            "--work-dir", str(tmp_path), "--bootstrap-servers", broker.bootstrap_servers,
-           "--upstream", engine.url, "--topic-prefix", "uptest", "--trainer-device", "cpu"]
+           "--upstream", engine.url, "--topic-prefix", "uptest", "--trainer-device", "cpu", "--judge"]
     log = (tmp_path / "up.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while "gateway | ready" not in (tmp_path / "up.log").read_text():
+        while "judge   | judging with" not in (tmp_path / "up.log").read_text():
             assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "gateway not ready"
             time.sleep(0.5)
@@ -158,6 +160,8 @@ def test_external_broker_and_upstream_then_ctrl_c(tmp_path: Path, tiny_model: Pa
         assert reply.status_code == 200 and reply.headers["X-Policy-Version"] == "0"
         trainer_cfg = json.loads((tmp_path / "trainer.json").read_text())
         assert trainer_cfg["topic_prefix"] == "uptest" and trainer_cfg["bootstrap_servers"] == broker.bootstrap_servers
+        judge_cfg = json.loads((tmp_path / "judge.json").read_text())
+        assert judge_cfg["base_url"] == f"http://127.0.0.1:{port}/v1" and judge_cfg["topic_prefix"] == "uptest"
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         assert proc.wait(timeout=120) == 0
     finally:

@@ -47,7 +47,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 
-from streamrl.broker.schema import CompletionRecord, RecordError, RewardRecord, decode
+from streamrl.broker.schema import CompletionRecord, JudgeRequest, RecordError, RewardRecord, decode
 
 from .assembler import COMPLETION, Assembler, ReadyGroup
 from .batch import GroupBatch, group_batch, group_tokens, load_batches, usable_group
@@ -123,6 +123,9 @@ class StreamGroups(GroupSource):
             record = decode(value)
         except RecordError as exc:
             self.counts[f"bad_{exc.reason}"] += 1
+            return
+        if isinstance(record, JudgeRequest):  # waits for ``streamrl judge``'s reward; never trained on
+            self.counts["not_trained_judge_request"] += 1
             return
         want = CompletionRecord if stream == COMPLETION else RewardRecord
         if not isinstance(record, want):

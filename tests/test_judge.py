@@ -1,0 +1,412 @@
+"""streamrl judge: the strict parser, rendering, group completion, and against the real broker and the real vLLM
+CPU server: a group posted with judge requests instead of rewards gets one judged reward per trajectory and is
+trained on; judge calls and judge requests are never trained on; killed with SIGKILL and restarted, the judge
+scores no trajectory twice and skips none."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from conftest import LOG_DIR
+from kafka import TopicPartition
+from kafka_reader import produce
+
+from streamrl.broker.clients import make_consumer
+from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.schema import (
+    CompletionRecord,
+    JudgeRequest,
+    RecordError,
+    RewardRecord,
+    decode,
+    encode,
+    judge_request,
+)
+from streamrl.broker.topics import Topics, create_topics
+from streamrl.engine import Engine
+from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.server import GatewayServer
+from streamrl.judge.client import JudgeClient, JudgeFailed
+from streamrl.judge.config import JudgeConfig
+from streamrl.judge.groups import GroupBook
+from streamrl.judge.parse import BadAnswer, parse_answer
+from streamrl.judge.prompt import answer_regex, answer_schema
+from streamrl.judge.render import Call, render
+from streamrl.judge.service import JudgeService, mix
+from streamrl.producers.client import Gateway
+from streamrl.trainer.config import TrainerConfig
+from streamrl.trainer.feed import StreamGroups
+from streamrl.trainer.source import KafkaRecordSource
+
+# ---- the strict parser ---------------------------------------------------------------------------------
+
+
+def test_parser_takes_one_score_in_range_per_trajectory() -> None:
+    v = parse_answer('{"explanation": "T2 is right", "scores": {"T1": 3, "T2": 10, "T3": 0}}', 3, 10)
+    assert v.scores == [3, 10, 0] and v.explanation == "T2 is right"
+    assert parse_answer('```json\n{"explanation": "", "scores": {"T1": 4.0}}\n```', 1, 10).scores == [4]
+
+
+@pytest.mark.parametrize(("answer", "why"), [
+    (None, "empty"),
+    ("", "empty"),
+    ("The best is T1", "not JSON"),
+    ('["T1", 3]', "exactly 'explanation' and 'scores'"),
+    ('{"scores": {"T1": 1, "T2": 2}}', "exactly 'explanation' and 'scores'"),
+    ('{"explanation": "x", "scores": {"T1": 1, "T2": 2}, "extra": 1}', "exactly 'explanation' and 'scores'"),
+    ('{"explanation": 5, "scores": {"T1": 1, "T2": 2}}', "explanation must be a string"),
+    ('{"explanation": "x", "scores": {"T1": 1}}', "exactly the keys"),
+    ('{"explanation": "x", "scores": {"T1": 1, "T2": 2, "T3": 3}}', "exactly the keys"),
+    ('{"explanation": "x", "scores": [1, 2]}', "exactly the keys"),
+    ('{"explanation": "x", "scores": {"T1": 1, "T2": 11}}', "T2 must be an integer in [0, 10]"),
+    ('{"explanation": "x", "scores": {"T1": -1, "T2": 2}}', "T1 must be an integer in [0, 10]"),
+    ('{"explanation": "x", "scores": {"T1": 1.5, "T2": 2}}', "T1 must be an integer"),
+    ('{"explanation": "x", "scores": {"T1": true, "T2": 2}}', "T1 must be an integer"),
+    ('{"explanation": "x", "scores": {"T1": "7", "T2": 2}}', "T1 must be an integer"),
+    ('{"explanation": "x", "scores": {"T1": 1e400, "T2": 2}}', "not JSON"),
+])
+def test_parser_refuses_every_deviation(answer: str | None, why: str) -> None:
+    with pytest.raises(BadAnswer, match=None) as err:
+        parse_answer(answer, 2, 10)
+    assert why in str(err.value)
+
+
+def test_the_answer_schema_asks_for_every_label_once() -> None:
+    s = answer_schema(3, 10, 50)
+    assert s["properties"]["scores"]["required"] == ["T1", "T2", "T3"]
+    assert s["properties"]["scores"]["properties"]["T2"]["enum"] == list(range(11))
+
+
+def test_the_answer_regex_admits_exactly_parseable_answers() -> None:
+    import re
+
+    rx = answer_regex(2, 10, 5)
+    assert re.fullmatch(rx, '{"explanation": "ok", "scores": {"T1": 10, "T2": 0}}')
+    for bad in ('{"explanation": "too long", "scores": {"T1": 1, "T2": 0}}',
+                '{"explanation": "a\\"b", "scores": {"T1": 1, "T2": 0}}',
+                '{"explanation": "", "scores": {"T1": 11, "T2": 0}}',
+                '{"explanation": "", "scores": {"T2": 1, "T1": 0}}',
+                '{"explanation": "",  "scores": {"T1": 1, "T2": 0}}'):
+        assert not re.fullmatch(rx, bad), bad
+    assert parse_answer('{"explanation": "ok", "scores": {"T1": 10, "T2": 0}}', 2, 10).scores == [10, 0]
+
+
+def test_mixing_rule() -> None:
+    assert mix(0.8, None, 0.3) == 0.8
+    assert mix(0.8, 0.0, 0.25) == pytest.approx(0.2)
+    assert mix(0.0, 1.0, 0.25) == pytest.approx(0.75)
+
+
+# ---- rendering and group completion ---------------------------------------------------------------------
+
+
+def completion(tid: str, messages: list[dict], answer: str = "", tool_calls: list | None = None,
+               gid: str | None = None, request_id: str | None = None, purpose: str = "train") -> CompletionRecord:
+    return CompletionRecord(request_id=request_id or f"{tid}-{len(messages)}", trajectory_id=tid, group_id=gid,
+                            prompt_token_ids=np.arange(4), completion_token_ids=np.arange(3) + 10,
+                            logprobs=np.full(3, -0.5), request={"messages": messages}, response_text=answer,
+                            tool_calls=tool_calls, purpose=purpose)
+
+
+def test_render_shows_tool_calls_and_results_once() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    first = completion("t", [{"role": "user", "content": "2+3?"}], tool_calls=[call])
+    second = completion("t", [{"role": "user", "content": "2+3?"},
+                              {"role": "assistant", "content": "", "tool_calls": [call]},
+                              {"role": "tool", "name": "add", "content": "5"}], answer="It is 5.")
+    text = render([Call.of(first), Call.of(second)], 10_000)
+    assert text == ('user: 2+3?\nassistant: [tool call add({"a": 2, "b": 3})]\ntool result add: 5\n'
+                    "assistant: It is 5.")
+    cut = render([Call.of(second)], 40)
+    assert len(cut) < 80 and "characters left out" in cut and cut.startswith("user: 2+3?")
+
+
+def req(tid: str, gid: str = "g", size: int | None = 2) -> JudgeRequest:
+    return JudgeRequest(tid, group_id=gid, group_size=size)
+
+
+def test_a_group_is_complete_by_size_once_every_member_has_calls() -> None:
+    book = GroupBook("j", quiet_period_s=5, ttl_s=60, max_trajectories=100)
+    book.add_request(req("a"), ("r:0", 7), now=0)
+    book.add_completion(completion("a", [{"role": "user", "content": "hi"}]), ("c:0", 3), now=0)
+    book.add_request(req("b"), ("r:1", 2), now=0)
+    assert book.ready(now=1) == []  # b's calls are not here yet
+    book.add_completion(completion("b", [{"role": "user", "content": "hi"}]), ("c:1", 9), now=1)
+    book.add_completion(completion("x", [], purpose="judge"), ("c:1", 10), now=1)
+    assert book.counts["not_judged_judge"] == 1
+    assert book.low_watermark({"r:0": 8, "r:1": 3, "c:0": 4, "c:1": 11}) == {"r:0": 7, "r:1": 2, "c:0": 3, "c:1": 9}
+    [group] = book.ready(now=1)
+    assert [h.trajectory_id for h in group.members] == ["a", "b"] and group.already_rewarded == 0
+    assert book.low_watermark({"r:0": 8, "r:1": 3, "c:0": 4, "c:1": 11})["r:0"] == 7  # held until finished
+    book.finish(group)
+    assert book.low_watermark({"r:0": 8, "r:1": 3, "c:0": 4, "c:1": 11}) == {"r:0": 8, "r:1": 3, "c:0": 4, "c:1": 11}
+    book.add_request(req("a"), ("r:0", 7), now=2)  # read again after a restart
+    assert book.counts["already_judged"] == 1 and book.ready(now=100) == []
+
+
+def test_a_complete_group_settles_before_it_is_judged() -> None:
+    """A trajectory's last call may reach the log after its request: it still makes the judged trajectory."""
+    book = GroupBook("j", quiet_period_s=30, ttl_s=60, max_trajectories=100, settle_s=1.0)
+    book.add_completion(completion("a", [{"role": "user", "content": "q"}], answer="first"), ("c:0", 0), now=0)
+    book.add_request(req("a", size=1), ("r:0", 0), now=0)
+    book.add_completion(completion("a", [{"role": "user", "content": "q"}, {"role": "assistant", "content": "first"},
+                                         {"role": "user", "content": "sure?"}], answer="second"), ("c:0", 1), now=0.5)
+    assert book.ready(now=1.2) == []
+    [group] = book.ready(now=1.6)
+    assert render(group.members[0].calls, 1000).endswith("user: sure?\nassistant: second")
+
+
+def test_a_group_without_size_waits_for_quiet_and_own_rewards_are_not_judged_again() -> None:
+    book = GroupBook("j", quiet_period_s=5, ttl_s=60, max_trajectories=100)
+    for tid in "abc":
+        book.add_completion(completion(tid, [{"role": "user", "content": tid}]), ("c:0", ord(tid)), now=0)
+        book.add_request(req(tid, size=None), ("r:0", ord(tid)), now=0)
+    book.add_reward(RewardRecord("b", 0.5, group_id="g", judged_by="j"), now=1)  # posted before a crash
+    book.add_reward(RewardRecord("c", 0.5, group_id="g", judged_by="someone-else"), now=1)
+    assert book.counts["producer_reward_ignored"] == 1
+    assert book.ready(now=4) == []
+    [group] = book.ready(now=6)
+    assert [h.trajectory_id for h in group.members] == ["a", "c"] and group.already_rewarded == 1
+
+
+# ---- schema and gateway ----------------------------------------------------------------------------------
+
+
+def test_judge_request_round_trips_and_is_validated() -> None:
+    r = judge_request({"trajectory_id": "t", "group_id": "g", "group_size": 3, "reward": 1,
+                       "judge": {"rubric": "be right", "weight": 0.25}}, key_id="k")
+    assert decode(encode(r)) == r and (r.agent_reward, r.weight, r.rubric, r.key_id) == (1.0, 0.25, "be right", "k")
+    for bad, reason in [({"judge": {"weight": 2}}, "bad_weight"), ({"judge": {"rubric": 5}}, "bad_text"),
+                        ({"judge": {"score": 1}}, "bad_judge"), ({"judge": "x"}, "bad_judge"),
+                        ({"reward": float("nan"), "judge": {}}, "non_finite_reward")]:
+        with pytest.raises(RecordError) as err:
+            judge_request({"trajectory_id": "t", **bad})
+        assert err.value.reason == reason
+    reward = RewardRecord("t", 0.5, judged_by="j", explanation="why")
+    assert decode(encode(reward)) == reward
+
+
+# ---- against the real broker and vLLM --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_model(engine: Engine) -> str:
+    return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
+
+
+def fresh_topics(broker: EmbeddedBroker, prefix: str) -> Topics:
+    topics = Topics(prefix)
+    create_topics(broker.bootstrap_servers, topics, partitions=2)
+    return topics
+
+
+def judge_config(broker: EmbeddedBroker, topics: Topics, base_url: str, model: str, **kw) -> JudgeConfig:
+    """Short explanations: the random tiny model writes gibberish up to the bound (structured output keeps it JSON)."""
+    return JudgeConfig(base_url=base_url, model=model, bootstrap_servers=broker.bootstrap_servers,
+                       topic_prefix=topics.prefix, max_explanation_chars=24, max_tokens=256, quiet_period_s=30,
+                       commit_interval_s=0.2, **kw)
+
+
+def read_all(broker: EmbeddedBroker, topic: str) -> list:
+    """Every record of ``topic``, from its beginning up to its end now (read until a poll brings nothing more)."""
+    consumer = make_consumer(broker.bootstrap_servers, group_id=None)
+    tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+    consumer.assign(tps)
+    consumer.seek_to_beginning(*tps)
+    end = consumer.end_offsets(tps)
+    out = []
+    while True:
+        batch = consumer.poll(timeout_ms=500)
+        out += [decode(m.value) for records in batch.values() for m in records]
+        if not batch and all(consumer.position(tp) >= end[tp] for tp in tps):
+            break
+    consumer.close()
+    return out
+
+
+def wait_until(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"{what} not within {timeout}s")
+
+
+def test_the_client_retries_malformed_answers_then_fails_clearly(engine: Engine, base_model: str) -> None:
+    """Without structured output the random model's answers are never JSON: every attempt is refused."""
+    config = JudgeConfig(base_url=f"{engine.url}/v1", model=base_model, structured_output="off", max_tokens=8,
+                         max_attempts=2, retry_backoff_s=0.01)
+    with pytest.raises(JudgeFailed, match=r"group g1: no usable judge answer in 2 attempts; last: "):
+        JudgeClient(config, threading.Event()).judge("be right", ["user: hi\nassistant: yo"] * 2, "g1")
+
+
+def test_a_structured_answer_of_the_random_model_parses(engine: Engine, base_model: str) -> None:
+    config = JudgeConfig(base_url=f"{engine.url}/v1", model=base_model, max_explanation_chars=24, max_tokens=256)
+    judged = JudgeClient(config, threading.Event()).judge("be right", ["user: hi\nassistant: yo"] * 3, "g2")
+    assert len(judged.verdict.scores) == 3 and all(0 <= s <= 10 for s in judged.verdict.scores)
+    assert judged.prompt_tokens > 0 and judged.completion_tokens > 0
+
+
+@pytest.fixture
+def judge_gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[tuple[GatewayServer, Topics]]:
+    topics = fresh_topics(broker, "judge-e2e")
+    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
+                           topic_prefix=topics.prefix, health_interval_s=0.5, follow_policy=False)
+    gw = GatewayServer(config).start()
+    yield gw, topics
+    gw.stop()
+
+
+def test_a_group_posted_without_rewards_is_judged_and_trained(broker, engine, base_model, judge_gateway) -> None:
+    gw, topics = judge_gateway
+    gid, tids = "e2e-group", ["e2e-t0", "e2e-t1", "e2e-t2"]
+    bad = httpx.post(f"{gw.url}/v1/rewards", json={"trajectory_id": "x", "judge": {"rubric": 5}})
+    assert bad.status_code == 400 and "rubric" in bad.json()["error"]["message"]
+    bad = httpx.post(f"{gw.url}/v1/rewards", json={"trajectory_id": "x", "judge": {}, "metrics": {}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "metrics"
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    history = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    # the agent's own rewards, mixed in with a small weight on the judge: the random tiny model's scores
+    # may all be equal, and a group whose rewards are all equal has nothing to train on
+    agent_rewards = dict(zip(tids, (0.0, 0.5, 1.0), strict=True))
+    with Gateway(gw.url) as agent:
+        for tid in tids:
+            with agent.trajectory(group_id=gid, group_size=3, trajectory_id=tid) as t:
+                t.client.chat.completions.create(model=base_model, messages=history, max_tokens=6)
+                t.reward(agent_rewards[tid])
+                t.judge("Is the final answer 5?", weight=0.05)
+            assert t.posted
+        with pytest.raises(ValueError, match="weight must be a number in"):
+            agent.trajectory().judge(weight=1.5)
+
+    stop = threading.Event()
+    service = JudgeService(judge_config(broker, topics, f"{gw.url}/v1", base_model, name="e2e"), stop)
+    runner = threading.Thread(target=service.run)
+    runner.start()
+    try:
+        judged = wait_until(lambda: [r for r in read_all(broker, topics.rewards)
+                                     if isinstance(r, RewardRecord) and r.judged_by == "e2e"] or None, 120,
+                            "judged rewards")
+    finally:
+        stop.set()
+        runner.join(30)
+    assert sorted(r.trajectory_id for r in judged) == tids
+    for r in judged:
+        assert 0.0 <= r.metrics["judge_score"] <= 1.0 and r.metrics["agent_reward"] == agent_rewards[r.trajectory_id]
+        assert r.reward == pytest.approx(0.05 * r.metrics["judge_score"] + 0.95 * agent_rewards[r.trajectory_id])
+        assert (r.group_id, r.group_size) == (gid, 3) and r.metrics["judge_prompt_tokens"] > 0
+    # the judge's own call went through the gateway, recorded as purpose judge
+    completions = read_all(broker, topics.completions)
+    judge_calls = [c for c in completions if c.group_id == f"judge.{gid}"]
+    assert judge_calls and {c.purpose for c in judge_calls} == {"judge"}
+    prompt = judge_calls[0].request["messages"][1]["content"]
+    assert "Is the final answer 5?" in prompt and "[tool call add(" in prompt and "tool result: 5" in prompt
+
+    # the trainer trains the judged group, and never the judge's calls or the judge requests
+    config = TrainerConfig(model="unused", topic_prefix=topics.prefix, group_size=3, groups_per_step=1,
+                           max_step_tokens=0)
+    source = KafkaRecordSource(broker.bootstrap_servers, topics, "judge-e2e-trainer")
+    feed = StreamGroups(source, config)
+    try:
+        batches = []
+        deadline = time.monotonic() + 60
+        while not batches and time.monotonic() < deadline:
+            batches = feed.next_groups(1, 0, 0.5)
+        assert batches, dict(feed.counts)
+    finally:
+        feed.close()
+    [batch] = batches
+    assert batch.group_id == gid
+    assert sorted(s.trajectory_id for s in batch.sequences) == tids
+    assert {s.trajectory_id: s.reward for s in batch.sequences} == {r.trajectory_id: r.reward for r in judged}
+    assert feed.counts["not_trained_judge"] == len(judge_calls)
+    assert feed.counts["not_trained_judge_request"] == 3
+
+
+def judge_process(broker: EmbeddedBroker, topics: Topics, engine: Engine, model: str, log: Path,
+                  commit_interval_s: float) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "streamrl.cli", "judge", "--bootstrap-servers", broker.bootstrap_servers,
+         "--topic-prefix", topics.prefix, "--base-url", f"{engine.url}/v1", "--model", model, "--name", "once",
+         "--max-explanation-chars", "24", "--max-tokens", "256", "--concurrency", "1",
+         "--commit-interval-s", str(commit_interval_s)],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+class RewardWatch:
+    """The judged rewards on a topic as they come (from its beginning), for acting the moment a count is reached."""
+
+    def __init__(self, broker: EmbeddedBroker, topic: str, judge: str) -> None:
+        self.consumer = make_consumer(broker.bootstrap_servers, group_id=None)
+        tps = [TopicPartition(topic, p) for p in sorted(self.consumer.partitions_for_topic(topic) or ())]
+        self.consumer.assign(tps)
+        self.consumer.seek_to_beginning(*tps)
+        self.judge, self.seen = judge, []
+
+    def wait_for(self, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.seen) < count:
+            assert time.monotonic() < deadline, f"{len(self.seen)} of {count} judged rewards within {timeout}s"
+            for records in self.consumer.poll(timeout_ms=100).values():
+                for m in records:
+                    r = decode(m.value)
+                    if isinstance(r, RewardRecord) and r.judged_by == self.judge:
+                        self.seen.append(r)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def test_kill_9_and_restart_judges_every_trajectory_exactly_once(broker, engine, base_model) -> None:
+    topics = fresh_topics(broker, "judge-once")
+    groups, size = 12, 3
+    records: list = []
+    for g in range(groups):
+        for i in range(size):
+            tid = f"once-{g}-{i}"
+            records.append(completion(tid, [{"role": "user", "content": f"question {g}"}], answer=f"answer {i}",
+                                      gid=f"once-g{g}"))
+            records.append(JudgeRequest(tid, group_id=f"once-g{g}", group_size=size))
+    produce(broker.bootstrap_servers, topics, records)
+    want = {f"once-{g}-{i}" for g in range(groups) for i in range(size)}
+    log = LOG_DIR / "judge-once.log"
+
+    def judged() -> list[RewardRecord]:
+        return [r for r in read_all(broker, topics.rewards) if isinstance(r, RewardRecord) and r.judged_by == "once"]
+
+    # The first judge commits no offset after its start (commit interval of an hour): killed once it has
+    # posted rewards, its restart must read every request again and find its own rewards for them.
+    watch = RewardWatch(broker, topics.rewards, "once")
+    first = judge_process(broker, topics, engine, base_model, LOG_DIR / "judge-once-1.log", 3600)
+    try:
+        watch.wait_for(4, 120)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    log = LOG_DIR / "judge-once-2.log"
+    second = judge_process(broker, topics, engine, base_model, log, 0.2)
+    try:
+        watch.wait_for(len(want), 180)
+        wait_until(lambda: "caught up" in log.read_text(), 60, "the restarted judge catching up")
+    finally:
+        watch.close()
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(60) == 0
+    counts = Counter(r.trajectory_id for r in judged())
+    assert set(counts) == want and set(counts.values()) == {1}, counts
+    assert "'own_rewards_seen'" in log.read_text()  # the restart met rewards of the first run
+    for r in judged():
+        assert 0.0 <= r.reward <= 1.0 and r.group_size == size and "agent_reward" not in r.metrics
