@@ -257,6 +257,22 @@ class CaptureMiddleware:
         await send({"type": "http.response.body", "body": raw})
 
 
+_unfinished_noted = False
+
+
+def _note_unfinished(capture: _Capture) -> None:
+    """A response ended with a choice not seen to finish: logged once (then at debug level), with what tells
+    the cases apart, since it was sent all the same."""
+    global _unfinished_noted
+    detail = [(c.request_id, sum(map(len, c.token_chunks)), len(c.logprobs)) for c in capture.choices if not c.done]
+    if _unfinished_noted:
+        log.debug("streamrl capture sent with unfinished choices (request id, tokens, logprobs): %s", detail)
+    else:
+        _unfinished_noted = True
+        log.warning("streamrl capture sent with choices not seen to finish (request id, tokens, logprobs): %s; "
+                    "further ones are logged at debug level", detail)
+
+
 class _FramedSend:
     """Wraps ``send``: a 200 answer's bytes go out in ``B`` frames, the capture in a ``C`` frame before the end."""
 
@@ -280,8 +296,13 @@ class _FramedSend:
         body = message.get("body", b"")
         more = message.get("more_body", False)
         parts = []
-        if not self.sent and (not more or body.endswith(_DONE)) and self.capture.complete():
+        if not self.sent and (not more or body.endswith(_DONE)) and self.capture.choices:
+            # vLLM ends the response once every choice's last output went through the output processor,
+            # so the capture holds every token streamed, whether or not each choice was seen to finish
+            # (``_Choice.done``); encode() checks each choice's tokens against its logprobs
             self.sent = True
+            if not self.capture.complete():
+                _note_unfinished(self.capture)
             try:
                 parts.append(frame(CAPTURE, self.capture.encode()))
             except ValueError as exc:  # the gateway records nothing for this call and counts it
