@@ -8,6 +8,7 @@ Bounded for the suite: ``max_tokens`` at most 4, a few short messages, 30 exampl
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +25,10 @@ from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 
 TOPICS = Topics("fuzz")
-EXAMPLES = 30
+EXAMPLES = int(os.environ.get("STREAMRL_FUZZ_EXAMPLES", "30"))
+EXPLORE = bool(os.environ.get("STREAMRL_FUZZ_EXPLORE"))
+"""The suite runs the same examples every time (a finding must not be a flaky failure); set
+``STREAMRL_FUZZ_EXPLORE=1`` (and more ``STREAMRL_FUZZ_EXAMPLES``) to look for new ones."""
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +90,8 @@ def test_fuzzed_requests_get_no_server_error(api: Any, fuzzed: tuple[GatewayServ
     declared = operation.definition.raw["responses"]
     statuses: set[int] = set()
 
-    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+              derandomize=not EXPLORE)
     @given(case=operation.as_strategy(mode))
     def check(case: schemathesis.Case) -> None:
         response = case.call(base_url=gw.url, timeout=60)
