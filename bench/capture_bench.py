@@ -238,10 +238,11 @@ def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return {**rounds[-1], "tokens_per_s": float(np.median(speeds)), "rounds_tokens_per_s": speeds}
 
 
-def start_py_spy(engine: Any, args: argparse.Namespace, mode: str) -> tuple[subprocess.Popen, Path]:
-    """Sample the engine's API server and its children (the engine core) for ``--py-spy`` seconds."""
-    out = args.out / f"py-spy-{mode}.txt"
-    cmd = ["py-spy", "record", "--pid", str(engine.proc.pid), "--subprocesses", "--nonblocking", "--rate", "100",
+def start_py_spy(pid: int, args: argparse.Namespace, name: str) -> tuple[subprocess.Popen, Path]:
+    """Sample a process and its children (the engine's API server and core; the gateway and its record
+    producer) for ``--py-spy`` seconds."""
+    out = args.out / f"py-spy-{name}.txt"
+    cmd = ["py-spy", "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "100",
            "--duration", str(int(args.py_spy)), "--format", "raw", "--output", str(out)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out
 
@@ -274,7 +275,7 @@ def main() -> int:
     args = p.parse_args()
 
     import httpx
-    from gateway_bench import _stop, _wait_http
+    from gateway_bench import _stop, _wait_http, lag_buckets, lag_summary
 
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
@@ -315,6 +316,8 @@ def main() -> int:
                 _wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
         print("warming up ...", flush=True)
         asyncio.run(load.run("chat", engine.url))
+        for name, (_, url) in gateways.items():  # the gateways' first calls (connections, producer) too
+            asyncio.run(load.run(name, url))
         ref = asyncio.run(reference(load, engine.url, args.check_requests))
         rounds: dict[str, list[dict[str, Any]]] = {}
         for round_ in range(args.rounds):
@@ -328,10 +331,17 @@ def main() -> int:
                         results["modes"][mode] = {"skipped": f"{probe.status_code}: {probe.text[:200]}"}
                         print(f"[{mode}] skipped ({probe.status_code})", flush=True)
                         continue
-                profiler = start_py_spy(engine, args, mode) if args.py_spy and round_ == args.rounds - 1 else None
+                profile = bool(args.py_spy) and round_ == args.rounds - 1
+                profilers = [start_py_spy(engine.proc.pid, args, mode)] if profile else []
+                if profile and mode.startswith("gateway"):
+                    gateway = gateways["gateway" if mode == "gateway-stream" else mode][0]
+                    profilers.append(start_py_spy(gateway.pid, args, f"{mode}-gateway"))
+                lag_before = lag_buckets(url) if mode.startswith("gateway") else None
                 r = asyncio.run(load.run(mode, url, engine.url))
-                if profiler is not None:
-                    r["py_spy"] = finish_py_spy(profiler)
+                if profilers:
+                    r["py_spy"] = [finish_py_spy(p) for p in profilers]
+                if lag_before is not None:  # the gateway's own event loop: how late its 5 ms timer ran
+                    r["gateway_event_loop_lag"] = lag_summary(lag_before, lag_buckets(url))
                 captures = r.pop("_captures")
                 if captures:
                     r["check"] = check_captures(captures, ref)

@@ -13,6 +13,9 @@
 #          held-out accuracy of every version on 256 problems
 #   unpaced-real: the same model and task, a producer that does not wait (RATES groups in flight, default
 #          16), backlog wait against freshest, each its own `streamrl up` (about 3.5 minutes a mode)
+#   judge-real: SmolLM2 as the judge: judge_bench's throughput (256 groups of 8, 32 at once), then the same
+#          model trained on the arithmetic task for LOOP_SECONDS (default 120) with the exact-match reward and
+#          with the judge's only (`streamrl up --demo --demo-reward exact|judge`), held-out accuracy per version
 set -uo pipefail
 stash=${1:?STASH}; out=${2:?OUT}; shift 2
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -77,6 +80,39 @@ for bench in "$@"; do
           --engine '{"device": "0", "gpu_memory_utilization": 0.35}' --out /root/unpaced \
           --trainer '{"device": "cuda:0", "learning_rate": 5e-4, "groups_per_step": 8, "lora_rank": 16, "micro_batch_tokens": 16384}' \
           --json "$out/unpaced-real.json" > "$out/unpaced-real.log" 2>&1; tail -8 "$out/unpaced-real.log" ;;
+    judge-real)
+      streamrl model smollm2-135m /root/stash/models/smollm2-135m --cache "$stash/wheels" > "$out/model.log" 2>&1
+      python3 "$repo/bench/judge_bench.py" --model /root/stash/models/smollm2-135m --groups 256 --group-size 8 \
+          --concurrency 32 --out /root/jb --json "$out/judge-gpu.json" > "$out/judge-gpu.log" 2>&1
+      tail -6 "$out/judge-gpu.log"
+      cat > /root/judge-up.toml <<'TOML'
+[engine]
+device = "0"
+gpu_memory_utilization = 0.35
+max_model_len = 2048
+[trainer]
+device = "cuda:0"
+learning_rate = 5e-4
+lora_rank = 16
+micro_batch_tokens = 16384
+groups_per_step = 8
+[demo]
+group_size = 16
+max_tokens = 128
+concurrency = 16
+max_ahead = 2
+until_reward = 2.0
+eval_problems = 256
+TOML
+      for reward in exact judge; do
+        rm -rf "/root/judge-$reward"
+        streamrl up --config /root/judge-up.toml --model /root/stash/models/smollm2-135m --port 0 \
+            --work-dir "/root/judge-$reward" --demo --demo-task arithmetic --demo-reward "$reward" \
+            --demo-max-seconds "${LOOP_SECONDS:-120}" --demo-eval-out "$out/judge-$reward-eval.jsonl" \
+            --demo-summary "$out/judge-$reward-summary.json" > "$out/judge-$reward.log" 2>&1
+        grep -v 'HTTP/1.1" 200' "$out/judge-$reward.log" | grep -v '^engine' | tail -300 > "$out/judge-$reward-tail.log"
+        rm -f "$out/judge-$reward.log"; tail -4 "$out/judge-$reward-tail.log"
+      done ;;
     trainer) (cd "$repo" && python3 bench/trainer_bench.py --shapes qwen2.5-1.5b --rows 4 --warmup 2 --steps 3 \
                --variants eager,compile --out "$out/trainer.json" > "$out/trainer.log" 2>&1); tail -8 "$out/trainer.log" ;;
     *) echo "unknown bench $bench" ;;

@@ -17,7 +17,7 @@ fi
 # streamrl itself: a package tree of symlinks into this checkout, and a `streamrl` launcher
 rm -rf "$site/streamrl"; mkdir -p "$site/streamrl" "$site/bin"
 for f in "$repo"/streamrl/*.py; do ln -s "$f" "$site/streamrl/"; done
-for part in gateway broker trainer producers; do ln -s "$repo/$part" "$site/streamrl/$part"; done
+for part in gateway broker trainer producers judge; do ln -s "$repo/$part" "$site/streamrl/$part"; done
 printf '#!/bin/sh\nexec python3 -m streamrl.cli "$@"\n' > "$site/bin/streamrl"; chmod +x "$site/bin/streamrl"
 # (checked from / : in the repository root, its streamrl/ folder would shadow the laid-out package;
 # run streamrl from outside the checkout for the same reason)
