@@ -15,7 +15,8 @@
 #          16), backlog wait against freshest, each its own `streamrl up` (about 3.5 minutes a mode)
 #   judge-real: SmolLM2 as the judge: judge_bench's throughput (256 groups of 8, 32 at once), then the same
 #          model trained on the arithmetic task for LOOP_SECONDS (default 120) with the exact-match reward and
-#          with the judge's only (`streamrl up --demo --demo-reward exact|judge`), held-out accuracy per version
+#          with the judge's only (`streamrl up --demo --demo-reward exact|judge`), held-out accuracy per version;
+#          JUDGE_RUNS (default "throughput exact judge") picks the parts
 set -uo pipefail
 stash=${1:?STASH}; out=${2:?OUT}; shift 2
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -82,9 +83,12 @@ for bench in "$@"; do
           --json "$out/unpaced-real.json" > "$out/unpaced-real.log" 2>&1; tail -8 "$out/unpaced-real.log" ;;
     judge-real)
       streamrl model smollm2-135m /root/stash/models/smollm2-135m --cache "$stash/wheels" > "$out/model.log" 2>&1
-      python3 "$repo/bench/judge_bench.py" --model /root/stash/models/smollm2-135m --groups 256 --group-size 8 \
-          --concurrency 32 --out /root/jb --json "$out/judge-gpu.json" > "$out/judge-gpu.log" 2>&1
-      tail -6 "$out/judge-gpu.log"
+      runs=${JUDGE_RUNS:-throughput exact judge}
+      if [[ " $runs " == *" throughput "* ]]; then
+        python3 "$repo/bench/judge_bench.py" --model /root/stash/models/smollm2-135m --groups 256 --group-size 8 \
+            --concurrency 32 --out /root/jb --json "$out/judge-gpu.json" > "$out/judge-gpu.log" 2>&1
+        tail -6 "$out/judge-gpu.log"
+      fi
       cat > /root/judge-up.toml <<'TOML'
 [engine]
 device = "0"
@@ -105,6 +109,7 @@ until_reward = 2.0
 eval_problems = 256
 TOML
       for reward in exact judge; do
+        [[ " $runs " == *" $reward "* ]] || continue
         rm -rf "/root/judge-$reward"
         streamrl up --config /root/judge-up.toml --model /root/stash/models/smollm2-135m --port 0 \
             --work-dir "/root/judge-$reward" --demo --demo-task arithmetic --demo-reward "$reward" \
