@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 
 import aiohttp
@@ -240,7 +241,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    openapi_json = orjson.dumps(openapi_document(app.title, package_version("streamrl")))
+    openapi_json = orjson.dumps(openapi_document(app.title, _streamrl_version()))
 
     @app.get("/openapi.json")
     async def openapi() -> Response:
@@ -251,3 +252,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     if gateway.keys:
         app.add_middleware(AuthMiddleware, keys=gateway.keys)
     return app
+
+
+def _streamrl_version() -> str:
+    """The installed version; a source tree run without installing (the GPU machines' layout) has none."""
+    try:
+        return package_version("streamrl")
+    except PackageNotFoundError:
+        return "0+source"
