@@ -16,7 +16,7 @@ import openai
 
 from .config import JudgeConfig
 from .parse import BadAnswer, Verdict, parse_answer
-from .prompt import answer_regex, answer_schema, messages
+from .prompt import answer_regex, answer_schema, answer_tokens, messages
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class JudgeClient:
             kwargs["response_format"] = {"type": "json_schema",
                                          "json_schema": {"name": "judgement", "strict": True, "schema": schema}}
         prompt = messages(rubric, rendered, c.max_score)
+        max_tokens = min(c.max_tokens, answer_tokens(len(rendered), c.max_score, c.max_explanation_chars))
         backoff, attempts, failures = c.retry_backoff_s, 0, 0
         tokens = [0, 0]
         while True:
@@ -66,7 +67,7 @@ class JudgeClient:
                 raise Stopped(group_id)
             try:
                 reply = self.client.chat.completions.create(
-                    model=c.model, messages=prompt, max_tokens=c.max_tokens, temperature=c.temperature,
+                    model=c.model, messages=prompt, max_tokens=max_tokens, temperature=c.temperature,
                     extra_headers={**PURPOSE_HEADERS, "X-Group-Id": f"judge.{group_id}"}, **kwargs)
             except (openai.APIConnectionError, openai.APITimeoutError, openai.RateLimitError,
                     openai.InternalServerError) as exc:

@@ -49,7 +49,9 @@ class JudgeConfig:
     max_explanation_chars: int = 600
     """The longest explanation asked of the judge (structured output bounds it)."""
     max_tokens: int = 1024
-    """Token budget of one judge answer."""
+    """Most tokens one judge answer may take; the judge asks for fewer where the answer's shape cannot need
+    them (``prompt.answer_tokens``: scores and the explanation), leaving the rest of the context to the
+    group's trajectories."""
     temperature: float = 0.0
     structured_output: Literal["vllm", "json_schema", "off"] = "vllm"
     """How the answer's shape is asked for. ``vllm``: vLLM's ``structured_outputs`` with a regular expression

@@ -52,3 +52,11 @@ def answer_regex(n: int, max_score: int, max_explanation_chars: int) -> str:
     scores = ", ".join(f'"{label}": {score}' for label in labels(n))
     explanation = r'"[^"\\\x00-\x1f]{0,' + str(max_explanation_chars) + '}"'
     return r'\{"explanation": ' + explanation + r', "scores": \{' + scores + r'\}\}'
+
+
+def answer_tokens(n: int, max_score: int, max_explanation_chars: int) -> int:
+    """Tokens the longest answer of that shape can take, counting a token as at least one character (an
+    explanation of unusual characters may need more; its answer is then cut, refused and asked again). The
+    judge asks for no more than this, so a large group's prompt still fits the judge model's context."""
+    scores = ", ".join(f'"{label}": {max_score}' for label in labels(n))
+    return len('{"explanation": "", "scores": {}}') + max_explanation_chars + len(scores)

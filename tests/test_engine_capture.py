@@ -99,6 +99,73 @@ def test_only_tested_vllm_versions_are_hooked() -> None:
     assert not version_ok("0.33.0") and not version_ok("0.26.01")
 
 
+@pytest.mark.parametrize("client_logprobs", [False, True])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_marked_logprobs_are_cut_from_the_step_as_vllm_slices(client_logprobs: bool, speculative: bool) -> None:
+    """The capture scheduler hands vLLM a step without its logprobs when only marked requests want them, and
+    cuts each one's floats from the step's column afterwards: they must be what vLLM's own per-request slice
+    would have given (by ``req_id_to_index``, ``cu_num_generated_tokens``, and the output's tokens after
+    stop handling trimmed them). A step where a client's own logprobs ride along keeps vLLM's slices for
+    that client. The base scheduler here stands in for vLLM's loop (it slices exactly as
+    ``Scheduler.update_from_output`` does, 0.26 and 0.32); the real engine runs in the tests below."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.outputs import LogprobsLists
+
+    from streamrl.vllm_capture_scheduler import LOGPROBS_KEY, MARK, _CaptureMixin
+
+    kept = {"a": 1, "b": 2, "c": 0, "d": 2}  # tokens each request keeps this step ("c": none, stopped)
+    generated = {"a": 1, "b": 3, "c": 1, "d": 2} if speculative else {r: 1 for r in kept}
+    if not speculative:
+        kept = {"a": 1, "b": 1, "c": 0, "d": 1}
+    order = ["b", "a", "d", "c"]  # the batch's rows are not in request order
+    cu = np.cumsum([0] + [generated[r] for r in order]).tolist()
+    rows = cu[-1]
+    batch = LogprobsLists(np.arange(rows * 2).reshape(rows, 2),
+                          -np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) / 7,
+                          np.zeros(rows, np.int64), cu[:-1] if speculative else None)
+    marked = {"a", "b", "c"}
+    own = {"d"} if client_logprobs else set()
+
+    def params(r: str) -> SimpleNamespace:
+        wants = r in marked or r in own
+        return SimpleNamespace(logprobs=0 if wants else None, extra_args={MARK: True} if r in marked else None)
+
+    class VllmLoop:  # vLLM's loop, reduced to what touches logprobs
+        def __init__(self) -> None:
+            self.requests = {r: SimpleNamespace(sampling_params=params(r)) for r in order}
+
+        def update_from_output(self, scheduler_output, runner):
+            out = []
+            for r in scheduler_output.num_scheduled_tokens:
+                i = runner.req_id_to_index[r]
+                tokens = list(range(kept[r]))
+                lp = None
+                if self.requests[r].sampling_params.logprobs is not None and runner.logprobs:
+                    lp = runner.logprobs.slice_request(i, len(tokens))
+                out.append(EngineCoreOutput(request_id=r, new_token_ids=tokens, new_logprobs=lp))
+            return {0: EngineCoreOutputs(outputs=out)}
+
+    class Capture(_CaptureMixin, VllmLoop):
+        pass
+
+    step = SimpleNamespace(num_scheduled_tokens={r: generated[r] for r in sorted(order)})
+    runner = SimpleNamespace(logprobs=batch, req_id_to_index={r: i for i, r in enumerate(order)})
+    want = {o.request_id: o for o in VllmLoop().update_from_output(step, runner)[0].outputs}
+    got = {o.request_id: o for o in Capture().update_from_output(step, runner)[0].outputs}
+    assert runner.logprobs is batch  # handed back as it came
+    for r in marked:
+        floats = (got[r].kv_transfer_params or {}).get(LOGPROBS_KEY, [])
+        assert got[r].new_logprobs is None
+        assert floats == want[r].new_logprobs.logprobs[:, 0].tolist()
+        assert len(floats) == kept[r]
+    if client_logprobs:
+        np.testing.assert_array_equal(got["d"].new_logprobs.logprobs, want["d"].new_logprobs.logprobs)
+    else:
+        assert got["d"].new_logprobs is None and not got["d"].kv_transfer_params
+
+
 def test_a_call_without_capture_is_counted_not_recorded() -> None:
     ctx = CallContext(trajectory_id="t", group_id=None, endpoint="chat", model="m", policy_name=None,
                       policy_version=0, request={})

@@ -41,7 +41,7 @@ from streamrl.judge.client import JudgeClient, JudgeFailed
 from streamrl.judge.config import JudgeConfig
 from streamrl.judge.groups import GroupBook
 from streamrl.judge.parse import BadAnswer, parse_answer
-from streamrl.judge.prompt import answer_regex, answer_schema
+from streamrl.judge.prompt import answer_regex, answer_schema, answer_tokens
 from streamrl.judge.render import Call, render
 from streamrl.judge.service import JudgeService, mix
 from streamrl.producers.client import Gateway
@@ -100,6 +100,20 @@ def test_the_answer_regex_admits_exactly_parseable_answers() -> None:
                 '{"explanation": "",  "scores": {"T1": 1, "T2": 0}}'):
         assert not re.fullmatch(rx, bad), bad
     assert parse_answer('{"explanation": "ok", "scores": {"T1": 10, "T2": 0}}', 2, 10).scores == [10, 0]
+
+
+@pytest.mark.parametrize("n", [1, 4, 16])
+def test_the_judge_asks_for_no_more_tokens_than_the_longest_answer(n: int) -> None:
+    """A group of 16 with a 1,025-token prompt failed every judge call on a 2,048 context when the judge
+    asked for a flat 1,024 tokens: the budget is the longest answer the regex admits, one token per
+    character at most."""
+    import re
+
+    longest = ('{"explanation": "' + "x" * 50 + '", "scores": {'
+               + ", ".join(f'"T{i + 1}": 10' for i in range(n)) + "}}")
+    assert re.fullmatch(answer_regex(n, 10, 50), longest)
+    assert answer_tokens(n, 10, 50) == len(longest)
+    assert answer_tokens(16, 10, 600) < 1024 - 200
 
 
 def test_mixing_rule() -> None:
