@@ -64,6 +64,25 @@ def test_merge_calls_extends_and_splits() -> None:
     assert seqs[0].policy_version == 0 and seqs[0].request_ids == [a.request_id, b.request_id]
 
 
+def test_merge_calls_does_not_depend_on_log_order() -> None:
+    """One trajectory's calls through two gateways reach the log in either order (each gateway has its own
+    producer): the merge is the same for every order, and a call continues the longest sequence it extends."""
+    import itertools
+
+    a = call("t", [1, 2, 3], [4, 5])
+    b = call("t", [1, 2, 3, 4, 5, 9], [6])                     # continues a
+    c = call("t", [1, 2, 7], [8])                              # another context
+    d = call("t", [1, 2, 3, 4, 5, 9, 6, 9], [10])              # continues a + b
+    e = call("t", [1, 2, 7, 8, 11], [12])                      # continues c
+    want = [[1, 2, 3, 4, 5, 9, 6, 9, 10], [1, 2, 7, 8, 11, 12]]
+    for order in itertools.permutations([a, b, c, d, e]):
+        seqs = merge_calls(list(order))
+        assert sorted(s.token_ids.tolist() for s in seqs) == sorted(want), order
+        by_len = {len(s.token_ids): s for s in seqs}
+        assert by_len[9].request_ids == [a.request_id, b.request_id, d.request_id]
+        assert by_len[9].loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 1, 0, 1]
+
+
 def test_records_through_kafka_become_the_expected_batch(broker) -> None:
     topics = fresh_topics(broker.bootstrap_servers)
     recs = [

@@ -132,45 +132,58 @@ def filtered_sampling(record: CompletionRecord) -> bool:
     return num("top_p", 1.0) < 1.0 or num("top_k", -1) > 0 or num("min_p", 0.0) > 0.0
 
 
+@dataclass
+class _Open:
+    """A sequence being built by ``merge_calls``: its parts so far and the tokens a continuation starts with."""
+
+    tokens: list[np.ndarray]
+    masks: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    current: np.ndarray
+    request_ids: list[str]
+    version: int
+    temperature: float
+
+    def extend(self, prompt_tail: np.ndarray, completion: np.ndarray, logprobs: np.ndarray) -> None:
+        self.tokens += [prompt_tail, completion]
+        self.masks += [np.zeros(len(prompt_tail), np.int8), np.ones(len(completion), np.int8)]
+        self.logprobs += [np.zeros(len(prompt_tail), np.float32), logprobs.astype(np.float32)]
+        self.current = np.concatenate([self.current, prompt_tail, completion])
+
+    def continued_by(self, prompt: np.ndarray, temperature: float) -> bool:
+        n = len(self.current)
+        return temperature == self.temperature and len(prompt) >= n and np.array_equal(prompt[:n], self.current)
+
+    def sequence(self) -> Sequence:
+        return Sequence(np.concatenate(self.tokens), np.concatenate(self.masks), np.concatenate(self.logprobs),
+                        self.request_ids, self.version, self.temperature)
+
+
 def merge_calls(completions: list[CompletionRecord]) -> list[Sequence]:
-    """Turn a trajectory's calls (in log order) into training sequences.
+    """Turn a trajectory's calls into training sequences.
 
-    A call whose prompt starts with the previous sequence's tokens (its prompt plus completion), and
-    that was sampled at the same temperature, continues that sequence: the new prompt tokens (tool
-    results, the next user turn) join unmasked, the sampled tokens masked in. Otherwise the call starts
-    a new sequence.
+    A call whose prompt starts with a sequence's tokens so far (its calls' prompts and completions), and
+    that was sampled at the same temperature, continues that sequence (the longest such one): the new
+    prompt tokens (tool results, the next user turn) join unmasked, the sampled tokens masked in.
+    Otherwise the call starts a new sequence.
+
+    Calls are taken by prompt length (stable: equal lengths keep log order), not by log order alone: a
+    continuation's prompt holds its predecessor's whole prompt and completion, so it is always longer,
+    while the log may hold them the other way round when a trajectory's calls went through different
+    gateways, each with its own producer. No clock is trusted for this.
     """
-    out: list[Sequence] = []
-    tokens: list[np.ndarray] = []
-    masks: list[np.ndarray] = []
-    lps: list[np.ndarray] = []
-    current = np.empty(0, np.int32)
-    req: list[str] = []
-    version = 0
-    temperature = 1.0
-
-    def flush() -> None:
-        if tokens:
-            out.append(Sequence(np.concatenate(tokens), np.concatenate(masks), np.concatenate(lps), req, version,
-                                temperature))
-
-    for c in completions:
-        p, s, lp = c.prompt_token_ids, c.completion_token_ids, c.logprobs
-        temp = sampling_temperature(c)
-        if tokens and temp == temperature and len(p) >= len(current) and np.array_equal(p[: len(current)], current):
-            extra = p[len(current):]
-            req = [*req, c.request_id]
-            version = min(version, c.policy_version)
+    open_: list[_Open] = []
+    for c in sorted(completions, key=lambda c: len(c.prompt_token_ids)):
+        p, temp = c.prompt_token_ids, sampling_temperature(c)
+        into = max((o for o in open_ if o.continued_by(p, temp)), key=lambda o: len(o.current), default=None)
+        if into is None:
+            into = _Open([], [], [], np.empty(0, np.int32), [c.request_id], c.policy_version, temp)
+            open_.append(into)
         else:
-            flush()
-            tokens, masks, lps, current = [], [], [], np.empty(0, np.int32)
-            extra, req, version, temperature = p, [c.request_id], c.policy_version, temp
-        tokens += [extra, s]
-        masks += [np.zeros(len(extra), np.int8), np.ones(len(s), np.int8)]
-        lps += [np.zeros(len(extra), np.float32), lp.astype(np.float32)]
-        current = np.concatenate([current, extra, s])
-    flush()
-    return out
+            into.request_ids = [*into.request_ids, c.request_id]
+            into.version = min(into.version, c.policy_version)
+        into.extend(p[len(into.current):], c.completion_token_ids, c.logprobs)
+    return [o.sequence() for o in open_]
 
 
 class Assembler:
