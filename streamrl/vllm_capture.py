@@ -141,7 +141,10 @@ class _OutputProcessorHooks:
                     queue: Any = None) -> None:
         capture = _CURRENT.get()
         params = getattr(request, "sampling_params", None)
-        if capture is not None and params is not None and request.request_id not in self.live:
+        if capture is not None and params is not None and request.request_id in self.live:
+            log.warning("streamrl capture: request id %s is already being captured (a second request with the "
+                        "same id); this one is not captured", request.request_id)
+        elif capture is not None and params is not None:
             keep = params.logprobs is not None
             if not keep:
                 params.logprobs = 0  # the sampled token's logprob only; the engine core reads it from here
@@ -307,6 +310,9 @@ class _FramedSend:
                 parts.append(frame(CAPTURE, self.capture.encode()))
             except ValueError as exc:  # the gateway records nothing for this call and counts it
                 log.warning("streamrl capture not sent: %s", exc)
+        elif not self.sent and not more and not self.capture.choices:
+            log.warning("streamrl capture: a 200 answer ended with no choice captured (its requests never "
+                        "reached the output processor in this request's context); the gateway counts it invalid")
         if body:
             parts.append(frame(BODY, body))
         await self.send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
