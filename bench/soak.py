@@ -249,6 +249,13 @@ def wait_for(check: Any, timeout_s: float, what: str) -> float:
     return round(time.monotonic() - started, 2)
 
 
+def engine_anomalies(engine_url: str) -> dict[str, int] | None:
+    """What ``streamrl engine`` counted as captures gone wrong (``streamrl/vllm_capture.py`` ANOMALIES);
+    None from a plain vLLM."""
+    r = httpx.get(f"{engine_url}/streamrl/capture", timeout=10)
+    return r.json().get("anomalies") if r.status_code == 200 else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=2.0)
@@ -437,6 +444,7 @@ def main() -> int:
         "rss_growth_mb": {"first_life": round(rss["first_end"]["gateway"] - rss["first_start"]["gateway"], 1),
                           "second_life": round(rss["second_end"]["gateway"] - rss["second_start"]["gateway"], 1)},
         "gateway_health_at_end": {"producer": health.get("producer"), "spool": health.get("spool")},
+        "engine_capture_anomalies": engine_anomalies(engine_url),
         "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
     })
     report["ok"] = (report["records_lost"] == 0 and report["rewards_lost"] == 0 and not wrong_rewards

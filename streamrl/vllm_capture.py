@@ -26,6 +26,7 @@ missing, nothing is wrapped, the probe answers 404 and the gateway uses the plai
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import itertools
 import logging
@@ -47,7 +48,15 @@ from streamrl.engine_wire import (
 )
 from streamrl.vllm_capture_scheduler import LOGPROBS_KEY, MARK, TESTED_VERSIONS, version_ok
 
-log = logging.getLogger("streamrl.vllm_capture")
+log = logging.getLogger("vllm.streamrl_capture")
+"""Under vLLM's logger: vLLM configures only its own namespace, so this is how these lines reach the engine's
+log with vLLM's format and level."""
+
+ANOMALIES: collections.Counter[str] = collections.Counter()
+"""Calls whose capture went wrong, by kind (``duplicate_request_id``; ended without a capture:
+``no_choice`` (no request of the call reached the output processor in its context) or ``cut_off`` (the
+answer ended before its last body); sent with ``unfinished`` choices; ``not_encoded``): served to the gateway's probe (``GET /streamrl/capture``) so that a soak or a test can
+ask, whatever the logging set-up."""
 
 
 Scope = MutableMapping[str, Any]
@@ -142,6 +151,7 @@ class _OutputProcessorHooks:
         capture = _CURRENT.get()
         params = getattr(request, "sampling_params", None)
         if capture is not None and params is not None and request.request_id in self.live:
+            ANOMALIES["duplicate_request_id"] += 1
             log.warning("streamrl capture: request id %s is already being captured (a second request with the "
                         "same id); this one is not captured", request.request_id)
         elif capture is not None and params is not None:
@@ -239,11 +249,17 @@ class CaptureMiddleware:
             return await self.app(scope, receive, send)
         capture = _Capture(endpoint)
         token = _CURRENT.set(capture)
+        framed_send = _FramedSend(send, capture)
         try:
-            await self.app(scope, receive, _FramedSend(send, capture))
+            await self.app(scope, receive, framed_send)
         finally:
             _CURRENT.reset(token)
             hooks.forget(capture)
+            if framed_send.framed and not framed_send.sent:  # the gateway counts the call invalid
+                kind = "cut_off" if capture.choices else "no_choice"
+                ANOMALIES[kind] += 1
+                log.warning("streamrl capture: a 200 answer to %s ended without its capture (%s: %d choices "
+                            "seen)", scope["path"], kind, len(capture.choices))
 
     async def _probe(self, scope: Scope, send: Send) -> None:
         import vllm
@@ -253,7 +269,8 @@ class CaptureMiddleware:
             status, body = 404, {"error": {"message": f"token capture off: {hooks}", "code": 404}}
         else:
             status, body = 200, {"format": FORMAT_VERSION, "vllm": vllm.__version__,
-                                 "logprob_steps": {"floats": hooks.float_steps, "arrays": hooks.array_steps}}
+                                 "logprob_steps": {"floats": hooks.float_steps, "arrays": hooks.array_steps},
+                                 "anomalies": dict(ANOMALIES)}
         raw = orjson.dumps(body)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
@@ -305,14 +322,13 @@ class _FramedSend:
             # (``_Choice.done``); encode() checks each choice's tokens against its logprobs
             self.sent = True
             if not self.capture.complete():
+                ANOMALIES["unfinished"] += 1
                 _note_unfinished(self.capture)
             try:
                 parts.append(frame(CAPTURE, self.capture.encode()))
             except ValueError as exc:  # the gateway records nothing for this call and counts it
+                ANOMALIES["not_encoded"] += 1
                 log.warning("streamrl capture not sent: %s", exc)
-        elif not self.sent and not more and not self.capture.choices:
-            log.warning("streamrl capture: a 200 answer ended with no choice captured (its requests never "
-                        "reached the output processor in this request's context); the gateway counts it invalid")
         if body:
             parts.append(frame(BODY, body))
         await self.send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
