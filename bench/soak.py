@@ -408,6 +408,7 @@ def main() -> int:
         drain_s = settle("everything offered to arrive", 110)
         rss["second_end"] = rss_mb(gateway.pid)
         health = httpx.get(f"{url}/health").json()
+        anomalies = engine_anomalies(engine_url)
     finally:
         traffic.stop()
         stop_group(gateway, 30)
@@ -444,7 +445,7 @@ def main() -> int:
         "rss_growth_mb": {"first_life": round(rss["first_end"]["gateway"] - rss["first_start"]["gateway"], 1),
                           "second_life": round(rss["second_end"]["gateway"] - rss["second_start"]["gateway"], 1)},
         "gateway_health_at_end": {"producer": health.get("producer"), "spool": health.get("spool")},
-        "engine_capture_anomalies": engine_anomalies(engine_url),
+        "engine_capture_anomalies": anomalies,
         "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
     })
     report["ok"] = (report["records_lost"] == 0 and report["rewards_lost"] == 0 and not wrong_rewards

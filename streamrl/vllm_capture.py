@@ -190,6 +190,11 @@ class _OutputProcessorHooks:
         result = self._process_outputs(engine_core_outputs, *args, **kwargs)
         states = self.processor.request_states
         for request_id, choice in seen:
+            # The step's token list is vLLM's own object: kept by reference through _process_outputs, which
+            # trims it in place at a stop string, then copied, because vLLM later extends that same list in
+            # place when it merges a lagging stream reader's outputs (RequestOutput.add): a reference held on
+            # would count the next steps' tokens twice (seen as "9 tokens but 8 logprobs" under load).
+            choice.token_chunks[-1] = list(choice.token_chunks[-1])
             if request_id not in states:  # finished (also by a stop string found here) or aborted
                 choice.done = True
                 live.pop(request_id, None)

@@ -166,6 +166,57 @@ def test_marked_logprobs_are_cut_from_the_step_as_vllm_slices(client_logprobs: b
         assert got["d"].new_logprobs is None and not got["d"].kv_transfer_params
 
 
+def test_capture_keeps_each_steps_tokens_as_vllm_left_them_after_the_step() -> None:
+    """vLLM's output processor trims a step's token list in place at a stop string, and later extends an
+    earlier step's list in place when a lagging stream reader's outputs are merged (``RequestOutput.add``):
+    the capture must see the first and not the second. Under load the second made captures of 9 or 10
+    tokens with 8 logprobs, which the engine then could not send. The processor here is a stand-in doing
+    just those two in-place edits on the same list objects vLLM would (0.26 and 0.32); the real engine
+    cannot be made to lag on cue."""
+    from types import SimpleNamespace
+
+    from streamrl.vllm_capture import _CURRENT, _Capture, _OutputProcessorHooks
+    from streamrl.vllm_capture_scheduler import LOGPROBS_KEY
+
+    class Processor:  # what vLLM's OutputProcessor does to the lists it is handed
+        def __init__(self) -> None:
+            self.request_states: dict[str, object] = {}
+            self.held: list[int] | None = None  # the unconsumed output's token list, merged into
+
+        def add_request(self, request, prompt, parent_req=None, request_index=0, queue=None) -> None:
+            self.request_states[request.request_id] = request
+
+        def process_outputs(self, outputs, *args, **kwargs) -> None:
+            for out in outputs:
+                if out.stop_at is not None:  # a stop string: the step's list trimmed in place
+                    del out.new_token_ids[out.stop_at:]
+                    self.request_states.pop(out.request_id)
+                if self.held is None:
+                    self.held = out.new_token_ids
+                else:  # the reader lags: the held output's list is extended in place
+                    self.held.extend(out.new_token_ids)
+
+    processor = Processor()
+    hooks = _OutputProcessorHooks(processor)
+    capture = _Capture("chat")
+    token = _CURRENT.set(capture)
+    try:
+        params = SimpleNamespace(logprobs=None, extra_args=None)
+        hooks.add_request(SimpleNamespace(request_id="r-1", external_req_id="r", sampling_params=params,
+                                          prompt_token_ids=[1, 2]), None)
+    finally:
+        _CURRENT.reset(token)
+    steps = [([10, 11], None), ([12], None), ([13, 14, 15], 1)]  # the last step stops after its first token
+    for i, (ids, stop_at) in enumerate(steps):
+        out = SimpleNamespace(request_id="r-1", new_token_ids=list(ids), new_logprobs=None, stop_at=stop_at,
+                              kv_transfer_params={LOGPROBS_KEY: [-0.5 - i] * len(ids)})
+        hooks.process_outputs([out])
+    (choice,) = capture.choices
+    assert [t for chunk in choice.token_chunks for t in chunk] == [10, 11, 12, 13]
+    assert choice.done and capture.complete()
+    assert processor.held == [10, 11, 12, 13]  # vLLM's own merge did happen, on its own lists
+
+
 def test_a_call_without_capture_is_counted_not_recorded() -> None:
     ctx = CallContext(trajectory_id="t", group_id=None, endpoint="chat", model="m", policy_name=None,
                       policy_version=0, request={})
