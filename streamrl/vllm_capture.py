@@ -55,7 +55,8 @@ log with vLLM's format and level."""
 ANOMALIES: collections.Counter[str] = collections.Counter()
 """Calls whose capture went wrong, by kind (``duplicate_request_id``; ended without a capture:
 ``no_choice`` (no request of the call reached the output processor in its context) or ``cut_off`` (the
-answer ended before its last body); sent with ``unfinished`` choices; ``not_encoded``): served to the gateway's probe (``GET /streamrl/capture``) so that a soak or a test can
+answer ended before its last body), or ``client_gone`` (the gateway hung up first, e.g. killed: not a
+fault); sent with ``unfinished`` choices; ``not_encoded``): served to the gateway's probe (``GET /streamrl/capture``) so that a soak or a test can
 ask, whatever the logging set-up."""
 
 
@@ -255,16 +256,27 @@ class CaptureMiddleware:
         capture = _Capture(endpoint)
         token = _CURRENT.set(capture)
         framed_send = _FramedSend(send, capture)
+        gone = False
+
+        async def watched_receive() -> Message:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
+
         try:
-            await self.app(scope, receive, framed_send)
+            await self.app(scope, watched_receive, framed_send)
         finally:
             _CURRENT.reset(token)
             hooks.forget(capture)
-            if framed_send.framed and not framed_send.sent:  # the gateway counts the call invalid
-                kind = "cut_off" if capture.choices else "no_choice"
-                ANOMALIES[kind] += 1
-                log.warning("streamrl capture: a 200 answer to %s ended without its capture (%s: %d choices "
-                            "seen)", scope["path"], kind, len(capture.choices))
+            if framed_send.framed and not framed_send.sent:
+                if gone:  # the gateway hung up (e.g. it was killed): nobody is left to record the call
+                    ANOMALIES["client_gone"] += 1
+                else:  # the gateway counts the call invalid
+                    kind = "cut_off" if capture.choices else "no_choice"
+                    ANOMALIES[kind] += 1
+                    log.warning("streamrl capture: a 200 answer to %s ended without its capture (%s: %d "
+                                "choices seen)", scope["path"], kind, len(capture.choices))
 
     async def _probe(self, scope: Scope, send: Send) -> None:
         import vllm
