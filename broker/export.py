@@ -185,19 +185,46 @@ class LogRange:
         end = _true_ends(consumer, tps, consumer.end_offsets(tps))
         start = dict(begin)
         if options.since_ms is not None:
-            for tp, at in consumer.offsets_for_times({tp: options.since_ms for tp in tps}).items():
-                if at is None:  # Kafka: no record at or after the time
-                    start[tp] = end[tp]
-                elif at.timestamp >= options.since_ms:  # an answer that keeps Kafka's contract
-                    start[tp] = max(begin[tp], at.offset)
-                # else (the embedded broker's answer to some times): read from the beginning, filtered
+            for tp, at in _lookup(consumer, tps, options.since_ms, end).items():
+                start[tp] = max(begin[tp], at)
         if options.until_ms is not None:
-            after = options.until_ms + 1
-            for tp, at in consumer.offsets_for_times({tp: after for tp in tps}).items():
-                if at is not None and at.timestamp >= after:
-                    end[tp] = min(end[tp], at.offset)
+            for tp, at in _lookup(consumer, tps, options.until_ms + 1, end).items():
+                end[tp] = min(end[tp], at)
         key = lambda tp: (tp.topic, tp.partition)  # noqa: E731
         return cls({key(tp): min(start[tp], end[tp]) for tp in tps}, {key(tp): end[tp] for tp in tps})
+
+
+def _lookup(consumer: KafkaConsumer, tps: list[TopicPartition], ms: int,
+            end: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+    """The first offset at or after ``ms`` of each partition whose answer can be trusted (a partition left
+    out is read whole, its records filtered by timestamp). Kafka's time index answers exactly, and "none"
+    means the end; an answer is trusted when the record there has the timestamp the broker said: the
+    embedded broker (tansu) answers offset 0 with the partition's newest timestamp, whatever the time."""
+    found = {}
+    for tp, at in consumer.offsets_for_times({tp: ms for tp in tps}).items():
+        if at is None:
+            found[tp] = end[tp]
+        elif at.timestamp >= ms and _timestamp_at(consumer, tp, at.offset, end[tp]) == at.timestamp:
+            found[tp] = at.offset
+    return found
+
+
+def _timestamp_at(consumer: KafkaConsumer, tp: TopicPartition, offset: int, end: int,
+                  timeout_s: float = 10.0) -> int | None:
+    """The timestamp of the first record at or after ``offset`` (None: none before ``end``)."""
+    if offset >= end:
+        return None
+    consumer.assign([tp])
+    consumer.seek(tp, offset)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            records = consumer.poll(timeout_ms=200, max_records=1).get(tp)
+            if records:
+                return records[0].timestamp
+        return None
+    finally:
+        consumer.unsubscribe()
 
 
 def _consumer(options: ExportOptions) -> KafkaConsumer:
@@ -232,7 +259,7 @@ def _true_ends(consumer: KafkaConsumer, tps: list[TopicPartition], listed: dict[
         ends[tp] = max(ends[tp], consumer.highwater(tp) or 0)
     if missing:
         log.warning("no high watermark for %s: their listed end offsets are used", missing)
-    consumer.assign([])
+    consumer.unsubscribe()
     return ends
 
 
@@ -344,6 +371,11 @@ def _merged(consumer: KafkaConsumer, log_range: LogRange, stall_s: float = 30.0)
             fetching.clear()
 
 
+CLOSED_REMEMBERED = 10
+"""Ids of closed trajectories remembered, per open one allowed (``max_open``): a record for one of them is
+counted late rather than opening it again (and evicting a live one)."""
+
+
 class _Joiner:
     """Completions and rewards in event time -> one row per trajectory (the rules: module docstring)."""
 
@@ -371,6 +403,7 @@ class _Joiner:
             self.counts[exc.reason] += 1
             return
         self.now_ms = max(self.now_ms, ts)
+        self._expire()  # first: a record after a trajectory's close is late
         if message.topic == self.topics.completions and isinstance(record, CompletionRecord):
             self._completion(record, message)
         elif message.topic == self.topics.rewards and isinstance(record, RewardRecord):
@@ -379,7 +412,6 @@ class _Joiner:
             self.counts["judge_request"] += 1  # a request for a reward, not one
         else:
             self.counts["wrong_topic"] += 1
-        self._expire()
 
     def _completion(self, rec: CompletionRecord, message: ConsumerRecord) -> None:
         if self.o.purpose != "all" and rec.purpose != self.o.purpose:
@@ -439,7 +471,7 @@ class _Joiner:
         if reason:
             self.counts[reason] += 1
         self.closed[tid] = t.reward is not None
-        while len(self.closed) > self.o.max_open:
+        while len(self.closed) > CLOSED_REMEMBERED * self.o.max_open:
             self.closed.popitem(last=False)
         if not t.calls:
             self.counts["reward_without_completions"] += 1
