@@ -228,7 +228,8 @@ def _timestamp_at(consumer: KafkaConsumer, tp: TopicPartition, offset: int, end:
 
 
 def _consumer(options: ExportOptions) -> KafkaConsumer:
-    return make_consumer(options.bootstrap_servers, group_id=None, security=options.kafka, client_id="streamrl-export")
+    return make_consumer(options.bootstrap_servers, group_id=None, security=options.kafka, client_id="streamrl-export",
+                         max_partition_fetch_bytes=FETCH_BYTES)
 
 
 def _partitions(consumer: KafkaConsumer, topic: str, timeout_s: float = 10.0) -> list[int]:
@@ -331,13 +332,17 @@ def export(options: ExportOptions, log_range: LogRange | None = None) -> ExportS
 
 
 BUFFER_RECORDS = 4096
-"""Records buffered per partition before its fetching is paused (the merge's memory)."""
+"""Records buffered per partition before its fetching is paused (the merge's memory: this, plus at most
+one fetch, ``FETCH_BYTES``, per partition)."""
+FETCH_BYTES = 16 << 20
+"""The most one fetch brings of one partition (kafka-python's ``max_partition_fetch_bytes``)."""
+POLL_ALL = 1 << 30
 
 
 def _merged(consumer: KafkaConsumer, log_range: LogRange, stall_s: float = 30.0) -> Iterator[ConsumerRecord]:
     """Every record of the range, all partitions merged by Kafka timestamp (ties: partition order). A
-    partition's records come from a buffer of at most about ``BUFFER_RECORDS``; the merge waits only
-    for partitions whose buffer is empty and that have records left."""
+    partition's fetching is paused while its buffer holds ``BUFFER_RECORDS``; the merge waits only for
+    partitions whose buffer is empty and that have records left."""
     tps = {k: TopicPartition(*k) for k in log_range.end if log_range.start[k] < log_range.end[k]}
     consumer.assign(list(tps.values()))
     for k, tp in tps.items():
@@ -356,7 +361,9 @@ def _merged(consumer: KafkaConsumer, log_range: LogRange, stall_s: float = 30.0)
         paused = [tps[k] for k in fetching if len(buffers[k]) >= BUFFER_RECORDS]
         consumer.pause(*paused)
         consumer.resume(*[tps[k] for k in fetching if len(buffers[k]) < BUFFER_RECORDS])
-        got = consumer.poll(timeout_ms=200)
+        # Everything fetched, never part of a fetch: kafka-python 3.0.12 parks the rest of a partition's
+        # fetch when it is paused, and may never restore it (nor fetch that partition again).
+        got = consumer.poll(timeout_ms=200, max_records=POLL_ALL)
         for tp, records in got.items():
             k = (tp.topic, tp.partition)
             buffers[k].extend(r for r in records if r.offset < log_range.end[k])

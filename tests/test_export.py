@@ -9,16 +9,20 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from kafka import KafkaConsumer, TopicPartition
+from kafka.structs import OffsetAndTimestamp
 from kafka_reader import produce
 
+from streamrl.broker import export as export_module
 from streamrl.broker.embedded import EmbeddedBroker
-from streamrl.broker.export import CALL, SCHEMA, ExportOptions, LogRange, export, parse_time
+from streamrl.broker.export import CALL, SCHEMA, ExportOptions, LogRange, _lookup, export, parse_time
 from streamrl.broker.export_cli import options_from_args
 from streamrl.broker.schema import CompletionRecord, JudgeRequest, RewardRecord, encode
 from streamrl.broker.security import KafkaSecurity
@@ -26,6 +30,7 @@ from streamrl.broker.topics import Topics, create_topics
 from streamrl.cli import build_parser, main
 
 RNG = np.random.default_rng(0)
+KafkaConsumer_pause = KafkaConsumer.pause
 
 
 def fresh_topics(broker: EmbeddedBroker, partitions: int = 2) -> Topics:
@@ -259,3 +264,57 @@ def test_options_from_the_command_line(tmp_path: Path) -> None:
         ExportOptions(out=Path("x.csv")).resolved_format()
     with pytest.raises(ValueError, match="since is after until"):
         ExportOptions(since_ms=2, until_ms=1)
+
+
+def test_a_partitions_buffer_pauses_its_fetching_without_changing_the_export(
+        broker: EmbeddedBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With small fetches and a buffer of 50 records a partition, the merge pauses and resumes partitions
+    all the way through, and exports the same."""
+    topics = fresh_topics(broker)
+    for chunk in range(0, 600, 30):  # a batch of records per partition each
+        produce(broker.bootstrap_servers, topics, [r for i in range(chunk, chunk + 30) for r in (
+            call(f"t{i}", f"r{i}", [1, i], [i]), RewardRecord(f"t{i}", float(i)))])
+    reference = export(options(broker, topics, tmp_path / "ref.parquet"))
+    monkeypatch.setattr(export_module, "BUFFER_RECORDS", 50)
+    monkeypatch.setattr(export_module, "FETCH_BYTES", 4096)  # a few dozen records a fetch
+    paused = []
+    monkeypatch.setattr(KafkaConsumer, "pause", lambda self, *tps: paused.extend(tps) or KafkaConsumer_pause(self, *tps))
+    small = export(options(broker, topics, tmp_path / "small.parquet"))
+    assert paused  # the limit was hit
+    assert small.rows == reference.rows == 600 and small.peak_open <= reference.peak_open
+    assert pq.read_table(small.out).equals(pq.read_table(reference.out))
+
+
+class FakeIndexConsumer:
+    """A partition whose records have the timestamps ``stamps``, and a broker answering ``answer``."""
+
+    def __init__(self, stamps: list[int], answer: OffsetAndTimestamp | None) -> None:
+        self.stamps, self.answer, self.at = stamps, answer, 0
+
+    def offsets_for_times(self, query: dict) -> dict:
+        return dict.fromkeys(query, self.answer)
+
+    def assign(self, tps: list) -> None:
+        pass
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.at = offset
+
+    def poll(self, timeout_ms: int, max_records: int) -> dict:
+        return {TP: [SimpleNamespace(timestamp=self.stamps[self.at])]}
+
+    def unsubscribe(self) -> None:
+        pass
+
+
+TP = TopicPartition("x.completions", 0)
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    (OffsetAndTimestamp(2, 30, 0), {TP: 2}),  # Kafka's answer for 25: used
+    (OffsetAndTimestamp(0, 40, 0), {}),  # the embedded broker's (offset 0, newest time): not used, read and filter
+    (None, {TP: 4}),  # Kafka: no record at or after 25: the end
+])
+def test_a_time_index_answer_is_used_only_when_it_checks_out(answer: OffsetAndTimestamp | None, expected: dict) -> None:
+    consumer = FakeIndexConsumer([10, 20, 30, 40], answer)
+    assert _lookup(consumer, [TP], 25, {TP: 4}) == expected  # type: ignore[arg-type]
