@@ -318,3 +318,23 @@ TP = TopicPartition("x.completions", 0)
 def test_a_time_index_answer_is_used_only_when_it_checks_out(answer: OffsetAndTimestamp | None, expected: dict) -> None:
     consumer = FakeIndexConsumer([10, 20, 30, 40], answer)
     assert _lookup(consumer, [TP], 25, {TP: 4}) == expected  # type: ignore[arg-type]
+
+
+def test_the_docs_sft_example_with_datasets(broker: EmbeddedBroker, log: dict[str, Any], tmp_path: Path) -> None:
+    """docs/export.md's example, as written: the best trajectories' last calls as SFT examples."""
+    datasets = pytest.importorskip("datasets")
+    out = tmp_path / "run.parquet"
+    export(options(broker, log["topics"], out))
+    ds = datasets.load_dataset("parquet", data_files=str(out), split="train", cache_dir=str(tmp_path / "cache"))
+    best = ds.filter(lambda row: row["reward"] is not None and row["reward"] >= 1.0)
+
+    def tokens(row: dict[str, Any]) -> dict[str, Any]:
+        last = row["calls"][-1]
+        ids = last["prompt_token_ids"] + last["completion_token_ids"]
+        labels = [-100] * len(last["prompt_token_ids"]) + last["completion_token_ids"]
+        return {"input_ids": ids, "labels": labels}
+
+    sft = best.map(tokens, remove_columns=best.column_names)
+    a2 = log["calls"]["a"][-1]
+    assert sft["input_ids"] == [a2.prompt_token_ids.tolist() + a2.completion_token_ids.tolist()]
+    assert sft["labels"] == [[-100] * len(a2.prompt_token_ids) + a2.completion_token_ids.tolist()]
