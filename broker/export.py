@@ -316,7 +316,7 @@ def export(options: ExportOptions, log_range: LogRange | None = None) -> ExportS
             joiner = _Joiner(options, summary, sink, Topics(options.topic_prefix))
             with tqdm(total=log_range.total, unit="rec", desc="export", disable=not options.progress or None,
                       leave=False) as bar:
-                for record in _merged(consumer, log_range):
+                for record in _merged(consumer, log_range, summary.counts):
                     summary.records += 1
                     bar.update()
                     joiner.add(record)
@@ -339,8 +339,9 @@ FETCH_BYTES = 16 << 20
 POLL_ALL = 1 << 30
 
 
-def _merged(consumer: KafkaConsumer, log_range: LogRange, stall_s: float = 30.0) -> Iterator[ConsumerRecord]:
-    """Every record of the range, all partitions merged by Kafka timestamp (ties: partition order). A
+def _merged(consumer: KafkaConsumer, log_range: LogRange, counts: Counter[str],
+            stall_s: float = 30.0) -> Iterator[ConsumerRecord]:
+    """Every record of the range, all partitions merged by Kafka timestamp (ties: completions first). A
     partition's fetching is paused while its buffer holds ``BUFFER_RECORDS``; the merge waits only for
     partitions whose buffer is empty and that have records left."""
     tps = {k: TopicPartition(*k) for k in log_range.end if log_range.start[k] < log_range.end[k]}
@@ -375,9 +376,13 @@ def _merged(consumer: KafkaConsumer, log_range: LogRange, stall_s: float = 30.0)
         elif time.monotonic() - last_progress > stall_s:
             log.warning("no records from %s for %.0f s before their end offsets: ending the export there",
                         sorted(fetching), stall_s)
+            counts["stalled_partitions"] += len(fetching)
             fetching.clear()
 
 
+ROW_GROUP_BYTES = 64 << 20
+"""A row group is written once its rows hold this many bytes of token ids and logprobs (long agent
+trajectories), or ``row_group_rows`` rows, whichever comes first."""
 CLOSED_REMEMBERED = 10
 """Ids of closed trajectories remembered, per open one allowed (``max_open``): a record for one of them is
 counted late rather than opening it again (and evicting a live one)."""
@@ -397,6 +402,9 @@ class _Joiner:
         """Recently closed trajectory ids -> whether they had a reward (to name late records; bounded)."""
         self.now_ms = 0
         self.rows: list[dict[str, Any]] = []
+        """Rows not written yet: a row group's."""
+        self.row_bytes = 0
+        """Their token ids and logprobs, in bytes."""
         self._seq = 0
 
     def add(self, message: ConsumerRecord) -> None:
@@ -492,9 +500,11 @@ class _Joiner:
             return
         self.rows.append(trajectory_row(t))
         self.summary.rows += 1
-        if len(self.rows) >= self.o.row_group_rows:
+        self.row_bytes += sum(c.record.prompt_token_ids.nbytes + 2 * c.record.completion_token_ids.nbytes
+                              for c in t.calls)
+        if len(self.rows) >= self.o.row_group_rows or self.row_bytes >= ROW_GROUP_BYTES:
             self.sink.write(self.rows)
-            self.rows = []
+            self.rows, self.row_bytes = [], 0
 
     def finish(self) -> None:
         """The end of the range: every open trajectory closes (rewarded ones are written)."""
