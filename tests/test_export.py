@@ -24,7 +24,7 @@ from streamrl.broker import export as export_module
 from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.export import CALL, SCHEMA, ExportOptions, LogRange, _lookup, export, parse_time
 from streamrl.broker.export_cli import options_from_args
-from streamrl.broker.schema import CompletionRecord, JudgeRequest, RewardRecord, encode
+from streamrl.broker.schema import CompletionRecord, JudgeRequest, PolicyRecord, RewardRecord, encode
 from streamrl.broker.security import KafkaSecurity
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.cli import build_parser, main
@@ -116,7 +116,9 @@ def log(broker: EmbeddedBroker) -> dict[str, Any]:
     }
     records = [a2, a1, a1, b0, b1, c, d, e, f, *rewards.values(), RewardRecord("b", 9.0, group_id="g1"),
                JudgeRequest("c", group_id="g2")]
-    raw = [(topics.completions, b"not a record"), (topics.rewards, encode(c)[:-4])]
+    raw = [(topics.completions, b"not a record"), (topics.rewards, encode(c)[:-4]),
+           (topics.completions, b"SRL\x01\x63" + bytes(4)),  # a completion version from the future
+           (topics.completions, encode(PolicyRecord("policy", 1, "/a", "m", 1, "0" * 64)))]
     produce(broker.bootstrap_servers, topics, records, raw)
     return {"topics": topics, "n_records": len(records) + len(raw), "rewards": rewards,
             "calls": {"a": [a1, a2], "b": [b0, b1], "c": [c], "d": [d], "e": [e], "f": [f]},
@@ -150,9 +152,11 @@ def test_parquet_export_reads_back_field_by_field(broker: EmbeddedBroker, log: d
     assert (summary.rows, summary.unrewarded, summary.bytes) == (4, 1, out.stat().st_size)
     assert {k: summary.counts[k] for k in ("duplicate_completion", "duplicate_reward", "purpose_eval",
                                            "reward_without_completions", "malformed", "length_mismatch",
-                                           "judge_request", "completions", "rewards")} == {
+                                           "judge_request", "unknown_version", "wrong_topic", "completions",
+                                           "rewards")} == {
         "duplicate_completion": 1, "duplicate_reward": 1, "purpose_eval": 1, "reward_without_completions": 1,
-        "malformed": 1, "length_mismatch": 1, "judge_request": 1, "completions": 7, "rewards": 5}
+        "malformed": 1, "length_mismatch": 1, "judge_request": 1, "unknown_version": 1, "wrong_topic": 1,
+        "completions": 7, "rewards": 5}
     assert not (tmp_path / "log.parquet.partial").exists()
 
 
@@ -223,11 +227,14 @@ def test_trajectories_close_in_event_time_so_memory_stays_bounded(broker: Embedd
     for i in range(20):
         items += [(call(f"t{i}", f"r{i}", [1], [i]), at(100 * i)), (RewardRecord(f"t{i}", float(i)), at(100 * i + 1))]
     items += [(call("idle", "ri", [1], [1]), at(50)), (RewardRecord("idle", 1.0), at(500)),
-              (call("t3", "r3-late", [1, 3], [1]), at(350))]
+              (call("t3", "r3-late", [1, 3], [1]), at(350)),
+              (RewardRecord("early", 0.5), at(750)), (call("early", "re", [1], [1]), at(752))]  # within the grace
     produce(broker.bootstrap_servers, topics, sorted(items, key=lambda x: x[1]))
     out = tmp_path / "bounded.parquet"
     summary = export(options(broker, topics, out, reward_grace_s=5, open_ttl_s=30))
-    assert sorted(pq.read_table(out).column("trajectory_id").to_pylist()) == sorted(f"t{i}" for i in range(20))
+    rows = {r["trajectory_id"]: r for r in pq.read_table(out).to_pylist()}
+    assert sorted(rows) == sorted([*(f"t{i}" for i in range(20)), "early"])
+    assert rows["early"]["reward"] == 0.5 and rows["t3"]["n_calls"] == 1
     assert summary.peak_open == 1  # each closed before the next opened
     assert summary.unrewarded == 1  # idle expired 30 s after its call, long before its reward
     assert (summary.counts["late_completion"], summary.counts["late_reward"]) == (1, 1)
@@ -262,6 +269,7 @@ def test_options_from_the_command_line(tmp_path: Path) -> None:
     assert parse_time("2026-12-01T18:00:00+01:00") == parse_time("2026-12-01T17:00:00") == 1796144400000
     with pytest.raises(ValueError, match="format"):
         ExportOptions(out=Path("x.csv")).resolved_format()
+    assert main(["export", str(tmp_path / "x.csv")]) == 2  # refused before any connection
     with pytest.raises(ValueError, match="since is after until"):
         ExportOptions(since_ms=2, until_ms=1)
 
