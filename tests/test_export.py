@@ -279,9 +279,11 @@ def test_a_partitions_buffer_pauses_its_fetching_without_changing_the_export(
     """With small fetches and a buffer of 50 records a partition, the merge pauses and resumes partitions
     all the way through, and exports the same."""
     topics = fresh_topics(broker)
-    for chunk in range(0, 600, 30):  # a batch of records per partition each
-        produce(broker.bootstrap_servers, topics, [r for i in range(chunk, chunk + 30) for r in (
-            call(f"t{i}", f"r{i}", [1, i], [i]), RewardRecord(f"t{i}", float(i)))])
+    t0 = int(time.time() * 1000) - 1_000_000
+    for chunk in range(0, 600, 30):  # a batch of records per partition each; the rewards after every call,
+        produce(broker.bootstrap_servers, topics, [  # so their partitions fill up while the calls are merged
+            item for i in range(chunk, chunk + 30)
+            for item in ((call(f"t{i}", f"r{i}", [1, i], [i]), t0 + i), (RewardRecord(f"t{i}", float(i)), t0 + 1000 + i))])
     reference = export(options(broker, topics, tmp_path / "ref.parquet"))
     monkeypatch.setattr(export_module, "BUFFER_RECORDS", 50)
     monkeypatch.setattr(export_module, "FETCH_BYTES", 4096)  # a few dozen records a fetch
