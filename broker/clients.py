@@ -47,11 +47,12 @@ keeps overhead low"; docs/trainer.md)."""
 
 def consumer_kwargs(bootstrap_servers: str, *, group_id: str | None, security: KafkaSecurity = PLAINTEXT,
                     client_id: str = "streamrl", auto_offset_reset: str = "earliest", **extra: Any) -> dict[str, Any]:
-    """What ``make_consumer`` hands kafka-python."""
+    """What ``make_consumer`` hands kafka-python (``extra`` may override the fetch sizes)."""
     extra.setdefault("fetch_max_wait_ms", FETCH_MAX_WAIT_MS)
+    extra.setdefault("max_partition_fetch_bytes", 16 << 20)
+    extra.setdefault("fetch_max_bytes", 64 << 20)
     return dict(bootstrap_servers=bootstrap_servers, group_id=group_id, client_id=client_id,
-                enable_auto_commit=False, auto_offset_reset=auto_offset_reset, max_partition_fetch_bytes=16 << 20,
-                fetch_max_bytes=64 << 20, **security.client_kwargs(), **extra)
+                enable_auto_commit=False, auto_offset_reset=auto_offset_reset, **security.client_kwargs(), **extra)
 
 
 def make_consumer(bootstrap_servers: str, *, group_id: str | None, security: KafkaSecurity = PLAINTEXT,

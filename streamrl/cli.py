@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("streamrl.gateway.cli", "run the OpenAI-compatible gateway that logs to Kafka"),
     "trainer": ("streamrl.trainer.cli", "run the streaming GRPO trainer daemon"),
     "judge": ("streamrl.judge.cli", "score complete groups with an LLM judge and post their rewards"),
+    "export": ("streamrl.broker.export_cli", "export the completions and rewards topics, joined by trajectory, to Parquet/JSONL"),
     "publish": ("streamrl.broker.publish_cli", "publish an adapter directory as a policy version (e.g. a rollback)"),
     "up": ("streamrl.up", "start broker, engine, gateway and trainer together"),
     "demo": ("streamrl.producers.demo_cli", "run the demo producer against a running gateway"),

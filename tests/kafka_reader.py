@@ -55,11 +55,12 @@ def produce(bootstrap: str, topics: Topics, records: list, raw: list[tuple[str, 
             timestamp_ms: int | None = None) -> None:
     """As the gateway does: the shared schema's encoding, keyed by trajectory id (``raw``: undecodable
     values sent as they are); acked before returning. ``timestamp_ms``: the records' Kafka timestamp
-    (default: now), to produce records as if long ago."""
+    (default: now), to produce records as if long ago; a ``(record, timestamp_ms)`` item gives its own."""
     p = make_producer(bootstrap)
-    for r in records:
+    for item in records:
+        r, ts = item if isinstance(item, tuple) else (item, timestamp_ms)
         topic = topics.completions if isinstance(r, CompletionRecord) else topics.rewards
-        p.send(topic, key=r.trajectory_id.encode(), value=encode(r), timestamp_ms=timestamp_ms)
+        p.send(topic, key=r.trajectory_id.encode(), value=encode(r), timestamp_ms=ts)
     for topic, value in raw:
         p.send(topic, key=b"bad", value=value)
     p.flush()
