@@ -45,6 +45,13 @@ since each wake-up of kafka-python's threads takes a server's GIL (measured: doc
 keeps overhead low"; docs/trainer.md)."""
 
 
+POLL_ALL = 1 << 30
+"""``max_records`` for ``KafkaConsumer.poll``: a fetch is taken whole, so that a consumer that pauses
+partitions (the trainer's ``backlog = "wait"``, the export) never leaves records of a partly consumed fetch
+behind: kafka-python 3.0.12 parks those on ``pause`` and may never hand them out nor fetch that partition
+again (seen in the export's tests). What one poll returns is bounded by the fetch sizes below."""
+
+
 def consumer_kwargs(bootstrap_servers: str, *, group_id: str | None, security: KafkaSecurity = PLAINTEXT,
                     client_id: str = "streamrl", auto_offset_reset: str = "earliest", **extra: Any) -> dict[str, Any]:
     """What ``make_consumer`` hands kafka-python (``extra`` may override the fetch sizes)."""

@@ -53,7 +53,7 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from tqdm import tqdm
 
-from .clients import make_consumer
+from .clients import POLL_ALL, make_consumer
 from .schema import PURPOSES, CompletionRecord, JudgeRequest, RecordError, RewardRecord, decode
 from .security import KafkaSecurity
 from .topics import Topics
@@ -336,7 +336,6 @@ BUFFER_RECORDS = 4096
 one fetch, ``FETCH_BYTES``, per partition)."""
 FETCH_BYTES = 16 << 20
 """The most one fetch brings of one partition (kafka-python's ``max_partition_fetch_bytes``)."""
-POLL_ALL = 1 << 30
 
 
 def _merged(consumer: KafkaConsumer, log_range: LogRange, counts: Counter[str],

@@ -13,6 +13,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from streamrl.broker.clients import POLL_ALL
 from streamrl.broker.security import KafkaSecurity
 from streamrl.broker.topics import Topics
 
@@ -116,7 +117,7 @@ class KafkaRecordSource(RecordSource):
 
     def poll(self, timeout_s: float) -> list[RawRecord]:
         out = []
-        for tp, records in self.consumer.poll(timeout_ms=int(timeout_s * 1000)).items():
+        for tp, records in self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=POLL_ALL).items():
             key = f"{tp.topic}:{tp.partition}"
             stream = self._stream[tp.topic]
             for r in records:
