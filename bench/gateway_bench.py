@@ -11,6 +11,8 @@ this load generator. Modes, all in the same run:
            as ``streamrl engine`` does, vLLM's bytes plus a capture frame; records to Kafka) -> stub
   on-json  client -> gateway (logging on, ``--no-token-capture``: asks for ids + logprobs in the JSON, strips
            them, records to Kafka; the path of a plain vLLM upstream) -> stub
+  on-dashboard  as ``on``, with ``--dashboard-pages`` dashboard pages open: a child process long-polls
+           ``/dashboard/data`` exactly as the page's script does (the dashboard's cost to the gateway)
 
 For each mode: an open-loop run at a fixed rate (latency p50/p99 measured from each request's scheduled
 start, so a stall is not hidden) and a closed-loop run at fixed concurrency (highest sustained req/s).
@@ -408,7 +410,35 @@ def children(pid: int) -> list[int]:
 def gateway_cmd(stub_url: str, port: int, bootstrap: str, mode: str) -> list[str]:
     cmd = [sys.executable, "-m", "streamrl.cli", "--log-level", "WARNING", "gateway", "--upstream", stub_url,
            "--bootstrap-servers", bootstrap, "--port", str(port), "--topic-prefix", "bench"]
-    return {"off": [*cmd, "--no-logging"], "on": cmd, "on-json": [*cmd, "--no-token-capture"]}[mode]
+    return {"off": [*cmd, "--no-logging"], "on": cmd, "on-json": [*cmd, "--no-token-capture"],
+            "on-dashboard": cmd}[mode]
+
+
+def poll_dashboard(gateway_url: str, pages: int) -> None:
+    """``pages`` open dashboard pages: each long-polls ``/dashboard/data`` with the page's ``since`` and
+    ``seq`` (gateway/static/dashboard.js ``poll``), until killed; prints the answers it got at exit."""
+    import uvloop
+
+    answers = 0
+
+    async def page(session: aiohttp.ClientSession) -> None:
+        nonlocal answers
+        since, seq = 0.0, None
+        while True:
+            q = {"since": str(since)} | ({"seq": str(seq)} if seq is not None else {})
+            async with session.get(f"{gateway_url}/dashboard/data", params=q) as r:
+                d = orjson.loads(await r.read())
+            answers += 1
+            if d["points"]:
+                since = d["points"][-1]["time"]
+            seq = d["seq"]
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(page(session) for _ in range(pages)))
+
+    signal.signal(signal.SIGTERM, lambda *_: (print(f"dashboard answers: {answers}", flush=True), sys.exit(0)))
+    uvloop.run(run())
 
 
 def record_sizes(bootstrap: str, topic: str = "bench.completions", compress: bool = False) -> dict[str, float]:
@@ -471,7 +501,7 @@ def vllm_record_sizes(upstream: str, requests: int = 20, max_tokens: int = 256) 
 
 def print_table(results: dict[str, object]) -> None:
     """The figures of docs/benchmarks.md, one row each."""
-    modes = [m for m in ("direct", "off", "on", "on-json") if m in results]
+    modes = [m for m in ("direct", "off", "on", "on-json", "on-dashboard") if m in results]
 
     def row(name: str, cell: Callable[[dict[str, object]], str]) -> None:
         cells = []
@@ -516,13 +546,21 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--stream-rate", type=float, default=20, help="open-loop rate for the streaming run (0: skip)")
+    p.add_argument("--modes", default="direct,off,on,on-json,on-dashboard",
+                   help="direct, off and on are always run (the summary's baselines)")
+    p.add_argument("--dashboard-pages", type=int, default=2, help="open dashboard pages in the on-dashboard mode")
     p.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--poll-dashboard", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--vllm", help="also measure record bytes per token on real completions of this vLLM server")
     args = p.parse_args()
     if args.serve_stub:
         serve_stub(args.serve_stub)
         return
+    if args.poll_dashboard:
+        poll_dashboard(args.poll_dashboard, args.dashboard_pages)
+        return
+    modes = ["direct", "off", "on", *(m for m in ("on-json", "on-dashboard") if m in args.modes.split(","))]
 
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
@@ -536,7 +574,8 @@ def main() -> None:
     try:
         stub_url = f"http://127.0.0.1:{stub_port}"
         _wait_http(f"{stub_url}/health")
-        for mode in ("direct", "off", "on", "on-json"):
+        for mode in modes:
+            pages = None
             if mode == "direct":
                 url = f"{stub_url}/v1/chat/completions"
                 gw = None
@@ -545,6 +584,10 @@ def main() -> None:
                 procs.append(gw)
                 _wait_http(f"http://127.0.0.1:{gw_port}/health")
                 url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
+                if mode == "on-dashboard":
+                    pages = subprocess.Popen([sys.executable, __file__, "--poll-dashboard", f"http://127.0.0.1:{gw_port}",
+                                              "--dashboard-pages", str(args.dashboard_pages)],
+                                             stdout=subprocess.PIPE, text=True)
             gw_url = f"http://127.0.0.1:{gw_port}"
             pid = (gw or stub).pid
             print(f"[{mode}] open loop at {args.rate:.0f} req/s for {args.seconds:.0f}s ...", flush=True)
@@ -584,6 +627,10 @@ def main() -> None:
 
                 health = httpx.get(f"{gw_url}/health").json()
                 entry["producer"] = health["producer"]
+                if pages is not None:  # how many dashboard answers the pages got during the mode
+                    pages.terminate()
+                    entry["dashboard"] = {"pages": args.dashboard_pages,
+                                          "answers": pages.communicate(timeout=10)[0].strip()}
                 _stop(gw)
                 procs.remove(gw)
             results[mode] = entry
@@ -598,7 +645,7 @@ def main() -> None:
         results["vllm_records"] = vllm_record_sizes(args.vllm)
     d, off, on = results["direct"], results["off"], results["on"]  # type: ignore[index]
     summary = {}
-    for mode, entry in (("off", off), ("on", on), ("on-json", results["on-json"])):
+    for mode, entry in ((m, results[m]) for m in modes if m != "direct"):
         summary[mode] = {
             "added_p50_ms": entry["latency"]["p50_ms"] - d["latency"]["p50_ms"],
             "added_p99_ms": entry["latency"]["p99_ms"] - d["latency"]["p99_ms"],
@@ -623,7 +670,13 @@ def main() -> None:
     summary["direct_max_rps"] = d["throughput"]["rps"]
     summary["direct_large_body_p50_p99_ms"] = (d["large_body_latency"]["p50_ms"], d["large_body_latency"]["p99_ms"])
     summary["on_over_off_throughput"] = on["throughput"]["rps"] / off["throughput"]["rps"]
-    summary["on_json_over_off_throughput"] = results["on-json"]["throughput"]["rps"] / off["throughput"]["rps"]
+    if "on-json" in results:
+        summary["on_json_over_off_throughput"] = results["on-json"]["throughput"]["rps"] / off["throughput"]["rps"]
+    if "on-dashboard" in results:  # the dashboard's cost: on with pages open against on, same run
+        dash = results["on-dashboard"]
+        summary["on_dashboard_over_on_throughput"] = dash["throughput"]["rps"] / on["throughput"]["rps"]
+        summary["on_dashboard_minus_on_p50_p99_ms"] = (dash["latency"]["p50_ms"] - on["latency"]["p50_ms"],
+                                                       dash["latency"]["p99_ms"] - on["latency"]["p99_ms"])
     results["summary"] = summary
     print(json.dumps(results, indent=2))
     print_table(results)
