@@ -133,8 +133,16 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, out: Path, upstre
     }
     if mode == "warmup":  # one trained version served, not timed
         config["demo"].update(until_version=1, until_reward=None, max_ahead=0, max_seconds=300.0)
+    if args.replica_gpus:  # one vLLM replica per GPU named, each taking the layout's memory fraction of it
+        gpus = args.replica_gpus.split(",")
+        config["up"].update(replicas=len(gpus), replica_gpus=gpus)
+        config["engine"].pop("device")
+    if args.trainer_gpus:  # one trainer rank per GPU named (torchrun, NCCL)
+        gpus = args.trainer_gpus.split(",")
+        config["up"].update(trainer_gpus=gpus, trainer_nproc=len(gpus), trainer_device="cuda")
     if engine_device is None:
-        del config["engine"]["device"], config["engine"]["gpu_memory_utilization"]
+        config["engine"].pop("device", None)
+        del config["engine"]["gpu_memory_utilization"]
     if upstreams:
         del config["engine"]
     cfg = run_dir / "config.json"
@@ -380,6 +388,10 @@ def main() -> int:
     p.add_argument("--port", type=int, default=18080)
     p.add_argument("--engine-args", default="", help="extra vLLM flags, e.g. --enforce-eager")
     p.add_argument("--shared-engine", action="store_true", help="one vLLM server for every mode (started once)")
+    p.add_argument("--replica-gpus", default="", help="comma-separated GPUs, one vLLM replica on each (streamrl "
+                   "up's replicas / replica_gpus; each mode starts its own; not with --shared-engine)")
+    p.add_argument("--trainer-gpus", default="", help="comma-separated GPUs, one trainer rank on each (torchrun, "
+                   "NCCL; streamrl up's trainer_nproc / trainer_gpus)")
     p.add_argument("--no-token-capture", action="store_true",
                    help="shared engines without capture frames (plain vLLM): the gateway asks for tokens in the JSON")
     p.add_argument("--engines", type=int, default=1,
@@ -399,6 +411,8 @@ def main() -> int:
                         "(CUDA and library caches, the trainer's first steps) land in no timed mode")
     p.add_argument("--out", default="runs/loop-bench")
     args = p.parse_args()
+    if args.replica_gpus and args.shared_engine:
+        p.error("--replica-gpus places each mode's own replicas: not with --shared-engine")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(args, out)

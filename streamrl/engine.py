@@ -82,11 +82,16 @@ class Engine:
         return env
 
     def start(self, timeout: float = 600.0, spawning: contextlib.AbstractContextManager | None = None) -> Engine:
-        """Start vLLM and wait until it is healthy; ``spawning`` wraps the spawn itself (``up`` holds its
-        signals meanwhile, so that a shutdown never misses a child)."""
+        """Start vLLM and wait until it is healthy (``launch`` then ``wait_healthy``)."""
+        self.launch(spawning)
+        self.wait_healthy(timeout)
+        return self
+
+    def launch(self, spawning: contextlib.AbstractContextManager | None = None) -> Engine:
+        """Start vLLM without waiting for it (replicas start side by side); ``spawning`` wraps the spawn
+        itself (``up`` holds its signals meanwhile, so that a shutdown never misses a child)."""
         with spawning or contextlib.nullcontext():
             self.proc = spawn(self.command(), env=self.environment(), log=self.log_file)
-        self.wait_healthy(timeout)
         return self
 
     def wait_healthy(self, timeout: float) -> None:

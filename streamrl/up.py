@@ -93,6 +93,15 @@ class UpConfig:
     """Trainer device: auto, cpu, cuda, cuda:N (the [trainer] table's ``device``)."""
     trainer_nproc: int = 1
     """Trainer processes (torchrun, one per GPU) for multi-GPU data-parallel training."""
+    trainer_gpus: list[str] = field(default_factory=list)
+    """GPUs of the trainer's ranks, one per rank (their ``CUDA_VISIBLE_DEVICES``; rank r takes the r-th):
+    e.g. ["2", "3"] with trainer_nproc = 2. Empty: as the [trainer] table's ``device`` says."""
+    replicas: int = 1
+    """vLLM replicas to start (each its own server; the gateway spreads requests over them and loads every
+    policy version into each before routing to it). Ignored with ``upstreams``."""
+    replica_gpus: list[str] = field(default_factory=list)
+    """GPU of each replica, one per replica (e.g. ["0", "1"] with replicas = 2; its ``CUDA_VISIBLE_DEVICES``).
+    Empty: the [engine] table's ``device`` for all of them."""
     verbose: bool = False
     """Show the engine's INFO lines in the combined log too (they are always in its log file)."""
     judge: bool = False
@@ -112,6 +121,13 @@ class UpConfig:
         self.kafka = KafkaSecurity.of(self.kafka)
         if self.trainer_nproc < 1:
             raise ValueError("trainer_nproc must be >= 1")
+        if self.replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        for name, gpus, count in (("trainer_gpus", self.trainer_gpus, self.trainer_nproc),
+                                  ("replica_gpus", self.replica_gpus, self.replicas)):
+            if gpus and len(gpus) != count:
+                raise ValueError(f"{name} names {len(gpus)} GPUs for {count} "
+                                 f"{'trainer ranks' if name == 'trainer_gpus' else 'replicas'}: one each")
         if self.work_dir is None:
             self.work_dir = str(default_cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S"))
 
@@ -200,7 +216,7 @@ def console_worthy(part: str, text: str, verbose: bool) -> bool:
     clients' INFO chatter, and of vLLM only its trouble unless ``verbose``."""
     if verbose:
         return True
-    if part == "engine":
+    if part == "engine" or part.startswith("engine-"):
         return bool(_ENGINE_TROUBLE.search(text))
     return not _CLIENT_CHATTER.search(text)
 
@@ -295,7 +311,7 @@ class Stack:
         self.run_dir = config.run_dir
         self.logs = self.run_dir / "logs"
         self.broker: EmbeddedBroker | None = None
-        self.engine: Engine | None = None
+        self.engines: list[Engine] = []
         self.children: dict[str, subprocess.Popen] = {}
         self.model = ""
         self.bootstrap_servers = ""
@@ -382,7 +398,10 @@ class Stack:
         n = self.config.trainer_nproc
         argv = [sys.executable, *cli] if n == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *cli]
-        self._spawn("trainer", argv, env={"PYTHONUNBUFFERED": "1"})
+        env = {"PYTHONUNBUFFERED": "1"}
+        if self.config.trainer_gpus:  # rank r runs on cuda:LOCAL_RANK, the r-th of these
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.config.trainer_gpus)
+        self._spawn("trainer", argv, env=env)
 
     def _engine(self) -> list[str]:
         c = self.config
@@ -390,13 +409,19 @@ class Stack:
             self.log.line("engine", f"external upstream(s): {', '.join(c.upstreams)}")
             return list(c.upstreams)
         config = c.engine_config(self.model)
-        log_file = self.logs / "engine.log"
-        self.engine = Engine(config, log_file=log_file)
-        self.log.follow("engine", log_file, self._following)
-        self.log.line("engine", f"starting vLLM on {self.model} (log: {log_file})")
-        self.engine.start(timeout=900, spawning=self.gate.defer())
-        self.log.line("engine", f"vLLM ready at {self.engine.url}")
-        return [self.engine.url]
+        for i in range(c.replicas):  # started side by side, then waited for
+            part = "engine" if c.replicas == 1 else f"engine-{i}"
+            replica = dataclasses.replace(config, device=c.replica_gpus[i]) if c.replica_gpus else config
+            log_file = self.logs / f"{part}.log"
+            self.engines.append(engine := Engine(replica, log_file=log_file))
+            self.log.follow(part, log_file, self._following)
+            where = f" on GPU {replica.device}" if replica.device is not None else ""
+            self.log.line(part, f"starting vLLM on {self.model}{where} (log: {log_file})")
+            engine.launch(spawning=self.gate.defer())
+        for i, engine in enumerate(self.engines):
+            engine.wait_healthy(timeout=900)
+            self.log.line("engine" if c.replicas == 1 else f"engine-{i}", f"vLLM ready at {engine.url}")
+        return [e.url for e in self.engines]
 
     def _gateway(self) -> None:
         c = self.config
@@ -459,7 +484,8 @@ class Stack:
                 if proc.poll() is not None:
                     self.log.line("up", f"{part} exited with code {proc.returncode}; stopping")
                     return 1
-            for part, p in (("engine", self.engine and self.engine.proc), ("broker", self.broker and self.broker.proc)):
+            parts = [(f"engine {e.url}", e.proc) for e in self.engines] + [("broker", self.broker and self.broker.proc)]
+            for part, p in parts:
                 if p is not None and p.poll() is not None:
                     self.log.line("up", f"{part} exited with code {p.returncode}; stopping")
                     return 1
@@ -483,9 +509,9 @@ class Stack:
                 if stop_group(proc, timeout):
                     self.log.line("up", f"{part} did not stop within {timeout:.0f} s of SIGTERM: killed")
         self._following.set()  # vLLM's own shutdown messages stay in its log file, off the console
-        if self.engine is not None:
-            self.log.line("up", "stopping engine")
-            self.engine.stop()
+        for engine in self.engines:
+            self.log.line("up", f"stopping engine {engine.url}")
+            engine.stop()
         if self.broker is not None:
             self.log.line("up", "stopping broker")
             self.broker.stop()

@@ -3,7 +3,9 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | gateway | loop-two-gpu | loop-one-gpu | loop-real | unpaced-real | trainer
+#   BENCH: capture | gateway | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
+#   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
+#          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
 #   env:   LR (loop learning rate, default 3e-3; loop-real 5e-4), ENGINES (vLLM replicas, default 1),
 #          MAX_AHEAD (pipeline's steps ahead, default 1; loop-real 2), CONCURRENCY (groups in flight,
 #          default 16), LOOP_SECONDS (per mode, default 150), UNTIL (target reward, default 0.8);
@@ -42,6 +44,24 @@ loop() {  # loop LAYOUT NAME
   tail -8 "$out/$2.log"
 }
 
+multi_loop() {  # #17: replicas and trainer ranks on their own GPUs of one host, each mode its own stack
+  local dir=/root/lb-loop-multi
+  rm -rf "$dir"
+  (while sleep 10; do cp "$dir/loop_bench.json" "$out/loop-multi.json" 2>/dev/null; done) & local copier=$!
+  python3 "$repo/bench/loop_bench.py" --layout two-gpu --shape "${SHAPE:-qwen2.5-7b}" \
+      --replica-gpus "${REPLICA_GPUS:-0,1}" --trainer-gpus "${TRAINER_GPUS:-2,3}" \
+      --warmup --modes pipeline,sync --until-reward "${UNTIL:-0.8}" --max-seconds "${LOOP_SECONDS:-150}" \
+      --learning-rate "${LR:-3e-3}" --group-size 8 --groups-per-step 16 --lora-rank 16 --concurrency "${CONCURRENCY:-32}" \
+      --max-tokens 256 --max-ahead "${MAX_AHEAD:-1}" --micro-batch-tokens 16384 --row-tokens 1024 --context-words 400 \
+      --max-model-len 4096 --stall-s 30 --out "$dir" > "$out/loop-multi.log" 2>&1
+  kill "$copier"
+  cp "$dir/loop_bench.json" "$out/loop-multi.json" 2>/dev/null
+  for m in pipeline sync; do
+    grep -v 'HTTP/1.1" 200' "$dir/$m/up.log" 2>/dev/null | grep -v '^engine' | tail -200 > "$out/loop-multi-$m.log"
+  done
+  tail -8 "$out/loop-multi.log"
+}
+
 real_loop() {  # the real model on the arithmetic task, pipeline against sync on one GPU
   local dir=/root/lb-$1
   rm -rf "$dir"
@@ -73,6 +93,7 @@ for bench in "$@"; do
                > "$out/gateway.log" 2>&1; tail -12 "$out/gateway.log" ;;
     loop-two-gpu) loop two-gpu loop-two-gpu ;;
     loop-one-gpu) loop one-gpu loop-one-gpu ;;
+    loop-multi) multi_loop ;;
     loop-real) real_loop "loop-real${TAG:-}" ;;
     unpaced-real)  # agents that do not wait for the trainer: the real model, wait against freshest
       streamrl model smollm2-135m /root/stash/models/smollm2-135m --cache "$stash/wheels" > "$out/model.log" 2>&1
