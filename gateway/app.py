@@ -57,6 +57,7 @@ class Gateway:
         check_bind(config.host, self.keys, config.insecure)
         self.topics = Topics(config.topic_prefix)
         self.metrics = GatewayMetrics()
+        self.metrics.info.labels(self.gateway_id).set(1)
         self.pool = UpstreamPool(config.upstreams, interval_s=config.health_interval_s,
                                  timeout_s=config.health_timeout_s, eject_after=config.health_failures_to_eject,
                                  token_capture=config.token_capture)
@@ -110,8 +111,8 @@ class Gateway:
             self.follower = PolicyFollower(c, self.pool, self.router, self.session, self.topics.policy,
                                            self.metrics, coordination, self.dashboard)
             await self.follower.start(c.policy_catch_up_s)
-        log.info("gateway %s up: upstreams %s, logging %s, policy name %r, %s", list(c.upstreams),
-                 self.gateway_id, "to " + c.bootstrap_servers if c.bootstrap_servers else "off", c.policy_name,
+        log.info("gateway %s up: upstreams %s, logging %s, policy name %r, %s", self.gateway_id,
+                 list(c.upstreams), "to " + c.bootstrap_servers if c.bootstrap_servers else "off", c.policy_name,
                  f"API keys {', '.join(self.keys.ids)}" if self.keys else "no API keys")
 
     async def stop(self) -> None:

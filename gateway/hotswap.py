@@ -231,6 +231,7 @@ class PolicyFollower:
     def _on_coordination(self) -> None:
         was = self.leading
         self.leading = self.coordination.leading
+        self.metrics.leader.set(float(self.leading))
         if self.leading and not was:
             self._spawn(self._take_over())
         elif not self.leading:
@@ -407,9 +408,10 @@ class PolicyFollower:
             async with self.session.post(f"{up.url}/v1/load_lora_adapter", json=body,
                                          timeout=aiohttp.ClientTimeout(total=60)) as r:
                 text = await r.text()
-                ok = r.status == 200 or (r.status == 400 and "already" in text)
-            if not ok:
+                already = r.status == 400 and "already" in text
+            if r.status != 200 and not already:
                 raise RuntimeError(f"HTTP {r.status}: {text[:200]}")
+            self.metrics.adapter_loads.labels("already" if already else "loaded").inc()
             if state.unloading:  # given up while loading: take it out again
                 await self._unload_one(up, name)
                 return False
