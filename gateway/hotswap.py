@@ -491,6 +491,7 @@ class PolicyFollower:
                 await self._unload(state, f"retired, no gateway uses it, {self.router.routed.served_name if self.router.routed else '-'} routed")
             self.loaded.pop(version, None)
             self.retiring.pop(version, None)
+            self._room.set()
             await self._publish()
         finally:
             self._unloading.discard(version)
