@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamrl.config_flags import add_config_flags, given
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.workers > 1:
         try:
-            return Workers(config).run()
+            # the workers' config files beside the given one (``streamrl up``: in its run directory)
+            return Workers(config, Path(args.config).parent / "gateway-workers" if args.config else None).run()
         except ValueError as exc:
             raise SystemExit(f"streamrl gateway: {exc}") from None
     try:

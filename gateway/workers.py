@@ -57,6 +57,7 @@ class Workers:
             raise ValueError("several gateway workers need a fixed port (not 0): each binds it itself")
         self.config = config
         self.work_dir = work_dir or Path(tempfile.mkdtemp(prefix="streamrl-gateway-workers-"))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen | None] = [None] * config.workers
         self._stopping = threading.Event()
 
