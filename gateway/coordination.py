@@ -61,6 +61,8 @@ class Coordination:
         """The latest state of each gateway of this policy name, this one's included."""
         self.applied_offset = -1
         self.malformed = 0
+        self.ready = False
+        """The view is whole (this gateway's first state read back); before, it leads nothing."""
         self.on_change: list[Callable[[], None]] = []
         self._own_offset = -1
         self._own_back = asyncio.Event()
@@ -71,19 +73,26 @@ class Coordination:
 
     # -- life cycle ----------------------------------------------------------------------------------
     async def start(self, first: GatewayState) -> None:
-        """Read the recent log, write ``first``, and return once it has been read back (the view is whole)."""
+        """Read the recent log, write ``first``, and return once it has been read back (the view is whole).
+        Kafka unreachable: retried every second, for as long as it takes (the caller serves meanwhile)."""
         self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(create_gateways_topic, self.config.bootstrap_servers, self.topics,
-                                security=self.config.kafka)
-        self._producer = await asyncio.to_thread(
-            make_producer, self.config.bootstrap_servers, security=self.config.kafka, acks="all", linger_ms=0,
-            compression=None, client_id=f"streamrl-gateway-{self.gateway_id}")
+        while self._producer is None:
+            try:
+                await asyncio.to_thread(create_gateways_topic, self.config.bootstrap_servers, self.topics,
+                                        security=self.config.kafka)
+                self._producer = await asyncio.to_thread(
+                    make_producer, self.config.bootstrap_servers, security=self.config.kafka, acks="all",
+                    linger_ms=0, compression=None, client_id=f"streamrl-gateway-{self.gateway_id}")
+            except Exception as exc:
+                log.warning("coordination cannot reach Kafka (%s); retrying", exc)
+                await asyncio.sleep(1.0)
         self._thread = threading.Thread(target=self._consume, name="gateway-coordination", daemon=True)
         self._thread.start()
         offset = await self.write(first)
         if self.applied_offset >= offset:  # read back before the ack came
             self._own_back.set()
         await self._own_back.wait()
+        self.ready = True
 
     async def stop(self, last: GatewayState | None) -> None:
         """Write ``last`` (a ``leaving`` state, so nobody waits out the TTL for this gateway), then stop."""
@@ -100,7 +109,8 @@ class Coordination:
 
     async def write(self, state: GatewayState) -> int:
         """Send ``state`` and wait for its ack; returns its offset."""
-        assert self._producer is not None
+        if self._producer is None:
+            raise RuntimeError("not connected to Kafka yet")
         state.at = time.time()
         future = self._producer.send(self.topic, key=self.gateway_id.encode(), value=encode(state))
         metadata = await asyncio.to_thread(future.get, 30)
@@ -121,7 +131,7 @@ class Coordination:
 
     @property
     def leading(self) -> bool:
-        return self.leader() == self.gateway_id
+        return self.ready and self.leader() == self.gateway_id
 
     def state_of(self, gateway_id: str) -> Seen | None:
         return self.seen.get(gateway_id)

@@ -100,12 +100,16 @@ class PolicyFollower:
         """Join the coordination log, then follow the policy topic; return once the newest version the
         leader has loaded (this gateway's own first load, when it leads) is routed, or after the timeout."""
         self._loop = asyncio.get_running_loop()
-        try:
-            await asyncio.wait_for(self.coordination.start(self._state()), catch_up_timeout_s)
-        except TimeoutError:
-            log.warning("coordination topic not read back after %.0fs; serving on", catch_up_timeout_s)
         self.coordination.on_change.append(self._on_coordination)
-        self._on_coordination()
+        joining = self._loop.create_task(self._join())
+        self._tasks.add(joining)
+        joining.add_done_callback(self._tasks.discard)
+        started = time.monotonic()
+        await asyncio.wait({joining}, timeout=catch_up_timeout_s)
+        if not joining.done():
+            log.warning("coordination topic not read back after %.0fs; serving on (this gateway joins the others "
+                        "when Kafka answers)", catch_up_timeout_s)
+        catch_up_timeout_s = max(0.0, catch_up_timeout_s - (time.monotonic() - started))
         self._thread = threading.Thread(target=self._consume, name="policy-follower", daemon=True)
         self._thread.start()
         self._spawn(self._run())
@@ -115,6 +119,10 @@ class PolicyFollower:
             await asyncio.wait_for(self.caught_up.wait(), catch_up_timeout_s)
         except TimeoutError:
             log.warning("policy topic %s not caught up after %.0fs; serving on", self.topic, catch_up_timeout_s)
+
+    async def _join(self) -> None:
+        await self.coordination.start(self._state())
+        self._on_coordination()
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -127,7 +135,7 @@ class PolicyFollower:
             await asyncio.to_thread(self._thread.join, 5)
         leaving = self._state()
         leaving.leaving = True
-        await self.coordination.stop(leaving)
+        await self.coordination.stop(leaving if self.coordination.ready else None)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
@@ -219,14 +227,15 @@ class PolicyFollower:
 
     def _changed(self) -> None:
         """Write the state at once when what this gateway uses, or the retiring set it has read, changed."""
-        if self._written != (self.in_use(), tuple(sorted(self.retiring))):
+        if self.coordination.ready and self._written != (self.in_use(), tuple(sorted(self.retiring))):
             self._spawn(self._publish())
 
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
-            self._on_coordination()  # a silent gateway goes out of the view with time alone
-            await self._publish()
+            if self.coordination.ready:
+                self._on_coordination()  # a silent gateway goes out of the view with time alone
+                await self._publish()
 
     def _on_coordination(self) -> None:
         was = self.leading

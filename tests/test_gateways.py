@@ -348,3 +348,25 @@ def test_workers_share_one_port(broker, engine, topics, adapters, base_model, na
         assert engine_loads(engine, f"{name}@v1") == 1
     finally:
         stop_group(proc, 30)
+
+
+def test_a_gateway_started_with_kafka_down_serves_then_joins(engine, adapters, base_model, name, tmp_path):
+    """Kafka unreachable at start: the gateway serves (the base model, records to its spool) after its
+    catch-up wait instead of failing to start, and joins the coordination, leads and follows the policy
+    topic once the broker is up."""
+    own = EmbeddedBroker(topics=Topics("gateways-late"), partitions=2, log_file=LOG_DIR / "broker-gateways.log")
+    config = dataclasses.replace(gateway_config(own, engine.url, name, tmp_path), topic_prefix=own.topics.prefix,
+                                 policy_catch_up_s=2.0)
+    try:
+        with GatewayServer(config) as gw:
+            r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": name, "messages": CHAT, "max_tokens": 2},
+                           timeout=120)
+            assert r.status_code == 200 and r.headers["x-policy-version"] == "0"
+            assert not gw.gateway.follower.coordination.ready and not gw.gateway.follower.leading
+            own.start()
+            wait_until(lambda: gw.gateway.follower.leading, "the gateway joined and leads")
+            assert httpx.get(f"{gw.url}/health").json()["gateway"]["live"] == [gw.gateway.gateway_id]
+            publish_version(own.bootstrap_servers, own.topics, name, 1, adapters[0], base_model)
+            wait_until(lambda: gw.gateway.router.version == 1, "v1 routed")
+    finally:
+        own.stop()
