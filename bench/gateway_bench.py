@@ -141,6 +141,9 @@ def serve_stub(port: int) -> None:
         return web.Response(body=framed_body if framed else bodies[key], content_type="application/json",
                             headers=headers)
 
+    async def lora(_request: web.Request) -> web.Response:  # hot-swap: loads and unloads take no time here
+        return web.Response(text="Success")
+
     async def capture_probe(_request: web.Request) -> web.Response:
         return web.Response(body=probe, content_type="application/json")
 
@@ -155,8 +158,12 @@ def serve_stub(port: int) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get(PROBE_PATH, capture_probe)
+    app.router.add_post("/v1/load_lora_adapter", lora)
+    app.router.add_post("/v1/unload_lora_adapter", lora)
     uvloop.install()
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+    # reuse_port: several stub processes may share the port (bench/gateway_scaling.py), so that the stub is
+    # not what limits many gateway processes
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, reuse_port=True)
 
 
 # -- the load generator -----------------------------------------------------------------------------

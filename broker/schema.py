@@ -9,11 +9,13 @@ Three record kinds travel over Kafka:
 * ``PolicyRecord`` (topic ``policy``, key = policy name): one per adapter version the trainer publishes.
 * ``JudgeRequest`` (topic ``rewards``, key = trajectory id): "judge this trajectory with its group" instead
   of a reward; ``streamrl judge`` answers it with a ``RewardRecord``, trainers never train on it.
+* ``GatewayState`` (topic ``gateways``, key = gateway id): one gateway's view of the policy versions,
+  written every heartbeat; the gateways in front of the same replicas coordinate loads and unloads by it.
 
 Wire format of a record value (all integers little-endian)::
 
     offset 0  3 bytes  magic b"SRL"
-    offset 3  1 byte   kind (1 completion, 2 reward, 3 policy, 4 judge request)
+    offset 3  1 byte   kind (1 completion, 2 reward, 3 policy, 4 judge request, 5 gateway state)
     offset 4  1 byte   schema version of that kind (see SCHEMA_VERSIONS)
     offset 5  4 bytes  length J of the JSON header (uint32)
     offset 9  J bytes  JSON header (orjson): every field of the record's dataclass but a completion's
@@ -41,6 +43,8 @@ counting) instead of guessing, so a consumer can count and skip it. Version hist
   posted by the producer) and ``explanation`` (the judge's words). Older records read as None and "".
 * judge request v1 (kind 4): the first version. A reader that does not know the kind refuses it
   (``unknown_kind``), so old trainers skip it.
+* gateway state v1 (kind 5, topic ``gateways``): the first version. Only gateways read it (the
+  coordination of several gateways, ``gateway/coordination.py``); any other reader refuses the kind.
 """
 
 from __future__ import annotations
@@ -61,10 +65,11 @@ KIND_COMPLETION = 1
 KIND_REWARD = 2
 KIND_POLICY = 3
 KIND_JUDGE_REQUEST = 4
-SCHEMA_VERSIONS = {KIND_COMPLETION: 3, KIND_REWARD: 3, KIND_POLICY: 2, KIND_JUDGE_REQUEST: 1}
+KIND_GATEWAY_STATE = 5
+SCHEMA_VERSIONS = {KIND_COMPLETION: 3, KIND_REWARD: 3, KIND_POLICY: 2, KIND_JUDGE_REQUEST: 1, KIND_GATEWAY_STATE: 1}
 """The version each kind is written in."""
 READABLE_VERSIONS = {KIND_COMPLETION: (1, 2, 3), KIND_REWARD: (1, 2, 3), KIND_POLICY: (1, 2),
-                     KIND_JUDGE_REQUEST: (1,)}
+                     KIND_JUDGE_REQUEST: (1,), KIND_GATEWAY_STATE: (1,)}
 """The versions of each kind this module reads."""
 PURPOSES = ("train", "eval", "judge")
 """What a completion was generated for: only ``train`` completions are trained on (``eval``: held-out
@@ -210,7 +215,46 @@ class PolicyRecord:
         return f"{self.name}@v{self.version}"
 
 
-Record = CompletionRecord | RewardRecord | PolicyRecord | JudgeRequest
+@dataclass(frozen=True, slots=True)
+class LoadedVersion:
+    """A policy version the leader gateway has loaded, and the replicas (upstream URLs) it is loaded on."""
+
+    version: int
+    replicas: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class GatewayState:
+    """One gateway's state on the coordination topic (``gateway/coordination.py`` states the protocol).
+
+    Every gateway writes its own every heartbeat and at once when what it routes or uses changes; the
+    latest one of each gateway is all that counts. ``loaded`` and ``retiring`` are the leader's word
+    (empty from the others)."""
+
+    gateway_id: str
+    policy_name: str
+    """The policy name the gateway serves: gateways of other names on the same topics are ignored."""
+    started_at: float
+    """When the gateway process started: the oldest live one leads."""
+    seen_offset: int = -1
+    """The last offset of the coordination topic the gateway had read when it wrote this."""
+    routed_version: int = 0
+    in_use: tuple[int, ...] = ()
+    """Versions it routes or has requests in flight on (pinned ones included): not to be unloaded."""
+    loaded: tuple[LoadedVersion, ...] = ()
+    """Leader only: versions loaded on the replicas, oldest first; followers route among these."""
+    retiring: tuple[int, ...] = ()
+    """Leader only: versions about to be unloaded; gateways reading this take no new requests on them."""
+    leader: bool = False
+    """Written as the leader: followers take ``loaded`` and ``retiring`` from the leader's state only when
+    it says so (a gateway just elected has not yet written what it took over)."""
+    leaving: bool = False
+    """Written once by a gateway stopping in order: it is not waited for (nor led by) any more."""
+    at: float = field(default_factory=time.time)
+    """When this state was written (a gateway silent for ``gateway_ttl_s`` is taken for dead)."""
+
+
+Record = CompletionRecord | RewardRecord | PolicyRecord | JudgeRequest | GatewayState
 
 
 def _pack(kind: int, header: dict[str, Any], tail: bytes = b"") -> bytes:
@@ -228,7 +272,8 @@ def _header_fields(cls: type) -> tuple[tuple[str, bool], ...]:
                  for f in fields(cls) if f.name not in _ARRAYS)
 
 
-_HEADER_FIELDS = {cls: _header_fields(cls) for cls in (CompletionRecord, RewardRecord, PolicyRecord, JudgeRequest)}
+_HEADER_FIELDS = {cls: _header_fields(cls)
+                  for cls in (CompletionRecord, RewardRecord, PolicyRecord, JudgeRequest, GatewayState)}
 """Worked out once: encoding and decoding are on the gateway's and the trainer's paths for every record."""
 
 
@@ -254,6 +299,8 @@ def encode(record: Record) -> bytes:
         return _pack(KIND_POLICY, _header(record))
     if isinstance(record, JudgeRequest):
         return _pack(KIND_JUDGE_REQUEST, _header(record))
+    if isinstance(record, GatewayState):
+        return _pack(KIND_GATEWAY_STATE, _header(record))
     raise TypeError(f"not a streamrl record: {type(record).__name__}")
 
 
@@ -289,6 +336,8 @@ def _decode(value: bytes | None) -> Record:
         return _decode_reward(h)
     if kind == KIND_JUDGE_REQUEST:
         return _decode_judge_request(h)
+    if kind == KIND_GATEWAY_STATE:
+        return GatewayState(**_read_header(GatewayState, h, _GATEWAY_STATE_READERS))
     return _decode_policy(h)
 
 
@@ -462,6 +511,51 @@ _POLICY_READERS: dict[str, Any] = {
     "publisher": lambda v: check_id(v, "publisher", optional=True),
 }
 
-for _cls, _readers in ((CompletionRecord, _COMPLETION_READERS), (PolicyRecord, _POLICY_READERS)):
+
+
+def _versions(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise RecordError("malformed", "versions must be a list")
+    return tuple(_published_version(v) for v in value)
+
+
+def _loaded(value: Any) -> tuple[LoadedVersion, ...]:
+    if not isinstance(value, list):
+        raise RecordError("malformed", "loaded must be a list")
+    out = []
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("replicas"), list) \
+                or not all(isinstance(u, str) for u in item["replicas"]):
+            raise RecordError("malformed", "a loaded version is {version, replicas: [url, ...]}")
+        out.append(LoadedVersion(_published_version(item.get("version")), tuple(item["replicas"])))
+    return tuple(out)
+
+
+def _offset(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise RecordError("malformed", "seen_offset must be an int >= -1")
+    return value
+
+
+def _time(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RecordError("malformed", "a time must be a finite number")
+    return float(value)
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise RecordError("malformed", "leader and leaving must be bools")
+    return value
+
+
+_GATEWAY_STATE_READERS: dict[str, Any] = {
+    "gateway_id": lambda v: check_id(v, "gateway_id"), "policy_name": lambda v: check_id(v, "policy_name"),
+    "started_at": _time, "seen_offset": _offset, "routed_version": _policy_version, "in_use": _versions,
+    "loaded": _loaded, "retiring": _versions, "leader": _flag, "leaving": _flag, "at": _time,
+}
+
+for _cls, _readers in ((CompletionRecord, _COMPLETION_READERS), (PolicyRecord, _POLICY_READERS),
+                       (GatewayState, _GATEWAY_STATE_READERS)):
     if set(_readers) != {name for name, _ in _HEADER_FIELDS[_cls]}:
         raise RuntimeError(f"{_cls.__name__}: every header field needs exactly one reader")

@@ -29,6 +29,7 @@ from streamrl.broker.topics import Topics
 
 from .auth import AuthMiddleware, check_bind, has_scope, load_keys, request_key
 from .config import GatewayConfig
+from .coordination import Coordination, default_gateway_id
 from .dashboard import Dashboard
 from .dashboard_routes import add_dashboard_routes
 from .hotswap import PolicyFollower
@@ -49,10 +50,14 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
+        self.started_at = time.time()
+        self.gateway_id = config.gateway_id or default_gateway_id(self.started_at)
+        """This process's id on the coordination topic (``/health`` says it, and who leads)."""
         self.keys = load_keys(config.api_keys, os.environ)
         check_bind(config.host, self.keys, config.insecure)
         self.topics = Topics(config.topic_prefix)
         self.metrics = GatewayMetrics()
+        self.metrics.info.labels(self.gateway_id).set(1)
         self.pool = UpstreamPool(config.upstreams, interval_s=config.health_interval_s,
                                  timeout_s=config.health_timeout_s, eject_after=config.health_failures_to_eject,
                                  token_capture=config.token_capture)
@@ -102,11 +107,12 @@ class Gateway:
         if self.dashboard is not None:
             self.dashboard.start()
         if c.bootstrap_servers is not None and c.follow_policy:
+            coordination = Coordination(c, self.topics, self.gateway_id, self.started_at)
             self.follower = PolicyFollower(c, self.pool, self.router, self.session, self.topics.policy,
-                                           self.metrics, self.dashboard)
+                                           self.metrics, coordination, self.dashboard)
             await self.follower.start(c.policy_catch_up_s)
-        log.info("gateway up: upstreams %s, logging %s, policy name %r, %s", list(c.upstreams),
-                 "to " + c.bootstrap_servers if c.bootstrap_servers else "off", c.policy_name,
+        log.info("gateway %s up: upstreams %s, logging %s, policy name %r, %s", self.gateway_id,
+                 list(c.upstreams), "to " + c.bootstrap_servers if c.bootstrap_servers else "off", c.policy_name,
                  f"API keys {', '.join(self.keys.ids)}" if self.keys else "no API keys")
 
     async def stop(self) -> None:
@@ -138,6 +144,8 @@ class Gateway:
                 if policy else {"status": status}
         return {
             "status": status,
+            "gateway": {"gateway_id": self.gateway_id, "pid": os.getpid()} if self.follower is None
+            else {**self.follower.coordination.view(), "pid": os.getpid()},
             "upstreams": [u.state() for u in self.pool.upstreams],
             "policy": self.router.state(),
             "producer": None if stats is None else {

@@ -87,6 +87,18 @@ class GatewayConfig:
     ``publisher_id``, ``streamrl publish --publisher``)."""
     kafka: KafkaSecurity = field(default_factory=KafkaSecurity)
     """Kafka security settings of the gateway's producer and policy consumer."""
+    gateway_id: str | None = None
+    """This gateway's id on the coordination topic (docs/gateway.md, "Several gateways"); None: host name,
+    process id and start time, unique per process (a restarted gateway is a new one)."""
+    heartbeat_s: float = 1.0
+    """Seconds between two states a gateway writes to the coordination topic (it also writes at once when
+    what it routes or uses changes)."""
+    gateway_ttl_s: float = 5.0
+    """A gateway that has written no state for this long is taken for dead: not waited for before an
+    unload, and the next-oldest gateway leads in its place."""
+    workers: int = 1
+    """Gateway processes ``streamrl gateway`` starts on the same port (``SO_REUSEPORT``: the kernel spreads
+    connections among them), each a gateway of its own with its own id, producer and spool directory."""
     dashboard: bool = True
     """Serve the live dashboard at ``/dashboard`` (docs/gateway.md, "Dashboard"); off, nothing is kept for it
     and its routes are absent."""
@@ -111,6 +123,10 @@ class GatewayConfig:
             raise ValueError("upstream_keepalive_s must be > 0")
         if self.spool_max_bytes < 1 << 20:
             raise ValueError("spool_max_bytes must be >= 1 MiB")
+        if not 0 < self.heartbeat_s < self.gateway_ttl_s:
+            raise ValueError("heartbeat_s must be > 0 and below gateway_ttl_s")
+        if self.workers < 1:
+            raise ValueError("workers must be >= 1")
         if self.spool_after_ms < 1:
             raise ValueError("spool_after_ms must be >= 1")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))

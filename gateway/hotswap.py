@@ -1,16 +1,31 @@
-"""Follow the policy topic and hot-swap each published adapter version into every upstream.
+"""Follow the policy topic and hot-swap each published adapter version into every upstream, together with
+the other gateways in front of the same upstreams.
 
 The policy topic is trusted input only as far as it is checked: a record from a publisher not in
 ``trusted_publishers`` (when set), whose adapter directory or any file in it resolves (symlinks followed)
 outside ``adapter_root`` (when set), or whose weights do not hash to its sha256 is refused, counted in
 ``streamrl_gateway_policy_rejected_total{reason}`` and logged once; nothing of it reaches an upstream.
 
-For a new version: check the record as above, load it into every healthy upstream under its
-own name (``<name>@v<N>``, never reused), then route the policy name to it in one assignment (see
-``policy.py``). Requests already running finish on their version; a version that is no longer routed is
-unloaded once nothing is in flight on it and ``keep_previous_versions`` newer ones are loaded. An
-upstream that fails to load the routed version (or comes back empty after a restart) is retried and gets
-no policy requests until it has it.
+Several gateways (processes, hosts) share the upstreams through the coordination log
+(``coordination.py``; the protocol is stated in docs/gateway.md, "Several gateways"). One of them, the
+leader, loads and unloads; every gateway, the leader too, routes the policy name to the newest version
+the leader's state says is loaded:
+
+* Leader, for a new version: check the record as above, load it into every healthy upstream under its
+  own name (``<name>@v<N>``, never reused; "already loaded" counts as loaded), write its state with the
+  version in ``loaded``, then route to it in one assignment (see ``policy.py``).
+* Every gateway, on reading the leader's state: route to the newest ``loaded`` version on an upstream it
+  sees healthy; versions in ``retiring`` take no new requests (a pinned one gets a 404).
+* Leader, for a version older than the ``keep_previous_versions`` before the routed one: put it in
+  ``retiring``, and unload it once every live gateway has written a state that had read that and has no
+  request on it (``in_use``); requests already running finish on their version.
+* A gateway that becomes leader (the old one left or went silent for ``gateway_ttl_s``) takes over the
+  last ``loaded``/``retiring`` a leader wrote, checks them against what the upstreams list, loads what is
+  missing (the version a dead leader was loading, idempotently), and unloads adapters of its policy name
+  that no leader lists (a dead leader's half-done loads of versions since overtaken).
+
+An upstream that fails to load the routed version (or comes back empty after a restart) is retried by the
+leader and gets no policy requests until it has it.
 """
 
 from __future__ import annotations
@@ -26,9 +41,10 @@ import orjson
 from kafka import TopicPartition
 
 from streamrl.broker.clients import FETCH_MAX_WAIT_MS, make_consumer
-from streamrl.broker.schema import PolicyRecord, RecordError, decode
+from streamrl.broker.schema import GatewayState, LoadedVersion, PolicyRecord, RecordError, decode
 
 from .config import GatewayConfig
+from .coordination import Coordination
 from .dashboard import Dashboard
 from .metrics import GatewayMetrics
 from .policy import PolicyRouter, VersionState
@@ -39,16 +55,35 @@ log = logging.getLogger(__name__)
 
 _CAUGHT_UP = object()
 """Put on the queue by the consumer thread once it has read the topic to its end."""
+_WAKE = object()
+"""Put on the queue when this gateway has become the leader: look for a version to load."""
 
 
 class PolicyFollower:
     def __init__(self, config: GatewayConfig, pool: UpstreamPool, router: PolicyRouter,
                  session: aiohttp.ClientSession, topic: str, metrics: GatewayMetrics,
-                 dashboard: Dashboard | None = None) -> None:
+                 coordination: Coordination, dashboard: Dashboard | None = None) -> None:
         self.config, self.pool, self.router, self.session = config, pool, router, session
         self.topic, self.metrics, self.dashboard = topic, metrics, dashboard
+        self.coordination = coordination
         self.caught_up = asyncio.Event()
         self.rejected = 0
+        self.records: dict[int, PolicyRecord] = {}
+        """Published versions from trusted publishers, by version (followers route among the leader's)."""
+        self.loaded: dict[int, LoadedVersion] = {}
+        """The leader's word on what is loaded where: this gateway's own while it leads."""
+        self.retiring: dict[int, int | None] = {}
+        """Versions to unload -> offset of the first state of the leader that named them (None: not yet
+        written; -1: another leader's)."""
+        self.leading = False
+        self._refused: set[int] = set()
+        self._loading_state: VersionState | None = None
+        self._unloading: set[int] = set()
+        self._written: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._sweep_orphans = False
+        self._policy_caught_up = False
+        self._led = asyncio.Event()
+        self._write_lock = asyncio.Lock()
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._room = asyncio.Event()
         self._reconcile_now = asyncio.Event()
@@ -62,16 +97,32 @@ class PolicyFollower:
 
     # -- life cycle ----------------------------------------------------------------------------------
     async def start(self, catch_up_timeout_s: float = 30.0) -> None:
-        """Start following; return once the latest published version is routed (or after the timeout)."""
+        """Join the coordination log, then follow the policy topic; return once the newest version the
+        leader has loaded (this gateway's own first load, when it leads) is routed, or after the timeout."""
         self._loop = asyncio.get_running_loop()
+        self.coordination.on_change.append(self._on_coordination)
+        joining = self._loop.create_task(self._join())
+        self._tasks.add(joining)
+        joining.add_done_callback(self._tasks.discard)
+        started = time.monotonic()
+        await asyncio.wait({joining}, timeout=catch_up_timeout_s)
+        if not joining.done():
+            log.warning("coordination topic not read back after %.0fs; serving on (this gateway joins the others "
+                        "when Kafka answers)", catch_up_timeout_s)
+        catch_up_timeout_s = max(0.0, catch_up_timeout_s - (time.monotonic() - started))
         self._thread = threading.Thread(target=self._consume, name="policy-follower", daemon=True)
         self._thread.start()
         self._spawn(self._run())
         self._spawn(self._reconcile())
+        self._spawn(self._heartbeat())
         try:
             await asyncio.wait_for(self.caught_up.wait(), catch_up_timeout_s)
         except TimeoutError:
             log.warning("policy topic %s not caught up after %.0fs; serving on", self.topic, catch_up_timeout_s)
+
+    async def _join(self) -> None:
+        await self.coordination.start(self._state())
+        self._on_coordination()
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -82,6 +133,9 @@ class PolicyFollower:
                 await task
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5)
+        leaving = self._state()
+        leaving.leaving = True
+        await self.coordination.stop(leaving if self.coordination.ready else None)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
@@ -135,61 +189,214 @@ class PolicyFollower:
             consumer.close()
 
     def _reject(self, reason: str, message: str) -> None:
-        """Count and log a refused record (once: each record is read once)."""
+        """Count and log a refused record (once: each record is read once, by the leader's check once)."""
         self.rejected += 1
         self.metrics.policy_rejected.labels(reason).inc()
         log.error("%s", message)
 
-    # -- swapping ------------------------------------------------------------------------------------
+    # -- the coordination view -----------------------------------------------------------------------
+    def in_use(self) -> tuple[int, ...]:
+        """The versions this gateway routes or has requests in flight on."""
+        versions = {v for v, s in self.router.versions.items() if s.in_flight > 0}
+        if self.router.routed is not None:
+            versions.add(self.router.version)
+        return tuple(sorted(versions))
+
+    def _state(self) -> GatewayState:
+        c = self.coordination
+        return GatewayState(gateway_id=c.gateway_id, policy_name=self.router.name, started_at=c.started_at,
+                            seen_offset=c.applied_offset, routed_version=self.router.version, in_use=self.in_use(),
+                            loaded=tuple(self.loaded[v] for v in sorted(self.loaded)) if self.leading else (),
+                            retiring=tuple(sorted(self.retiring)) if self.leading else (), leader=self.leading)
+
+    async def _publish(self) -> None:
+        """Write this gateway's state now (serialised: states of one gateway reach the log in order)."""
+        async with self._write_lock:
+            state = self._state()
+            self._written = (state.in_use, tuple(sorted(self.retiring)))
+            try:
+                offset = await self.coordination.write(state)
+            except Exception as exc:
+                log.warning("could not write the gateway state: %s", exc)
+                return
+            for v in state.retiring:
+                if self.retiring.get(v, 0) is None:
+                    self.retiring[v] = offset
+        if self.leading:
+            self._check_retiring()
+
+    def _changed(self) -> None:
+        """Write the state at once when what this gateway uses, or the retiring set it has read, changed."""
+        if self.coordination.ready and self._written != (self.in_use(), tuple(sorted(self.retiring))):
+            self._spawn(self._publish())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            if self.coordination.ready:
+                self._on_coordination()  # a silent gateway goes out of the view with time alone
+                await self._publish()
+
+    def _on_coordination(self) -> None:
+        was = self.leading
+        self.leading = self.coordination.leading
+        self.metrics.leader.set(float(self.leading))
+        if self.leading and not was:
+            self._spawn(self._take_over())
+        elif not self.leading:
+            if was:
+                log.warning("an older gateway is live: %s leads, this gateway follows",
+                            self.coordination.leader())
+                self._led.clear()
+            seen = self.coordination.state_of(self.coordination.leader())
+            if seen is not None and seen.state.leader:
+                self.loaded = {lv.version: lv for lv in seen.state.loaded}
+                self.retiring = dict.fromkeys(seen.state.retiring, -1)
+            self._route()
+        else:
+            self._check_retiring()
+        self._changed()
+
+    async def _take_over(self) -> None:
+        """Become the leader: take what the last leader wrote, check it against the upstreams' lists."""
+        log.info("gateway %s leads (live: %s)", self.coordination.gateway_id,
+                 ", ".join(s.gateway_id for s in self.coordination.live()))
+        last = max((s for s in self.coordination.seen.values()
+                    if s.state.leader and s.state.gateway_id != self.coordination.gateway_id),
+                   key=lambda s: s.offset, default=None)
+        if last is not None:
+            self.loaded = {lv.version: lv for lv in last.state.loaded}
+            self.retiring = dict.fromkeys(last.state.retiring)
+        await self.pool.check_all()  # what every upstream lists now
+        for up in self.pool.upstreams:
+            up.adapters = {self._served(v) for v in self.loaded if self._served(v) in up.models}
+        for v in list(self.loaded):
+            self.loaded[v] = self._where(v)
+            if not self.loaded[v].replicas and any(u.healthy for u in self.pool.upstreams):
+                del self.loaded[v]  # every upstream restarted since: nothing of it left
+                self.retiring.pop(v, None)
+        self._sweep_orphans = True
+        self._led.set()
+        await self._publish()
+        self._route()
+        self._trim()
+        self._queue.put_nowait(_WAKE)
+
+    # -- routing (every gateway) ---------------------------------------------------------------------
+    def _served(self, version: int) -> str:
+        return f"{self.router.name}@v{version}"
+
+    def _where(self, version: int) -> LoadedVersion:
+        name = self._served(version)
+        return LoadedVersion(version, tuple(u.url for u in self.pool.upstreams if name in u.adapters))
+
+    def _route(self) -> None:
+        """Route to the newest loaded version (not retiring) on an upstream seen healthy; keep the routing
+        table's versions to the loaded ones."""
+        if not self.leading:
+            for up in self.pool.upstreams:
+                up.adapters = {self._served(v) for v, lv in self.loaded.items() if up.url in lv.replicas}
+        for v in self.loaded:
+            if v in self.records and v not in self.router.versions:
+                self.router.versions[v] = VersionState(self.records[v], loaded_at=time.time())
+        for v, state in list(self.router.versions.items()):
+            if state is self._loading_state:
+                continue
+            if v not in self.loaded:
+                state.unloading = True
+                if state.in_flight == 0 and state is not self.router.routed:
+                    del self.router.versions[v]
+            elif v in self.retiring:
+                state.unloading = True
+        healthy = {u.url for u in self.pool.upstreams if u.healthy}
+        for v in sorted(self.loaded, reverse=True):
+            state = self.router.versions.get(v)
+            if state is None or v in self.retiring or (healthy and not healthy & set(self.loaded[v].replicas)):
+                continue
+            if v != self.router.version:
+                self._switch(state)
+            break
+
+    def _switch(self, state: VersionState) -> None:
+        now = time.time()
+        old = self.router.route(state)
+        self.metrics.swaps.inc()
+        self.metrics.publish_to_route.observe(max(0.0, now - state.record.created))
+        if self.dashboard is not None:
+            self.dashboard.routed(state.record.version, now)
+        log.info("policy %r now served by %s (was %s), %.0f ms after publication", self.router.name,
+                 state.served_name, old.served_name if old else "the base model",
+                 (now - state.record.created) * 1000)
+
+    # -- swapping (the leader) -----------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
             items = [await self._queue.get()]
             while not self._queue.empty():
                 items.append(self._queue.get_nowait())
-            records = [i for i in items if isinstance(i, PolicyRecord)]
-            if self.dashboard is not None:
-                for record in records:  # every version's trainer metrics, the skipped ones' too
+            for record in (i for i in items if isinstance(i, PolicyRecord)):
+                self.records[record.version] = record
+                if self.dashboard is not None:  # every version's trainer metrics, the skipped ones' too
                     self.dashboard.published(record)
-            if records:
-                newest = max(records, key=lambda r: r.version)
-                if newest.version > self.router.version:
-                    try:
-                        await self._swap_to(newest)
-                    except Exception:
-                        log.exception("swap to %s failed", newest.served_name)
             if any(i is _CAUGHT_UP for i in items):
+                self._policy_caught_up = True
+            if self.leading and self._led.is_set():
+                try:
+                    await self._lead()
+                except Exception:
+                    log.exception("leading the swap failed")
+            else:
+                self._route()
+            if self._policy_caught_up:
                 self.caught_up.set()
 
-    async def _swap_to(self, record: PolicyRecord) -> None:
+    async def _lead(self) -> None:
+        while True:
+            top = max(self.loaded, default=0)
+            wanted = [v for v in self.records if v > top and v not in self._refused]
+            if not wanted:
+                break
+            if not await self._swap_to(self.records[max(wanted)]) or not self._queue.empty():
+                break
+        if self._sweep_orphans and self._policy_caught_up:
+            self._sweep_orphans = False
+            await self._unload_orphans()
+
+    async def _swap_to(self, record: PolicyRecord) -> bool:
+        """Load ``record`` everywhere and route to it; False when refused or given up for a newer one."""
         t0 = time.time()
         name = record.served_name
         try:
             await asyncio.to_thread(check_adapter, record, self.config.adapter_root)
         except PolicyRejected as exc:
+            self._refused.add(record.version)
             self._reject(exc.reason, f"not serving {name}: {exc}")
-            return
-        while len(self.router.versions) >= self.config.max_loaded_versions:
-            log.info("%s waits for an older version to drain (%d loaded)", name, len(self.router.versions))
+            return False
+        while len(self.loaded) >= self.config.max_loaded_versions:
+            log.info("%s waits for an older version to drain (%d loaded)", name, len(self.loaded))
             self._room.clear()
             await self._room.wait()
         t1 = time.time()
         state = VersionState(record)
+        self._loading_state = state
         self.router.versions[record.version] = state
-        while not await self._load_everywhere(state):
-            if not self._queue.empty():  # a newer version is waiting: give this one up
-                await self._unload(state, "a newer version arrived while it was loading")
-                return
-            await asyncio.sleep(self.config.load_retry_s)
+        try:
+            while not await self._load_everywhere(state):
+                if not self._queue.empty():  # a newer version is waiting: give this one up
+                    await self._unload(state, "a newer version arrived while it was loading")
+                    return False
+                await asyncio.sleep(self.config.load_retry_s)
+        finally:
+            self._loading_state = None
         state.loaded_at = time.time()
-        old = self.router.route(state)
+        self.loaded[record.version] = self._where(record.version)
+        await self._publish()
+        self._route()
         self._trim()
-        self.metrics.swaps.inc()
-        self.metrics.publish_to_route.observe(max(0.0, state.loaded_at - record.created))
-        if self.dashboard is not None:
-            self.dashboard.routed(record.version, state.loaded_at)
-        log.info("policy %r now served by %s (was %s): received %.0f ms after publication, verified in %.0f ms, "
-                 "loaded in %.0f ms", self.router.name, name, old.served_name if old else "the base model",
-                 (t0 - record.created) * 1000, (t1 - t0) * 1000, (state.loaded_at - t1) * 1000)
+        log.info("%s loaded on %s: received %.0f ms after publication, verified in %.0f ms, loaded in %.0f ms",
+                 name, ", ".join(self.loaded[record.version].replicas), (t0 - record.created) * 1000,
+                 (t1 - t0) * 1000, (state.loaded_at - t1) * 1000)
+        return True
 
     async def _load_everywhere(self, state: VersionState) -> bool:
         """Load into every healthy upstream; True when at least one has it."""
@@ -210,9 +417,10 @@ class PolicyFollower:
             async with self.session.post(f"{up.url}/v1/load_lora_adapter", json=body,
                                          timeout=aiohttp.ClientTimeout(total=60)) as r:
                 text = await r.text()
-                ok = r.status == 200 or (r.status == 400 and "already" in text)
-            if not ok:
+                already = r.status == 400 and "already" in text
+            if r.status != 200 and not already:
                 raise RuntimeError(f"HTTP {r.status}: {text[:200]}")
+            self.metrics.adapter_loads.labels("already" if already else "loaded").inc()
             if state.unloading:  # given up while loading: take it out again
                 await self._unload_one(up, name)
                 return False
@@ -226,47 +434,102 @@ class PolicyFollower:
         return False
 
     async def _reconcile(self) -> None:
-        """Retry the routed version on upstreams that lack it (failed load, restart)."""
+        """Leader: retry the routed version on upstreams that lack it (failed load, restart), and keep the
+        replicas of each loaded version in its state as they are."""
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._reconcile_now.wait(), self.config.load_retry_s)
             self._reconcile_now.clear()
             routed = self.router.routed
-            if routed is None:
+            if not self.leading or not self._led.is_set() or routed is None:
                 continue
             missing = [u for u in self.pool.upstreams if u.healthy and routed.served_name not in u.adapters]
             if missing:
                 await asyncio.gather(*(self._load(u, routed) for u in missing))
+            where = {v: self._where(v) for v in self.loaded}
+            if where != self.loaded:
+                self.loaded.update(where)
+                await self._publish()
 
-    # -- unloading -----------------------------------------------------------------------------------
+    # -- unloading (the leader) ----------------------------------------------------------------------
     def _on_idle(self, _state: VersionState) -> None:
-        self._trim()
+        if self.leading:
+            self._trim()
+            self._check_retiring()
+        self._changed()
 
     def _trim(self) -> None:
-        """Unload the idle versions older than the ``keep_previous_versions`` newest ones before the
+        """Retire the loaded versions older than the ``keep_previous_versions`` newest ones before the
         routed version (after each swap, and when a version no longer routed drains)."""
         routed = self.router.routed
-        if routed is None:
+        if routed is None or not self._led.is_set():
             return
-        previous = sorted((s for s in self.router.versions.values()
-                           if s is not routed and s.loaded_at and not s.unloading
-                           and s.record.version < routed.record.version),
-                          key=lambda s: s.record.version, reverse=True)
-        for state in previous[self.config.keep_previous_versions:]:
-            if state.in_flight == 0:
-                state.unloading = True  # pinned requests stop resolving to it now, not when the task runs
-                self._spawn(self._unload(state, f"no request in flight, {routed.served_name} routed"))
+        previous = sorted((v for v in self.loaded if v < routed.record.version and v not in self.retiring),
+                          reverse=True)
+        retire = previous[self.config.keep_previous_versions:]
+        for v in retire:
+            self.retiring[v] = None
+            state = self.router.versions.get(v)
+            if state is not None:
+                state.unloading = True  # pinned requests stop resolving to it now
+        if retire:
+            self._spawn(self._publish())
+
+    def _check_retiring(self) -> None:
+        """Unload each retiring version every live gateway has let go of."""
+        others = [s for s in self.coordination.live() if s.gateway_id != self.coordination.gateway_id]
+        for v, offset in list(self.retiring.items()):
+            if offset is None or v in self._unloading or v == self.router.version:
+                continue
+            mine = self.router.versions.get(v)
+            if mine is not None and mine.in_flight:
+                continue
+            if offset < 0:  # named by an earlier leader: wait for a state of this leader's naming it
+                continue
+            if all(s.seen_offset >= offset and v not in s.in_use for s in others):
+                self._unloading.add(v)
+                self._spawn(self._retire(v))
+
+    async def _retire(self, version: int) -> None:
+        state = self.router.versions.get(version) or (
+            VersionState(self.records[version]) if version in self.records else None)
+        try:
+            if state is None:
+                await self._unload_name(self._served(version))
+            else:
+                await self._unload(state, f"retired, no gateway uses it, {self.router.routed.served_name if self.router.routed else '-'} routed")
+            self.loaded.pop(version, None)
+            self.retiring.pop(version, None)
+            self._room.set()
+            await self._publish()
+        finally:
+            self._unloading.discard(version)
 
     async def _unload(self, state: VersionState, reason: str) -> None:
         state.unloading = True
-        name = state.served_name
-        holders = [u for u in self.pool.upstreams if name in u.adapters]
+        await self._unload_name(state.served_name)
+        if self.router.versions.get(state.record.version) is state:
+            self.router.versions.pop(state.record.version, None)
+        self._room.set()
+        log.info("unloaded %s (%s)", state.served_name, reason)
+
+    async def _unload_name(self, name: str) -> None:
+        holders = [u for u in self.pool.upstreams if name in u.adapters or name in u.models]
         for u in holders:
             u.adapters.discard(name)
         await asyncio.gather(*(self._unload_one(u, name) for u in holders))
-        self.router.versions.pop(state.record.version, None)
-        self._room.set()
-        log.info("unloaded %s (%s)", name, reason)
+
+    async def _unload_orphans(self) -> None:
+        """Adapters of this policy name the upstreams list but no leader does, older than the newest loaded
+        version: a dead leader's loads of versions overtaken since. No gateway routes them."""
+        top = max(self.loaded, default=0)
+        prefix = f"{self.router.name}@v"
+        orphans = {m for u in self.pool.upstreams for m in u.models
+                   if m.startswith(prefix) and m[len(prefix):].isdigit() and int(m[len(prefix):]) < top
+                   and int(m[len(prefix):]) not in self.loaded}
+        for name in sorted(orphans):
+            await self._unload_name(name)
+            log.info("unloaded %s (loaded by a leader that is gone, never routed)", name)
 
     async def _unload_one(self, up: Upstream, name: str) -> None:
         try:

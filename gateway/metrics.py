@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -115,6 +115,15 @@ class GatewayMetrics:
         self.adapter_load_failures = Counter("streamrl_gateway_adapter_load_failures",
                                              "failed adapter loads into an upstream (retried)",
                                              registry=self.registry)
+        self.adapter_loads = Counter("streamrl_gateway_adapter_loads",
+                                     "adapter loads this gateway asked of an upstream, by answer: loaded (the "
+                                     "upstream loaded it), already (it had it: a dead leader's load finished)",
+                                     ["answer"], registry=self.registry)
+        self.leader = Gauge("streamrl_gateway_leader", "1 while this gateway leads the gateways of its policy "
+                            "name (it loads and unloads adapters for all of them)", registry=self.registry)
+        self.info = Gauge("streamrl_gateway_info", "1, labelled with this gateway process's id on the "
+                          "coordination topic (each of N processes on one port answers /metrics for itself)",
+                          ["gateway_id"], registry=self.registry)
         self.publish_to_route = Histogram("streamrl_gateway_publish_to_route_seconds",
                                           "from a version's publication to the policy name routed to it",
                                           buckets=SWAP_BUCKETS, registry=self.registry)

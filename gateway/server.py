@@ -8,7 +8,7 @@ import time
 import uvicorn
 
 from .app import create_app
-from .cli import KEEP_ALIVE_S
+from .cli import uvicorn_config
 from .config import GatewayConfig
 
 
@@ -19,10 +19,7 @@ class GatewayServer:
         self.config = config
         self.app = create_app(config)
         self.gateway = self.app.state.gateway
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port,
-                                                     log_level="warning", access_log=False,
-                                                     loop="uvloop", http="httptools",
-                                                     timeout_keep_alive=KEEP_ALIVE_S))
+        self._server = uvicorn.Server(uvicorn_config(self.app, config))
         self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
 
     @property

@@ -89,6 +89,10 @@ class UpConfig:
     token_capture: bool = True
     """The engine ``up`` starts offers capture frames and the gateway takes tokens from them; off, the
     engine is a plain vLLM server and the gateway reads tokens from its JSON."""
+    gateways: int = 1
+    """Gateway processes on the gateway's port (``streamrl gateway --workers N``: ``SO_REUSEPORT``, each its
+    own gateway id, producer and spool, coordinated through the gateways topic); overrides the [gateway]
+    table's ``workers`` when above 1."""
     trainer_device: str | None = None
     """Trainer device: auto, cpu, cuda, cuda:N (the [trainer] table's ``device``)."""
     trainer_nproc: int = 1
@@ -128,6 +132,8 @@ class UpConfig:
             if gpus and len(gpus) != count:
                 raise ValueError(f"{name} names {len(gpus)} GPUs for {count} "
                                  f"{'trainer ranks' if name == 'trainer_gpus' else 'replicas'}: one each")
+        if self.gateways < 1:
+            raise ValueError("gateways must be >= 1")
         if self.work_dir is None:
             self.work_dir = str(default_cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S"))
 
@@ -159,7 +165,8 @@ class UpConfig:
                   **self.gateway_table,
                   "upstreams": tuple(upstreams), "bootstrap_servers": bootstrap_servers, "kafka": self.child_kafka,
                   "host": self.host, "port": port, "topic_prefix": self.topic_prefix,
-                  "policy_name": self.policy_name, "token_capture": self.token_capture}
+                  "policy_name": self.policy_name, "token_capture": self.token_capture,
+                  **({"workers": self.gateways} if self.gateways > 1 else {})}
         return GatewayConfig.load(None, **values)
 
     def trainer_config(self, model: str, bootstrap_servers: str) -> TrainerConfig:
@@ -433,6 +440,10 @@ class Stack:
         self.gateway_url = f"http://{c.host}:{port}"
         wait_http(self.gateway_url, 120, proc, what="gateway")
         self.log.line("gateway", f"ready at {self.gateway_url}/v1 (model {c.policy_name!r})")
+        if gateway.workers > 1:
+            self.log.line("gateway", f"{gateway.workers} gateway processes share port {port} (SO_REUSEPORT); spools "
+                                     f"{gateway.spool_path}/worker-0..{gateway.workers - 1}; /health and /metrics "
+                                     "answer for the process that took the connection (its gateway_id)")
         if gateway.dashboard:
             self.log.line("gateway", f"live dashboard at {self.gateway_url}/dashboard")
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from kafka_reader import TopicReader
 from relay import Relay
+from swap_helpers import engine_adapters, wait_unloaded
 
 from streamrl.broker.clients import make_producer
 from streamrl.broker.embedded import EmbeddedBroker, free_port
@@ -68,17 +69,6 @@ def wait_routed(gw: GatewayServer, version: int, timeout: float = 30.0) -> None:
     while gw.gateway.router.version != version:
         assert time.monotonic() < deadline, f"version {version} not routed"
         time.sleep(0.01)
-
-
-def engine_adapters(engine: Engine) -> set[str]:
-    return {m["id"] for m in httpx.get(f"{engine.url}/v1/models").json()["data"] if m.get("parent")}
-
-
-def wait_unloaded(engine: Engine, name: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while name in engine_adapters(engine):
-        assert time.monotonic() < deadline, f"{name} still loaded"
-        time.sleep(0.05)
 
 
 def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model):

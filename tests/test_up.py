@@ -106,6 +106,17 @@ def test_a_public_gateway_without_keys_is_refused_before_anything_starts(tmp_pat
     Stack(load_config(path, host="0.0.0.0", work_dir=str(tmp_path / "run")))._check_access()
 
 
+def test_gateways_sets_the_gateway_workers(tmp_path: Path) -> None:
+    assert load_config(None, model="m", work_dir=str(tmp_path)).gateway_config(["http://u"], "b:1", 1).workers == 1
+    c = load_config(None, model="m", work_dir=str(tmp_path), gateways=3)
+    assert c.gateway_config(["http://u"], "b:1", 1).workers == 3
+    path = tmp_path / "up.toml"
+    path.write_text("[gateway]\nworkers = 2\n")
+    assert load_config(path, work_dir=str(tmp_path)).gateway_config(["http://u"], "b:1", 1).workers == 2
+    with pytest.raises(ValueError, match="gateways must be >= 1"):
+        load_config(None, work_dir=str(tmp_path), gateways=0)
+
+
 def test_bad_trainer_table_fails_before_anything_starts(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[trainer]\nlearning_rat = 1\n")
@@ -140,13 +151,14 @@ def _leftovers(marker: str) -> list[str]:
 
 def test_external_broker_and_upstream_then_ctrl_c(tmp_path: Path, tiny_model: Path, broker: EmbeddedBroker,
                                                  engine: Engine) -> None:
-    """With --bootstrap-servers and --upstream, up starts only the gateway and the trainer (and, with
-    --judge, the judge); the gateway serves through the external vLLM; SIGINT stops them all (no SIGKILL
-    needed) and leaves nothing behind."""
+    """With --bootstrap-servers and --upstream, up starts only the gateway (two processes on its port,
+    ``--gateways 2``) and the trainer (and, with --judge, the judge); the gateway serves through the
+    external vLLM; SIGINT stops them all (no SIGKILL needed) and leaves nothing behind."""
     port = free_port()
     cmd = [sys.executable, "-m", "streamrl.cli", "up", "--model", str(tiny_model), "--port", str(port),
            "--work-dir", str(tmp_path), "--bootstrap-servers", broker.bootstrap_servers,
-           "--upstream", engine.url, "--topic-prefix", "uptest", "--trainer-device", "cpu", "--judge"]
+           "--upstream", engine.url, "--topic-prefix", "uptest", "--trainer-device", "cpu", "--judge",
+           "--gateways", "2"]
     log = (tmp_path / "up.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -172,6 +184,7 @@ def test_external_broker_and_upstream_then_ctrl_c(tmp_path: Path, tiny_model: Pa
     text = (tmp_path / "up.log").read_text()
     assert "engine  | external upstream" in text and "external Kafka" in text
     assert f"live dashboard at http://127.0.0.1:{port}/dashboard" in text
+    assert f"2 gateway processes share port {port} (SO_REUSEPORT)" in text
     assert "embedded broker ready" not in text and "starting vLLM" not in text
     assert "SIGINT: shutting down" in text and "did not stop within" not in text
     assert _leftovers(str(tmp_path)) == []

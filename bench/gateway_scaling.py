@@ -1,0 +1,200 @@
+"""Gateway scaling: aggregate requests/s with logging on for N gateway processes on one port, and
+publish -> served with N gateways against one.
+
+For each N of ``--processes``: ``streamrl gateway --workers N`` (N processes on one port, ``SO_REUSEPORT``,
+logging on to the embedded broker, token capture frames from the stub) in front of ``gateway_bench.py``'s
+stub upstream (``--stub-processes`` of it on one port, so that the stub is not the limit), then:
+
+* throughput: ``--clients`` load-generator processes, each a closed loop at ``--concurrency / --clients``
+  (``gateway_bench.closed_loop``), for ``--seconds``; aggregate req/s, failures, and the scaling
+  efficiency ``rps(N) / (N x rps(1))``;
+* publish -> served: ``--versions`` adapter versions published ``--version-interval`` apart, no client
+  load; for each version and each gateway process, the time from the record's publication to the first
+  state that gateway wrote on the coordination topic routing it (a gateway writes its state at once when
+  its routed version changes), so "served by all N" is the slowest of the N. p50/p99 over versions.
+
+    .venv/bin/python bench/gateway_scaling.py [--processes 1,2,4,8] [--seconds 10] [--concurrency 64]
+        [--clients 4] [--stub-processes 2] [--versions 20] [--version-interval 0.5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from gateway_bench import (  # bench/ is on the path when run as a script: the stub and the load loop
+    REQUEST,
+    _spawn,
+    _stop,
+    _wait_http,
+    closed_loop,
+    gateway_cmd,
+)
+
+POLICY = "policy"
+
+
+def _client(url: str, concurrency: int, seconds: float, out: multiprocessing.Queue) -> None:
+    out.put(asyncio.run(closed_loop(url, concurrency, seconds, REQUEST)))
+
+
+def throughput(url: str, clients: int, concurrency: int, seconds: float) -> dict[str, float]:
+    """``clients`` processes of closed loops (one Python client tops out below one gateway process)."""
+    ctx = multiprocessing.get_context("spawn")
+    out: multiprocessing.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_client, args=(url, max(1, concurrency // clients), seconds, out))
+             for _ in range(clients)]
+    for p in procs:
+        p.start()
+    results = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return {"rps": sum(r["rps"] for r in results), "requests": sum(r["requests"] for r in results),
+            "failures": sum(r["failures"] for r in results)}
+
+
+def wait_gateways(url: str, n: int, timeout: float = 120) -> set[str]:
+    """Until a gateway answering on the port sees ``n`` live gateways; returns their ids."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            live = httpx.get(f"{url}/health", timeout=5).json()["gateway"]["live"]
+            if len(live) == n:
+                return set(live)
+        except (httpx.HTTPError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{n} live gateways at {url}")
+
+
+def publish_to_served(bootstrap: str, prefix: str, gateways: set[str], versions: int, interval: float,
+                      first_version: int, adapter: Path) -> dict[str, object]:
+    """Publish versions and read, from the coordination topic, when each gateway first routed each."""
+    from kafka import TopicPartition
+
+    from streamrl.broker.clients import make_consumer
+    from streamrl.broker.policy_log import PolicyLog, adapter_record
+    from streamrl.broker.schema import GatewayState, RecordError, decode
+    from streamrl.broker.topics import Topics
+
+    topics = Topics(prefix)
+    log = PolicyLog(bootstrap, topics)
+    published: dict[int, float] = {}
+    try:
+        for v in range(first_version, first_version + versions):
+            published[v] = log.publish(adapter_record(POLICY, v, adapter, "stub-model")).created
+            time.sleep(interval)
+    finally:
+        log.close()
+    consumer = make_consumer(bootstrap, group_id=None)
+    tp = TopicPartition(topics.gateways, 0)
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    routed: dict[tuple[str, int], float] = {}
+    last = first_version + versions - 1
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all((g, last) in routed for g in gateways):
+        for message in consumer.poll(timeout_ms=200).get(tp, ()):
+            try:
+                state = decode(message.value)
+            except RecordError:
+                continue
+            if isinstance(state, GatewayState) and state.gateway_id in gateways:
+                for v in published:
+                    if state.routed_version >= v:
+                        routed.setdefault((state.gateway_id, v), state.at)
+    consumer.close()
+    per_gateway = [routed[(g, v)] - published[v] for g in gateways for v in published if (g, v) in routed]
+    all_n = [max(routed[(g, v)] for g in gateways) - published[v] for v in published
+             if all((g, v) in routed for g in gateways)]
+
+    def pct(xs: list[float], q: float) -> float | None:
+        return float(np.percentile(np.asarray(xs) * 1000, q)) if xs else None
+    return {"versions": versions, "versions_served_by_all": len(all_n),
+            "per_gateway_p50_ms": pct(per_gateway, 50), "per_gateway_p99_ms": pct(per_gateway, 99),
+            "all_gateways_p50_ms": pct(all_n, 50), "all_gateways_p99_ms": pct(all_n, 99)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--processes", default="1,2,4,8", help="gateway process counts to run, comma-separated")
+    p.add_argument("--seconds", type=float, default=10)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--clients", type=int, default=4, help="load-generator processes")
+    p.add_argument("--stub-processes", type=int, default=2)
+    p.add_argument("--versions", type=int, default=20)
+    p.add_argument("--version-interval", type=float, default=0.5)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+
+    from streamrl.broker.embedded import EmbeddedBroker, free_port
+    from streamrl.broker.schema import WEIGHTS_FILE
+    from streamrl.broker.topics import Topics
+
+    counts = [int(n) for n in args.processes.split(",")]
+    results: dict[str, object] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "seconds": args.seconds, "concurrency": args.concurrency, "clients": args.clients,
+        "stub_processes": args.stub_processes, "runs": {}}
+    adapter = Path(tempfile.mkdtemp(prefix="gateway-scaling-"))
+    (adapter / WEIGHTS_FILE).write_bytes(os.urandom(1024))  # the stub loads nothing; the gateway checks the hash
+    stub_port = free_port()
+    stub_url = f"http://127.0.0.1:{stub_port}"
+    stubs = [_spawn([sys.executable, str(Path(__file__).with_name("gateway_bench.py")), "--serve-stub",
+                     str(stub_port)], f"scaling-stub-{i}") for i in range(args.stub_processes)]
+    broker = EmbeddedBroker(topics=Topics("bench")).start()
+    version = 1
+    try:
+        _wait_http(f"{stub_url}/health")
+        for n in counts:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [*gateway_cmd(stub_url, port, broker.bootstrap_servers, "on"), "--workers", str(n),
+                   "--policy-name", POLICY, "--spool-dir", tempfile.mkdtemp(prefix=f"scaling-spool-{n}-")]
+            gw = _spawn(cmd, f"scaling-gateway-{n}")
+            try:
+                _wait_http(f"{url}/health")
+                ids = wait_gateways(url, n)
+                print(f"[{n} processes] closed loop, concurrency {args.concurrency}, {args.clients} clients ...",
+                      flush=True)
+                run: dict[str, object] = {"throughput": throughput(f"{url}/v1/chat/completions", args.clients,
+                                                                   args.concurrency, args.seconds)}
+                print(f"[{n} processes] publish -> served, {args.versions} versions ...", flush=True)
+                run["publish_to_served"] = publish_to_served(broker.bootstrap_servers, "bench", ids, args.versions,
+                                                             args.version_interval, version, adapter)
+                version += args.versions
+            finally:
+                _stop(gw)
+            results["runs"][str(n)] = run  # type: ignore[index]
+            print(f"[{n} processes] {json.dumps(run)}", flush=True)
+    finally:
+        for stub in stubs:
+            _stop(stub)
+        broker.stop()
+    runs = results["runs"]  # type: ignore[assignment]
+    base = runs[str(counts[0])]["throughput"]["rps"] / counts[0] if counts else 0.0
+    print(f"\n{'processes':>9} {'req/s':>9} {'efficiency':>10} {'failures':>8} {'pub->served p50/p99 (all N), ms':>32}")
+    for n in counts:
+        r = runs[str(n)]
+        eff = r["throughput"]["rps"] / (n * base) if base else float("nan")
+        r["efficiency"] = eff
+        s = r["publish_to_served"]
+        print(f"{n:>9} {r['throughput']['rps']:>9.0f} {eff:>10.2f} {r['throughput']['failures']:>8} "
+              f"{s['all_gateways_p50_ms'] or float('nan'):>15.0f} / {s['all_gateways_p99_ms'] or float('nan'):<14.0f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

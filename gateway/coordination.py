@@ -1,0 +1,196 @@
+"""The coordination log of the gateways in front of the same replicas: their states, and who leads.
+
+Every gateway of one policy name writes its ``GatewayState`` to the one-partition topic
+``<prefix>.gateways`` every ``heartbeat_s`` and reads everyone's, so every gateway sees the same states
+in the same order. A gateway is live while its latest state is younger than ``gateway_ttl_s`` (and not
+marked ``leaving``); the leader is the live gateway with the oldest ``started_at`` (ties: the smaller
+``gateway_id``), computed by each from the same log, no election round. What the states mean (who
+loads, who routes what, when a version may be unloaded) is ``hotswap.py``'s business; this module only
+keeps the log and the view.
+
+A starting gateway reads the topic from ``now - 2 x gateway_ttl_s`` (``offsets_for_times``; a broker
+that answers an earlier offset only makes it read more): every live gateway has written a whole state
+since then, and older states are of gateways that are dead anyway. It then writes its own state and
+reads on until that state comes back, so that its view holds every gateway that wrote before it
+before it decides whether it leads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kafka import TopicPartition
+
+from streamrl.broker.clients import FETCH_MAX_WAIT_MS, make_consumer, make_producer
+from streamrl.broker.schema import GatewayState, RecordError, decode, encode
+from streamrl.broker.topics import Topics, create_gateways_topic
+
+from .config import GatewayConfig
+
+log = logging.getLogger(__name__)
+
+
+def default_gateway_id(started_at: float) -> str:
+    """Host, process and start time: unique per gateway process, a restarted one included."""
+    return f"{socket.gethostname()}-{os.getpid()}-{int(started_at * 1000)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """A gateway's latest state and the offset it was read at."""
+
+    state: GatewayState
+    offset: int
+
+
+class Coordination:
+    """Reads and writes ``<prefix>.gateways``. ``on_change`` callbacks run on the event loop after each batch
+    of states read; ``applied_offset`` is the last offset whose state the callbacks have seen."""
+
+    def __init__(self, config: GatewayConfig, topics: Topics, gateway_id: str, started_at: float) -> None:
+        self.config, self.topics, self.topic = config, topics, topics.gateways
+        self.gateway_id, self.started_at = gateway_id, started_at
+        self.seen: dict[str, Seen] = {}
+        """The latest state of each gateway of this policy name, this one's included."""
+        self.applied_offset = -1
+        self.malformed = 0
+        self.ready = False
+        """The view is whole (this gateway's first state read back); before, it leads nothing."""
+        self.on_change: list[Callable[[], None]] = []
+        self._own_offset = -1
+        self._own_back = asyncio.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._producer = None
+
+    # -- life cycle ----------------------------------------------------------------------------------
+    async def start(self, first: GatewayState) -> None:
+        """Read the recent log, write ``first``, and return once it has been read back (the view is whole).
+        Kafka unreachable: retried every second, for as long as it takes (the caller serves meanwhile)."""
+        self._loop = asyncio.get_running_loop()
+        while self._producer is None:
+            try:
+                await asyncio.to_thread(create_gateways_topic, self.config.bootstrap_servers, self.topics,
+                                        security=self.config.kafka)
+                self._producer = await asyncio.to_thread(
+                    make_producer, self.config.bootstrap_servers, security=self.config.kafka, acks="all",
+                    linger_ms=0, compression=None, client_id=f"streamrl-gateway-{self.gateway_id}")
+            except Exception as exc:
+                log.warning("coordination cannot reach Kafka (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+        self._thread = threading.Thread(target=self._consume, name="gateway-coordination", daemon=True)
+        self._thread.start()
+        offset = await self.write(first)
+        if self.applied_offset >= offset:  # read back before the ack came
+            self._own_back.set()
+        await self._own_back.wait()
+        self.ready = True
+
+    async def stop(self, last: GatewayState | None) -> None:
+        """Write ``last`` (a ``leaving`` state, so nobody waits out the TTL for this gateway), then stop."""
+        if last is not None and self._producer is not None:
+            try:
+                await self.write(last)
+            except Exception as exc:
+                log.warning("could not write the leaving state: %s", exc)
+        self._stopping.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5)
+        if self._producer is not None:
+            await asyncio.to_thread(self._producer.close, 5)
+
+    async def write(self, state: GatewayState) -> int:
+        """Send ``state`` and wait for its ack; returns its offset."""
+        if self._producer is None:
+            raise RuntimeError("not connected to Kafka yet")
+        state.at = time.time()
+        future = self._producer.send(self.topic, key=self.gateway_id.encode(), value=encode(state))
+        metadata = await asyncio.to_thread(future.get, 30)
+        self._own_offset = max(self._own_offset, metadata.offset)
+        return metadata.offset
+
+    # -- the view ------------------------------------------------------------------------------------
+    def live(self, now: float | None = None) -> list[GatewayState]:
+        """The live gateways' latest states (this one always counts as live)."""
+        now = time.time() if now is None else now
+        return [s.state for s in self.seen.values()
+                if s.state.gateway_id == self.gateway_id
+                or (not s.state.leaving and now - s.state.at <= self.config.gateway_ttl_s)]
+
+    def leader(self, now: float | None = None) -> str:
+        ids = [(s.started_at, s.gateway_id) for s in self.live(now) if s.gateway_id != self.gateway_id]
+        return min([*ids, (self.started_at, self.gateway_id)])[1]
+
+    @property
+    def leading(self) -> bool:
+        return self.ready and self.leader() == self.gateway_id
+
+    def state_of(self, gateway_id: str) -> Seen | None:
+        return self.seen.get(gateway_id)
+
+    def view(self) -> dict[str, object]:
+        """For ``/health``: who this is, who leads, who is live."""
+        now = time.time()
+        return {"gateway_id": self.gateway_id, "leader": self.leader(now),
+                "live": sorted(s.gateway_id for s in self.live(now)), "malformed_states": self.malformed}
+
+    # -- the consumer thread (kafka-python blocks) ---------------------------------------------------
+    def _consume(self) -> None:
+        consumer = None
+        while consumer is None and not self._stopping.is_set():
+            try:
+                consumer = make_consumer(self.config.bootstrap_servers, group_id=None, security=self.config.kafka,
+                                         client_id=f"streamrl-gateway-coordination-{self.gateway_id}")
+            except Exception as exc:
+                log.warning("coordination cannot reach Kafka (%s); retrying", exc)
+                self._stopping.wait(1.0)
+        if consumer is None:
+            return
+        tp = TopicPartition(self.topic, 0)
+        consumer.assign([tp])
+        since_ms = int((time.time() - 2 * self.config.gateway_ttl_s) * 1000)
+        try:
+            found = consumer.offsets_for_times({tp: since_ms}).get(tp)
+        except Exception:  # a broker without timestamp lookups: read all it keeps
+            found = None
+        if found is None:
+            consumer.seek_to_beginning(tp)
+        else:
+            consumer.seek(tp, found.offset)
+        try:
+            while not self._stopping.is_set():
+                batch = consumer.poll(timeout_ms=FETCH_MAX_WAIT_MS).get(tp, ())
+                if batch:
+                    states = []
+                    for message in batch:
+                        try:
+                            record = decode(message.value)
+                        except RecordError as exc:
+                            self.malformed += 1
+                            log.error("skipping bad gateway state at offset %d: %s", message.offset, exc)
+                            continue
+                        if isinstance(record, GatewayState):
+                            states.append((record, message.offset))
+                    last = batch[-1].offset
+                    assert self._loop is not None
+                    self._loop.call_soon_threadsafe(self._apply, states, last)
+        finally:
+            consumer.close()
+
+    def _apply(self, states: list[tuple[GatewayState, int]], last: int) -> None:
+        for state, offset in states:
+            if state.policy_name == self.config.policy_name:
+                self.seen[state.gateway_id] = Seen(state, offset)
+        self.applied_offset = max(self.applied_offset, last)
+        if self._own_offset >= 0 and self.applied_offset >= self._own_offset:
+            self._own_back.set()
+        for callback in self.on_change:
+            callback()
