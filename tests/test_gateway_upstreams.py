@@ -76,7 +76,7 @@ def test_upstream_leaves_and_rejoins_and_gets_the_missed_version(broker: Embedde
             assert served in direct.adapters and served not in relayed.adapters
             for _ in range(3):
                 r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": name, "messages": CHAT,
-                                                                       "max_tokens": 3})
+                                                                       "max_tokens": 3}, timeout=60)
                 assert r.status_code == 200 and r.headers["x-policy-version"] == "1"
 
             relay.open()  # back: it rejoins the rotation and is given the routed version
@@ -85,7 +85,7 @@ def test_upstream_leaves_and_rejoins_and_gets_the_missed_version(broker: Embedde
             ids = []
             for _ in range(6):
                 r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": name, "messages": CHAT,
-                                                                       "max_tokens": 3})
+                                                                       "max_tokens": 3}, timeout=60)
                 assert r.status_code == 200 and r.headers["x-policy-version"] == "1"
                 ids.append(r.headers["x-request-id"])
             recs = reader.wait_for(lambda x: isinstance(x, CompletionRecord) and x.request_id in ids, count=6)
