@@ -3,7 +3,7 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | gateway | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
+#   BENCH: capture | gateway | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
 #   env:   LR (loop learning rate, default 3e-3; loop-real 5e-4), ENGINES (vLLM replicas, default 1),
@@ -91,6 +91,10 @@ for bench in "$@"; do
       cp /root/cb/py-spy-*.txt "$out/" 2>/dev/null; tail -12 "$out/capture.log" ;;
     gateway) python3 "$repo/bench/gateway_bench.py" --seconds 8 --stream-rate 20 --json "$out/gateway.json" \
                > "$out/gateway.log" 2>&1; tail -12 "$out/gateway.log" ;;
+    gateway-scaling)  # #18: 1, 2, 4, 8 gateway processes on one port, logging on, and publish -> served
+      python3 "$repo/bench/gateway_scaling.py" --processes 1,2,4,8 --seconds 10 --concurrency 64 --clients 4 \
+          --stub-processes 2 --versions 20 --version-interval 0.5 --json "$out/gateway-scaling.json" \
+          > "$out/gateway-scaling.log" 2>&1; tail -12 "$out/gateway-scaling.log" ;;
     loop-two-gpu) loop two-gpu loop-two-gpu ;;
     loop-one-gpu) loop one-gpu loop-one-gpu ;;
     loop-multi) multi_loop ;;
