@@ -268,6 +268,67 @@ def test_leader_killed_during_a_load(broker, engine, topics, adapters, base_mode
         reader.close()
 
 
+def test_unload_waits_for_a_follower_until_it_dies(broker, engine, topics, adapters, base_model, name, tmp_path,
+                                                  relay: Relay):
+    """A follower (a ``streamrl gateway`` process) holds a pinned request on v1 in flight: its answer is held
+    by a relay. v2 and v3 are published, so the leader retires v1, and waits: the follower's states, which
+    have read the retiring record, still use v1, and the engine keeps it. SIGKILL to the follower: once its
+    states stop coming (the TTL) the leader no longer waits for it and unloads v1, and goes on serving v3."""
+    with GatewayServer(gateway_config(broker, relay.url, name, tmp_path)) as leader:  # the same replica URL
+        config = gateway_config(broker, relay.url, name, tmp_path)
+        config_file = tmp_path / "follower.json"
+        config_file.write_text(json.dumps(dataclasses.asdict(config)))
+        cmd = [str(Path(sys.executable).with_name("streamrl")), "gateway", "--config", str(config_file)]
+        follower = spawn(cmd, log=LOG_DIR / "gateways-follower.log")
+        follower_url = f"http://127.0.0.1:{config.port}"
+        held: list[object] = []
+        try:
+            wait_http(follower_url, 120, follower, what="gateway")
+            follower_id = httpx.get(f"{follower_url}/health").json()["gateway"]["gateway_id"]
+            publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
+            wait_until(lambda: routed(follower_url) == 1, "the follower routes v1")
+            marker = f"held-{uuid.uuid4().hex[:8]}"
+            relay.hold_marker = marker.encode()
+
+            def pinned() -> None:
+                try:
+                    held.append(httpx.post(f"{follower_url}/v1/completions", timeout=120, json={
+                        "model": f"{name}@v1", "prompt": marker, "max_tokens": 2}).status_code)
+                except httpx.HTTPError as exc:  # the follower is killed under it
+                    held.append(exc)
+
+            thread = threading.Thread(target=pinned, daemon=True)
+            thread.start()
+            assert relay.holding.wait(60), "the pinned request did not reach the engine"
+            for version, path in ((2, adapters[1]), (3, adapters[2])):  # each routed (none skipped as superseded)
+                publish_version(broker.bootstrap_servers, topics, name, version, path, base_model)
+                wait_until(lambda v=version: leader.gateway.router.version == v, f"the leader routes v{version}")
+            swap = leader.gateway.follower
+            wait_until(lambda: swap.retiring.get(1) is not None and swap.retiring[1] >= 0,
+                       f"the leader retires v1 (retiring {swap.retiring}, loaded {sorted(swap.loaded)})", timeout=20)
+
+            def follower_still_uses_v1() -> bool:
+                seen = swap.coordination.seen.get(follower_id)
+                return seen is not None and seen.state.seen_offset >= swap.retiring[1] and 1 in seen.state.in_use
+
+            wait_until(follower_still_uses_v1, "the follower's state after the retiring record still uses v1")
+            assert f"{name}@v1" in engine_adapters(engine), "v1 unloaded under the follower's request"
+            os.killpg(follower.pid, signal.SIGKILL)
+            follower.wait()
+            killed = time.monotonic()
+            wait_unloaded(engine, f"{name}@v1")
+            assert time.monotonic() - killed < 30
+            assert engine_loads(engine, f"{name}@v1") == 1
+            r = httpx.post(f"{leader.url}/v1/chat/completions", timeout=60,
+                           json={"model": name, "messages": CHAT, "max_tokens": 2})
+            assert r.status_code == 200 and r.headers["x-policy-version"] == "3"
+        finally:
+            relay.release()
+            stop_group(follower, 30)
+        thread.join(30)
+        assert held and not isinstance(held[0], int), "the held request cannot have been answered"
+
+
 def test_trajectory_alternating_between_gateways_is_recorded_whole(broker, engine, base_model, tmp_path):
     """One agent's calls, each turn through the other gateway (a load balancer's choice): every call's
     record arrives, once, under the one trajectory id, and the records of both gateways carry the same
