@@ -18,7 +18,9 @@ from streamrl.producers.demo_model import build_demo_model
 TARGET = 0.8
 """The run stops once the last 6 groups (48 trajectories) of trained versions average this."""
 MARGIN = 0.25
-"""The last 3 versions' mean reward must exceed the first 3 versions' by this much (they start near 0.4)."""
+"""The last 3 versions' mean reward must exceed the first 3 versions' by this much (they start near 0.4);
+2 and 2 when fewer than 6 versions served (the gateway serves only the newest of versions published in
+quick succession, so a run that learns fast may serve 5: the windows must not overlap)."""
 
 
 def _leftovers(marker: str) -> list[str]:
@@ -58,7 +60,8 @@ def test_reward_rises_through_streamrl_up(tmp_path: Path) -> None:
     print("reward per version:", {v: round(versions[v]["mean"], 3) for v in served})
     assert result["failed"] == 0, "every request and reward post of the demo must succeed"
     assert len([v for v in served if v >= 1]) >= 3, f"at least 3 trained versions must serve; got {served}"
-    first, last = served[:3], served[-3:]
+    k = min(3, len(served) // 2)  # the first and last versions, never overlapping: a fast run may serve few
+    first, last = served[:k], served[-k:]
     before, after = _mean(result["versions"], first), _mean(result["versions"], last)
     print(f"mean reward of versions {first}: {before:.3f}; of versions {last}: {after:.3f}; margin {MARGIN}")
     assert after >= before + MARGIN, f"reward did not rise: {before:.3f} -> {after:.3f}"
