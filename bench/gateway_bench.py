@@ -217,12 +217,17 @@ async def open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict[
             "failures": failures, "failure_kinds": kinds, "requests": n}
 
 
-async def closed_loop(url: str, concurrency: int, seconds: float, body: bytes) -> dict[str, float]:
+async def closed_loop(url: str, concurrency: int, seconds: float, body: bytes,
+                      started: Callable[[], None] | None = None) -> dict[str, float]:
+    """``concurrency`` requests in flight for ``seconds`` after a warm-up; ``started`` is called when the
+    measured part begins (a caller timing CPU over the loaded window)."""
     connector = aiohttp.TCPConnector(limit=0)
     done = failures = 0
     async with aiohttp.ClientSession(connector=connector) as session:
         for _ in range(20):
             await _one(session, url, body)
+        if started is not None:
+            started()
         stop = time.perf_counter() + seconds
 
         async def loop() -> None:

@@ -7,7 +7,11 @@ stub upstream (``--stub-processes`` of it on one port, so that the stub is not t
 
 * throughput: ``--clients`` load-generator processes, each a closed loop at ``--concurrency / --clients``
   (``gateway_bench.closed_loop``), for ``--seconds``; aggregate req/s, failures, and the scaling
-  efficiency ``rps(N) / (N x rps(1))``;
+  efficiency ``rps(N) / (N x rps(1))``. Over the window where every client is loading, CPU from /proc: the
+  gateway processes' CPU per request and cores used, the stubs' and the broker's cores, and the host's busy
+  cores. On one host the load generators, the stub and the broker share the cores with the gateways, so
+  efficiency also says ``cpu_per_request(1) / cpu_per_request(N)``: how well the gateway itself scales,
+  apart from the cores the host has left for it;
 * publish -> served: ``--versions`` adapter versions published ``--version-interval`` apart, no client
   load; for each version and each gateway process, the time from the record's publication to the first
   state that gateway wrote on the coordination topic routing it (a gateway writes its state at once when
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -37,6 +42,7 @@ from gateway_bench import (  # bench/ is on the path when run as a script: the s
     _stop,
     _wait_http,
     closed_loop,
+    cpu_seconds,
     gateway_cmd,
 )
 
@@ -44,22 +50,77 @@ POLICY = "policy"
 
 
 def _client(url: str, concurrency: int, seconds: float, out: multiprocessing.Queue) -> None:
-    out.put(asyncio.run(closed_loop(url, concurrency, seconds, REQUEST)))
+    out.put(asyncio.run(closed_loop(url, concurrency, seconds, REQUEST, started=lambda: out.put("started"))))
 
 
-def throughput(url: str, clients: int, concurrency: int, seconds: float) -> dict[str, float]:
-    """``clients`` processes of closed loops (one Python client tops out below one gateway process)."""
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants (``--workers N`` runs N children under one supervisor)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone while listing
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, ()))
+    return tree
+
+
+def tree_cpu(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):  # exited
+            total += cpu_seconds(pid)
+    return total
+
+
+def host_busy_cores_s() -> float:
+    """CPU seconds the whole host spent busy (all cores, /proc/stat; idle and iowait excluded)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(url: str, clients: int, concurrency: int, seconds: float,
+               watched: dict[str, list[int]]) -> dict[str, float]:
+    """``clients`` processes of closed loops (one Python client tops out below one gateway process), with
+    the cores each of ``watched`` (name: process trees) used while every client was loading."""
     ctx = multiprocessing.get_context("spawn")
     out: multiprocessing.Queue = ctx.Queue()
     procs = [ctx.Process(target=_client, args=(url, max(1, concurrency // clients), seconds, out))
              for _ in range(clients)]
     for p in procs:
         p.start()
-    results = [out.get() for _ in procs]
+
+    def snapshot() -> dict[str, float]:
+        return {"wall": time.monotonic(), "host": host_busy_cores_s(),
+                **{name: tree_cpu(pids) for name, pids in watched.items()}}
+
+    starts, results, before, after = 0, [], {}, {}
+    while len(results) < clients:
+        message = out.get()
+        if message == "started":
+            starts += 1
+            if starts == clients:
+                before = snapshot()
+            continue
+        if not results:
+            after = snapshot()
+        results.append(message)
     for p in procs:
         p.join()
-    return {"rps": sum(r["rps"] for r in results), "requests": sum(r["requests"] for r in results),
-            "failures": sum(r["failures"] for r in results)}
+    rps = sum(r["rps"] for r in results)
+    window = after["wall"] - before["wall"] if before and after else 0.0
+    run = {"rps": rps, "requests": sum(r["requests"] for r in results),
+           "failures": sum(r["failures"] for r in results), "cpu_window_s": window}
+    if window > 0:
+        for name in ["host", *watched]:
+            run[f"{name}_cores"] = (after[name] - before[name]) / window
+        run["gateway_cpu_ms_per_request"] = 1000 * run["gateway_cores"] / rps
+    return run
 
 
 def wait_gateways(url: str, n: int, timeout: float = 120) -> set[str]:
@@ -168,8 +229,10 @@ def main() -> None:
                 ids = wait_gateways(url, n)
                 print(f"[{n} processes] closed loop, concurrency {args.concurrency}, {args.clients} clients ...",
                       flush=True)
+                watched = {"gateway": process_tree(gw.pid), "stub": [q for s in stubs for q in process_tree(s.pid)],
+                           "broker": process_tree(broker.proc.pid)}
                 run: dict[str, object] = {"throughput": throughput(f"{url}/v1/chat/completions", args.clients,
-                                                                   args.concurrency, args.seconds)}
+                                                                   args.concurrency, args.seconds, watched)}
                 print(f"[{n} processes] publish -> served, {args.versions} versions ...", flush=True)
                 run["publish_to_served"] = publish_to_served(broker.bootstrap_servers, "bench", ids, args.versions,
                                                              args.version_interval, version, adapter)
@@ -183,15 +246,23 @@ def main() -> None:
             _stop(stub)
         broker.stop()
     runs = results["runs"]  # type: ignore[assignment]
-    base = runs[str(counts[0])]["throughput"]["rps"] / counts[0] if counts else 0.0
-    print(f"\n{'processes':>9} {'req/s':>9} {'efficiency':>10} {'failures':>8} {'pub->served p50/p99 (all N), ms':>32}")
+    first = runs[str(counts[0])]["throughput"] if counts else {}
+    base = first.get("rps", 0.0) / counts[0] if counts else 0.0
+    base_cpu = first.get("gateway_cpu_ms_per_request")
+    nan = float("nan")
+    print(f"\n{'processes':>9} {'req/s':>9} {'efficiency':>10} {'failures':>8} {'gw CPU ms/req':>13} "
+          f"{'CPU efficiency':>14} {'cores: gw / stub / broker / host':>32} {'pub->served p50/p99 (all N), ms':>32}")
     for n in counts:
         r = runs[str(n)]
-        eff = r["throughput"]["rps"] / (n * base) if base else float("nan")
-        r["efficiency"] = eff
+        t = r["throughput"]
+        r["efficiency"] = t["rps"] / (n * base) if base else nan
+        cpu = t.get("gateway_cpu_ms_per_request")
+        r["cpu_efficiency"] = base_cpu / cpu if base_cpu and cpu else nan
+        cores = " / ".join(f"{t.get(f'{k}_cores', nan):.1f}" for k in ("gateway", "stub", "broker", "host"))
         s = r["publish_to_served"]
-        print(f"{n:>9} {r['throughput']['rps']:>9.0f} {eff:>10.2f} {r['throughput']['failures']:>8} "
-              f"{s['all_gateways_p50_ms'] or float('nan'):>15.0f} / {s['all_gateways_p99_ms'] or float('nan'):<14.0f}")
+        print(f"{n:>9} {t['rps']:>9.0f} {r['efficiency']:>10.2f} {t['failures']:>8} {cpu or nan:>13.3f} "
+              f"{r['cpu_efficiency']:>14.2f} {cores:>32} "
+              f"{s['all_gateways_p50_ms'] or nan:>15.0f} / {s['all_gateways_p99_ms'] or nan:<14.0f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
