@@ -48,9 +48,11 @@ class JudgeClient:
                                     api_key=config.api_key or os.environ.get("STREAMRL_JUDGE_API_KEY") or "none",
                                     timeout=config.request_timeout_s, max_retries=0)
 
-    def judge(self, rubric: str, rendered: list[str], group_id: str) -> Judged:
+    def request(self, rubric: str, rendered: list[str]) -> dict:
+        """The chat completion's arguments for judging ``rendered`` (without the headers)."""
         c = self.config
-        kwargs: dict = {}
+        kwargs: dict = {"model": c.model, "messages": messages(rubric, rendered, c.max_score),
+                        "temperature": c.temperature}
         if c.structured_output == "vllm":
             kwargs["extra_body"] = {"structured_outputs": {
                 "regex": answer_regex(len(rendered), c.max_score, c.max_explanation_chars)}}
@@ -58,8 +60,14 @@ class JudgeClient:
             schema = answer_schema(len(rendered), c.max_score, c.max_explanation_chars)
             kwargs["response_format"] = {"type": "json_schema",
                                          "json_schema": {"name": "judgement", "strict": True, "schema": schema}}
-        prompt = messages(rubric, rendered, c.max_score)
-        max_tokens = min(c.max_tokens, answer_tokens(len(rendered), c.max_score, c.max_explanation_chars))
+        if c.max_tokens is not None:
+            kwargs["max_tokens"] = (c.max_tokens if c.structured_output == "off" else
+                                    min(c.max_tokens, answer_tokens(len(rendered), c.max_score, c.max_explanation_chars)))
+        return kwargs
+
+    def judge(self, rubric: str, rendered: list[str], group_id: str) -> Judged:
+        c = self.config
+        kwargs = self.request(rubric, rendered)
         backoff, attempts, failures = c.retry_backoff_s, 0, 0
         tokens = [0, 0]
         while True:
@@ -67,7 +75,6 @@ class JudgeClient:
                 raise Stopped(group_id)
             try:
                 reply = self.client.chat.completions.create(
-                    model=c.model, messages=prompt, max_tokens=max_tokens, temperature=c.temperature,
                     extra_headers={**PURPOSE_HEADERS, "X-Group-Id": f"judge.{group_id}"}, **kwargs)
             except (openai.APIConnectionError, openai.APITimeoutError, openai.RateLimitError,
                     openai.InternalServerError) as exc:
@@ -75,6 +82,8 @@ class JudgeClient:
                 self.stop.wait(backoff)
                 backoff = min(backoff * 2, c.max_backoff_s)
                 continue
+            except openai.BadRequestError as exc:  # the same request would be refused again: e.g. the context
+                raise JudgeFailed(f"group {group_id}: the judge endpoint refused the request: {exc.message}") from None
             attempts += 1
             if reply.usage is not None:
                 tokens[0] += reply.usage.prompt_tokens

@@ -48,10 +48,12 @@ class JudgeConfig:
     """The judge scores each trajectory with an integer in [0, max_score]; the reward is score / max_score."""
     max_explanation_chars: int = 600
     """The longest explanation asked of the judge (structured output bounds it)."""
-    max_tokens: int = 1024
-    """Most tokens one judge answer may take; the judge asks for fewer where the answer's shape cannot need
-    them (``prompt.answer_tokens``: scores and the explanation), leaving the rest of the context to the
-    group's trajectories."""
+    max_tokens: int | None = None
+    """Most tokens one judge answer may take. None (the default): none is asked, so the server leaves the
+    answer whatever the prompt leaves of the judge model's context, and structured output ends the answer
+    where its shape does; any fixed figure either wastes context or overflows it for some group (a group of
+    16 on a 2,048 context: a 1,251-token prompt and the 798 tokens the longest admissible answer could
+    take). Set, it is capped by ``prompt.answer_tokens`` (the longest answer of that shape)."""
     temperature: float = 0.0
     structured_output: Literal["vllm", "json_schema", "off"] = "vllm"
     """How the answer's shape is asked for. ``vllm``: vLLM's ``structured_outputs`` with a regular expression

@@ -41,7 +41,7 @@ from streamrl.judge.client import JudgeClient, JudgeFailed
 from streamrl.judge.config import JudgeConfig
 from streamrl.judge.groups import GroupBook
 from streamrl.judge.parse import BadAnswer, parse_answer
-from streamrl.judge.prompt import answer_regex, answer_schema, answer_tokens
+from streamrl.judge.prompt import answer_regex, answer_schema, answer_tokens, messages
 from streamrl.judge.render import Call, render
 from streamrl.judge.service import JudgeService, mix
 from streamrl.producers.client import Gateway
@@ -103,17 +103,21 @@ def test_the_answer_regex_admits_exactly_parseable_answers() -> None:
 
 
 @pytest.mark.parametrize("n", [1, 4, 16])
-def test_the_judge_asks_for_no_more_tokens_than_the_longest_answer(n: int) -> None:
-    """A group of 16 with a 1,025-token prompt failed every judge call on a 2,048 context when the judge
-    asked for a flat 1,024 tokens: the budget is the longest answer the regex admits, one token per
-    character at most."""
+def test_a_set_max_tokens_is_capped_by_the_longest_answer(n: int) -> None:
+    """Set, ``max_tokens`` is cut to the longest answer the regex admits (one token per character at most);
+    unset, none is asked: the server leaves the answer what the prompt leaves of the context."""
     import re
 
     longest = ('{"explanation": "' + "x" * 50 + '", "scores": {'
                + ", ".join(f'"T{i + 1}": 10' for i in range(n)) + "}}")
     assert re.fullmatch(answer_regex(n, 10, 50), longest)
     assert answer_tokens(n, 10, 50) == len(longest)
-    assert answer_tokens(16, 10, 600) < 1024 - 200
+    rendered = ["user: hi"] * n
+    client = JudgeClient(JudgeConfig(model="m", max_explanation_chars=50, max_tokens=4096), threading.Event())
+    assert client.request("r", rendered)["max_tokens"] == len(longest)
+    assert "max_tokens" not in JudgeClient(JudgeConfig(model="m"), threading.Event()).request("r", rendered)
+    off = JudgeClient(JudgeConfig(model="m", structured_output="off", max_tokens=7), threading.Event())
+    assert off.request("r", rendered)["max_tokens"] == 7
 
 
 def test_mixing_rule() -> None:
@@ -271,6 +275,46 @@ def test_a_structured_answer_of_the_random_model_parses(engine: Engine, base_mod
     judged = JudgeClient(config, threading.Event()).judge("be right", ["user: hi\nassistant: yo"] * 3, "g2")
     assert len(judged.verdict.scores) == 3 and all(0 <= s <= 10 for s in judged.verdict.scores)
     assert judged.prompt_tokens > 0 and judged.completion_tokens > 0
+
+
+def padded_group(engine: Engine, model: str, rubric: str, room: int) -> list[str]:
+    """Two trajectories padded until the judge prompt leaves ``room`` tokens of the engine's context (counted
+    by the engine's own ``/tokenize``); a negative ``room`` overflows it."""
+    def left(words: int) -> int:
+        rendered = [f"user: what is 2+2?\nassistant: {'four ' * words}"] * 2
+        body = {"model": model, "messages": messages(rubric, rendered, 10), "add_generation_prompt": True}
+        reply = httpx.post(f"{engine.url}/tokenize", json=body, timeout=30).json()
+        return reply["max_model_len"] - reply["count"]
+
+    lo, hi = 0, 2048  # words: left(lo) > room >= left(hi); the room shrinks as words grow
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if left(mid) > room else (lo, mid)
+    assert left(hi) <= room < left(hi) + 4, (left(hi), room)  # "four" is one token or two: close enough
+    return [f"user: what is 2+2?\nassistant: {'four ' * hi}"] * 2
+
+
+def test_a_group_leaving_less_room_than_the_longest_answer_is_judged(engine: Engine, base_model: str) -> None:
+    """The H200 judge-only run failed every group of 16: its prompt left 797 tokens of the context and the
+    judge asked for the 798 the longest admissible answer could take, which vLLM 0.26 refuses (0.32, here,
+    clamps). The judge asks for none now: the answer gets what the prompt leaves, and the regex ends it."""
+    config = JudgeConfig(base_url=f"{engine.url}/v1", model=base_model, max_explanation_chars=24,
+                         retry_backoff_s=0.01)
+    longest = answer_tokens(2, 10, 24)
+    rendered = padded_group(engine, base_model, config.rubric, longest - 4)
+    try:
+        judged = JudgeClient(config, threading.Event()).judge(config.rubric, rendered, "g-tight")
+    except JudgeFailed as exc:  # the random model's gibberish may, rarely, outgrow the room: refused, not 400
+        assert "no usable judge answer" in str(exc), exc
+    else:
+        assert len(judged.verdict.scores) == 2 and judged.completion_tokens < longest
+
+
+def test_a_group_over_the_judge_context_fails_clearly_at_once(engine: Engine, base_model: str) -> None:
+    config = JudgeConfig(base_url=f"{engine.url}/v1", model=base_model, max_explanation_chars=24, max_attempts=3)
+    rendered = padded_group(engine, base_model, config.rubric, -8)
+    with pytest.raises(JudgeFailed, match=r"group g-over: the judge endpoint refused the request: .*context"):
+        JudgeClient(config, threading.Event()).judge(config.rubric, rendered, "g-over")
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@
 #   judge-real: SmolLM2 as the judge: judge_bench's throughput (256 groups of 8, 32 at once), then the same
 #          model trained on the arithmetic task for LOOP_SECONDS (default 120) with the exact-match reward and
 #          with the judge's only (`streamrl up --demo --demo-reward exact|judge`), held-out accuracy per version;
-#          JUDGE_RUNS (default "throughput exact judge") picks the parts
+#          JUDGE_RUNS (default "throughput exact judge") picks the parts; a 4,096 context (the exact run of
+#          session 11 had 2,048: the policy's requests are far below either, the judge's groups of 16 are not)
 set -uo pipefail
 stash=${1:?STASH}; out=${2:?OUT}; shift 2
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -118,7 +119,7 @@ for bench in "$@"; do
 [engine]
 device = "0"
 gpu_memory_utilization = 0.35
-max_model_len = 2048
+max_model_len = 4096
 [trainer]
 device = "cuda:0"
 learning_rate = 5e-4
