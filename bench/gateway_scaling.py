@@ -17,8 +17,13 @@ stub upstream (``--stub-processes`` of it on one port, so that the stub is not t
   state that gateway wrote on the coordination topic routing it (a gateway writes its state at once when
   its routed version changes), so "served by all N" is the slowest of the N. p50/p99 over versions.
 
+``--gateway-cpus LIST`` (e.g. ``0-7``) runs the gateway processes on those CPUs only (``taskset``) and this
+bench, the stub, the broker and the clients on the others, so that the gateways' scaling is read apart from
+the cores the load generation takes; the host's core topology (SMT siblings) is recorded either way.
+
     .venv/bin/python bench/gateway_scaling.py [--processes 1,2,4,8] [--seconds 10] [--concurrency 64]
-        [--clients 4] [--stub-processes 2] [--versions 20] [--version-interval 0.5] [--json out.json]
+        [--clients 4] [--stub-processes 2] [--versions 20] [--version-interval 0.5] [--gateway-cpus 0-7]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import json
 import multiprocessing
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -82,6 +88,22 @@ def host_busy_cores_s() -> float:
     """CPU seconds the whole host spent busy (all cores, /proc/stat; idle and iowait excluded)."""
     ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_list(text: str) -> set[int]:
+    """``0-3,8`` -> {0, 1, 2, 3, 8} (the kernel's and taskset's list format)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def smt_siblings() -> list[str]:
+    """Each physical core's logical CPUs, as the kernel lists them (``0,8`` where two threads share one)."""
+    lists = {path.read_text().strip() for path in
+             Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology/thread_siblings_list")}
+    return sorted(lists, key=lambda x: min(cpu_list(x)))
 
 
 def throughput(url: str, clients: int, concurrency: int, seconds: float,
@@ -196,8 +218,17 @@ def main() -> None:
     p.add_argument("--stub-processes", type=int, default=2)
     p.add_argument("--versions", type=int, default=20)
     p.add_argument("--version-interval", type=float, default=0.5)
+    p.add_argument("--gateway-cpus", help="CPUs for the gateway processes (taskset list); the rest get the others")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    pin: list[str] = []
+    if args.gateway_cpus:
+        gateway_cpus = cpu_list(args.gateway_cpus)
+        others = set(os.sched_getaffinity(0)) - gateway_cpus
+        if not others or not shutil.which("taskset"):
+            raise SystemExit("--gateway-cpus needs taskset and must leave CPUs for the load generation")
+        os.sched_setaffinity(0, others)  # inherited by the stub, the broker and the clients spawned below
+        pin = ["taskset", "-c", args.gateway_cpus]
 
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.schema import WEIGHTS_FILE
@@ -207,7 +238,8 @@ def main() -> None:
     results: dict[str, object] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
         "seconds": args.seconds, "concurrency": args.concurrency, "clients": args.clients,
-        "stub_processes": args.stub_processes, "runs": {}}
+        "stub_processes": args.stub_processes, "gateway_cpus": args.gateway_cpus,
+        "smt_siblings": smt_siblings(), "runs": {}}
     adapter = Path(tempfile.mkdtemp(prefix="gateway-scaling-"))
     (adapter / WEIGHTS_FILE).write_bytes(os.urandom(1024))  # the stub loads nothing; the gateway checks the hash
     stub_port = free_port()
@@ -221,7 +253,7 @@ def main() -> None:
         for n in counts:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            cmd = [*gateway_cmd(stub_url, port, broker.bootstrap_servers, "on"), "--workers", str(n),
+            cmd = [*pin, *gateway_cmd(stub_url, port, broker.bootstrap_servers, "on"), "--workers", str(n),
                    "--policy-name", POLICY, "--spool-dir", tempfile.mkdtemp(prefix=f"scaling-spool-{n}-")]
             gw = _spawn(cmd, f"scaling-gateway-{n}")
             try:

@@ -4,6 +4,7 @@
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
 #   BENCH: capture | gateway | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
+#   gateway-scaling: GATEWAY_CPUS (a taskset list, e.g. 0-7) pins the gateways there and the load elsewhere
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
 #   env:   LR (loop learning rate, default 3e-3; loop-real 5e-4), ENGINES (vLLM replicas, default 1),
@@ -94,7 +95,8 @@ for bench in "$@"; do
                > "$out/gateway.log" 2>&1; tail -12 "$out/gateway.log" ;;
     gateway-scaling)  # #18: 1, 2, 4, 8 gateway processes on one port, logging on, and publish -> served
       python3 "$repo/bench/gateway_scaling.py" --processes 1,2,4,8 --seconds 10 --concurrency 64 --clients 4 \
-          --stub-processes 2 --versions 20 --version-interval 0.5 --json "$out/gateway-scaling.json" \
+          --stub-processes 2 --versions 20 --version-interval 0.5 ${GATEWAY_CPUS:+--gateway-cpus "$GATEWAY_CPUS"} \
+          --json "$out/gateway-scaling.json" \
           > "$out/gateway-scaling.log" 2>&1; tail -12 "$out/gateway-scaling.log" ;;
     loop-two-gpu) loop two-gpu loop-two-gpu ;;
     loop-one-gpu) loop one-gpu loop-one-gpu ;;
