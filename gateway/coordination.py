@@ -26,9 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kafka import TopicPartition
-
-from streamrl.broker.clients import FETCH_MAX_WAIT_MS, make_consumer, make_producer
+from streamrl.broker.clients import FETCH_MAX_WAIT_MS, make_producer, partition_reader
 from streamrl.broker.schema import GatewayState, RecordError, decode, encode
 from streamrl.broker.topics import Topics, create_gateways_topic
 
@@ -144,18 +142,12 @@ class Coordination:
 
     # -- the consumer thread (kafka-python blocks) ---------------------------------------------------
     def _consume(self) -> None:
-        consumer = None
-        while consumer is None and not self._stopping.is_set():
-            try:
-                consumer = make_consumer(self.config.bootstrap_servers, group_id=None, security=self.config.kafka,
-                                         client_id=f"streamrl-gateway-coordination-{self.gateway_id}")
-            except Exception as exc:
-                log.warning("coordination cannot reach Kafka (%s); retrying", exc)
-                self._stopping.wait(1.0)
-        if consumer is None:
+        reader = partition_reader(self.config.bootstrap_servers, self.topic, security=self.config.kafka,  # type: ignore[arg-type]
+                                  client_id=f"streamrl-gateway-coordination-{self.gateway_id}",
+                                  stop=self._stopping, what="coordination")
+        if reader is None:
             return
-        tp = TopicPartition(self.topic, 0)
-        consumer.assign([tp])
+        consumer, tp = reader
         since_ms = int((time.time() - 2 * self.config.gateway_ttl_s) * 1000)
         try:
             found = consumer.offsets_for_times({tp: since_ms}).get(tp)

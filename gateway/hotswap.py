@@ -38,9 +38,8 @@ import time
 
 import aiohttp
 import orjson
-from kafka import TopicPartition
 
-from streamrl.broker.clients import FETCH_MAX_WAIT_MS, make_consumer
+from streamrl.broker.clients import FETCH_MAX_WAIT_MS, partition_reader
 from streamrl.broker.schema import GatewayState, LoadedVersion, PolicyRecord, RecordError, decode
 
 from .config import GatewayConfig
@@ -148,18 +147,11 @@ class PolicyFollower:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     def _consume(self) -> None:
-        consumer = None
-        while consumer is None and not self._stopping.is_set():
-            try:
-                consumer = make_consumer(self.config.bootstrap_servers, group_id=None,  # type: ignore[arg-type]
-                                         security=self.config.kafka, client_id="streamrl-gateway-policy")
-            except Exception as exc:
-                log.warning("policy follower cannot reach Kafka (%s); retrying", exc)
-                self._stopping.wait(1.0)
-        if consumer is None:
+        reader = partition_reader(self.config.bootstrap_servers, self.topic, security=self.config.kafka,  # type: ignore[arg-type]
+                                  client_id="streamrl-gateway-policy", stop=self._stopping, what="policy follower")
+        if reader is None:
             return
-        tp = TopicPartition(self.topic, 0)
-        consumer.assign([tp])
+        consumer, tp = reader
         consumer.seek_to_beginning(tp)
         try:
             end = consumer.end_offsets([tp])[tp]
