@@ -15,11 +15,11 @@ from kafka_reader import TopicReader
 from relay import Relay
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
-from streamrl.broker.topics import Topics
+from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine import Engine, EngineConfig
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
-from streamrl.tiny_model import build_model
+from streamrl.tiny_model import build_model, random_adapter
 
 LOG_DIR = Path(os.environ.get("STREAMRL_TEST_LOGS", "/tmp/streamrl-test-logs"))
 
@@ -62,6 +62,28 @@ def engine(tiny_model: Path) -> Iterator[Engine]:
     e = start_engine(tiny_model, "vllm-0")
     yield e
     e.stop()
+
+
+@pytest.fixture(scope="module")
+def base_model(engine: Engine) -> str:
+    """The name the engine serves its base model under (module scope: a module may override ``engine``)."""
+    return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> list[Path]:
+    """Random LoRA adapters of the tiny model, versions 1..``ADAPTER_VERSIONS`` of the module (default 4)."""
+    root = tmp_path_factory.mktemp("adapters")
+    versions = getattr(request.module, "ADAPTER_VERSIONS", 4)
+    return [random_adapter(tiny_model, root / f"v{v}", seed=v) for v in range(1, versions + 1)]
+
+
+@pytest.fixture(scope="module")
+def topics(broker: EmbeddedBroker, request: pytest.FixtureRequest) -> Topics:
+    """The module's own ``TOPICS``, created on the session broker (two partitions each)."""
+    module_topics: Topics = request.module.TOPICS
+    create_topics(broker.bootstrap_servers, module_topics, partitions=2)
+    return module_topics
 
 
 def start_gateway(broker: EmbeddedBroker, engine: Engine, token_capture: bool) -> GatewayServer:

@@ -138,11 +138,6 @@ def adapter_dirs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="module")
-def base_model(engine: Engine) -> str:
-    return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
-
-
-@pytest.fixture(scope="module")
 def gw(broker: EmbeddedBroker, engine: Engine, adapter_dirs: dict[str, Path],
        tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
     create_topics(broker.bootstrap_servers, TOPICS, partitions=1)

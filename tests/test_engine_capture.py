@@ -236,11 +236,6 @@ def test_a_call_without_capture_is_counted_not_recorded() -> None:
 # -- the real vLLM CPU server with the middleware --------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def base_model(engine: Engine) -> str:
-    return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
-
-
 CHAT = [{"role": "user", "content": "Count with me: one, two"}]
 _VOLATILE = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
 

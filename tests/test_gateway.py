@@ -39,11 +39,6 @@ def gateway(request: pytest.FixtureRequest) -> GatewayServer:
     return request.getfixturevalue(f"{request.param}_gateway")
 
 
-@pytest.fixture(scope="module")
-def base_model(engine: Engine) -> str:
-    return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
-
-
 def client(gw: GatewayServer, **kw: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, **kw)
 

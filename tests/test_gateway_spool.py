@@ -29,11 +29,6 @@ from streamrl.gateway.server import GatewayServer
 CHAT = [{"role": "user", "content": "Count with me: one, two"}]
 
 
-@pytest.fixture(scope="module")
-def base_model(engine: Engine) -> str:
-    return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
-
-
 @pytest.fixture
 def own_broker(request: pytest.FixtureRequest) -> Iterator[EmbeddedBroker]:
     """A broker this test may stop and start (not started yet), with topics of its own."""

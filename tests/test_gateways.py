@@ -28,33 +28,16 @@ from swap_helpers import engine_adapters, engine_loads, wait_unloaded
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.policy_log import publish_version
 from streamrl.broker.schema import CompletionRecord
-from streamrl.broker.topics import Topics, create_topics
+from streamrl.broker.topics import Topics
 from streamrl.child import spawn, stop_group, wait_http
 from streamrl.engine import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
-from streamrl.tiny_model import random_adapter
 
+ADAPTER_VERSIONS = 3
 TOPICS = Topics("gateways")
 CHAT = [{"role": "user", "content": "Count to ten."}]
 LOG_DIR = Path(os.environ.get("STREAMRL_TEST_LOGS", "/tmp/streamrl-test-logs"))
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("adapters")
-    return [random_adapter(tiny_model, root / f"v{v}", seed=v) for v in range(1, 4)]
-
-
-@pytest.fixture(scope="module")
-def topics(broker: EmbeddedBroker) -> Topics:
-    create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
-    return TOPICS
-
-
-@pytest.fixture(scope="module")
-def base_model(engine: Engine) -> str:
-    return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
 
 
 @pytest.fixture

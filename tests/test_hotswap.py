@@ -8,7 +8,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,31 +19,13 @@ from streamrl.broker.clients import make_producer
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.policy_log import publish_version
 from streamrl.broker.schema import CompletionRecord, PolicyRecord, encode
-from streamrl.broker.topics import Topics, create_topics
+from streamrl.broker.topics import Topics
 from streamrl.engine import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
-from streamrl.tiny_model import random_adapter
 
 TOPICS = Topics("hotswap")
 CHAT = [{"role": "user", "content": "Count to ten."}]
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = tmp_path_factory.mktemp("adapters")
-    return [random_adapter(tiny_model, root / f"v{v}", seed=v) for v in range(1, 5)]
-
-
-@pytest.fixture(scope="module")
-def topics(broker: EmbeddedBroker) -> Topics:
-    create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
-    return TOPICS
-
-
-@pytest.fixture(scope="module")
-def base_model(engine: Engine) -> str:
-    return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
 
 
 @pytest.fixture(autouse=True)

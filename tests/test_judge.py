@@ -218,11 +218,6 @@ def test_judge_request_round_trips_and_is_validated() -> None:
 # ---- against the real broker and vLLM --------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def base_model(engine: Engine) -> str:
-    return httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
-
-
 def fresh_topics(broker: EmbeddedBroker, prefix: str) -> Topics:
     topics = Topics(prefix)
     create_topics(broker.bootstrap_servers, topics, partitions=2)
