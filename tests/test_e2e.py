@@ -5,13 +5,10 @@ rise, with no request failing and nothing left running afterwards."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from up_run import run_up
 
 from streamrl.producers.demo_model import build_demo_model
 
@@ -38,20 +35,9 @@ def test_reward_rises_through_streamrl_up(tmp_path: Path) -> None:
     model = build_demo_model(tmp_path / "demo-model")
     work = tmp_path / "run"
     summary = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "streamrl.cli", "up", "--model", str(model), "--port", "0",
-           "--work-dir", str(work), "--demo", "--demo-until-reward", str(TARGET),
-           "--demo-stop-groups", "6", "--demo-max-seconds", "480", "--demo-summary", str(summary)]
-    log = (tmp_path / "up.log").open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        code = proc.wait(timeout=840)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(120)
-        pytest.fail(f"streamrl up did not finish; log: {tmp_path / 'up.log'}")
-    finally:
-        log.close()
-    text = (tmp_path / "up.log").read_text()
+    code, text = run_up(["--model", str(model), "--port", "0", "--work-dir", str(work), "--demo",
+                         "--demo-until-reward", str(TARGET), "--demo-stop-groups", "6", "--demo-max-seconds", "480",
+                         "--demo-summary", str(summary)], tmp_path / "up.log", timeout=840)
     assert code == 0, text[-5000:]
 
     result = json.loads(summary.read_text())

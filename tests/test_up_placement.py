@@ -5,14 +5,11 @@ configuration with ``replica_gpus`` / ``trainer_gpus`` places them on GPUs (docs
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from up_run import run_up
 
 from streamrl.producers.demo_model import build_demo_model
 from streamrl.up import load_config
@@ -52,19 +49,9 @@ def test_two_replicas_and_two_trainer_ranks(tmp_path: Path) -> None:
     work = tmp_path / "run"
     summary = tmp_path / "summary.json"
     (tmp_path / "up.toml").write_text(CONFIG)
-    cmd = [sys.executable, "-m", "streamrl.cli", "up", "--config", str(tmp_path / "up.toml"), "--model", str(model),
-           "--port", "0", "--work-dir", str(work), "--demo", "--demo-summary", str(summary)]
-    log = (tmp_path / "up.log").open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        code = proc.wait(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(120)
-        pytest.fail(f"streamrl up did not finish; log: {tmp_path / 'up.log'}")
-    finally:
-        log.close()
-    text = (tmp_path / "up.log").read_text()
+    code, text = run_up(["--config", str(tmp_path / "up.toml"), "--model", str(model), "--port", "0",
+                         "--work-dir", str(work), "--demo", "--demo-summary", str(summary)],
+                        tmp_path / "up.log", timeout=600)
     assert code == 0, text[-5000:]
     assert "stopped (exit code 0)" in text and "did not stop within" not in text
 
