@@ -29,58 +29,26 @@ bash "$repo/scripts/gpu/install.sh" "$stash" "$site" > "$out/install.log" 2>&1 |
 export PYTHONPATH=$site PATH=$site/bin:$PATH PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 cd /root  # outside the checkout: its streamrl/ folder would shadow the laid-out package
 
-loop() {  # loop LAYOUT NAME
-  local dir=/root/lb-$2
+loop() {  # loop NAME ARGS...: bench/loop_bench.py ARGS, pipeline then sync, its JSON, logs and histories in OUT
+  local name=$1 dir=/root/lb-$1
+  shift
   rm -rf "$dir"
-  (while sleep 10; do cp "$dir/loop_bench.json" "$out/$2.json" 2>/dev/null; done) & local copier=$!
-  python3 "$repo/bench/loop_bench.py" --layout "$1" --shape qwen2.5-1.5b --shared-engine --engines "${ENGINES:-1}" \
-      --warmup --modes pipeline,sync --until-reward "${UNTIL:-0.8}" --max-seconds "${LOOP_SECONDS:-150}" \
-      --learning-rate "${LR:-3e-3}" --group-size 8 --groups-per-step 16 --lora-rank 16 --concurrency "${CONCURRENCY:-16}" \
-      --max-tokens 256 --max-ahead "${MAX_AHEAD:-1}" --micro-batch-tokens 16384 --row-tokens 1024 --context-words 400 \
-      --max-model-len 4096 --stall-s 30 --out "$dir" > "$out/$2.log" 2>&1
+  (while sleep 10; do cp "$dir/loop_bench.json" "$out/$name.json" 2>/dev/null; done) & local copier=$!
+  python3 "$repo/bench/loop_bench.py" "$@" --modes pipeline,sync --max-seconds "${LOOP_SECONDS:-150}" \
+      --lora-rank 16 --micro-batch-tokens 16384 --out "$dir" > "$out/$name.log" 2>&1
   kill "$copier"
-  cp "$dir/loop_bench.json" "$out/$2.json" 2>/dev/null
+  cp "$dir/loop_bench.json" "$out/$name.json" 2>/dev/null
   for m in pipeline sync; do
-    grep -v 'HTTP/1.1" 200' "$dir/$m/up.log" 2>/dev/null | grep -v '^engine' | tail -200 > "$out/$2-$m.log"
+    grep -v 'HTTP/1.1" 200' "$dir/$m/up.log" 2>/dev/null | grep -v '^engine' | tail -300 > "$out/$name-$m.log"
+    cp "$dir/$m/history.jsonl" "$out/$name-$m-history.jsonl" 2>/dev/null
   done
-  tail -8 "$out/$2.log"
+  tail -40 "$out/$name.log"
 }
 
-multi_loop() {  # #17: replicas and trainer ranks on their own GPUs of one host, each mode its own stack
-  local dir=/root/lb-loop-multi
-  rm -rf "$dir"
-  (while sleep 10; do cp "$dir/loop_bench.json" "$out/loop-multi.json" 2>/dev/null; done) & local copier=$!
-  python3 "$repo/bench/loop_bench.py" --layout two-gpu --shape "${SHAPE:-qwen2.5-7b}" \
-      --replica-gpus "${REPLICA_GPUS:-0,1}" --trainer-gpus "${TRAINER_GPUS:-2,3}" \
-      --warmup --modes pipeline,sync --until-reward "${UNTIL:-0.8}" --max-seconds "${LOOP_SECONDS:-150}" \
-      --learning-rate "${LR:-3e-3}" --group-size 8 --groups-per-step 16 --lora-rank 16 --concurrency "${CONCURRENCY:-32}" \
-      --max-tokens 256 --max-ahead "${MAX_AHEAD:-1}" --micro-batch-tokens 16384 --row-tokens 1024 --context-words 400 \
-      --max-model-len 4096 --stall-s 30 --out "$dir" > "$out/loop-multi.log" 2>&1
-  kill "$copier"
-  cp "$dir/loop_bench.json" "$out/loop-multi.json" 2>/dev/null
-  for m in pipeline sync; do
-    grep -v 'HTTP/1.1" 200' "$dir/$m/up.log" 2>/dev/null | grep -v '^engine' | tail -200 > "$out/loop-multi-$m.log"
-  done
-  tail -8 "$out/loop-multi.log"
-}
-
-real_loop() {  # the real model on the arithmetic task, pipeline against sync on one GPU
-  local dir=/root/lb-$1
-  rm -rf "$dir"
-  (while sleep 10; do cp "$dir/loop_bench.json" "$out/$1.json" 2>/dev/null; done) & local copier=$!
-  python3 "$repo/bench/loop_bench.py" --layout one-gpu --model smollm2-135m --model-cache "$stash" \
-      --task arithmetic --eval-problems 256 --shared-engine --modes pipeline,sync --until-reward "${UNTIL:-2}" \
-      --max-seconds "${LOOP_SECONDS:-150}" --learning-rate "${LR:-5e-4}" --group-size "${GROUP:-16}" \
-      --groups-per-step "${GPS:-8}" --lora-rank 16 --concurrency "${CONCURRENCY:-16}" \
-      --max-tokens "${MAX_TOKENS:-128}" --max-ahead "${MAX_AHEAD:-2}" --micro-batch-tokens 16384 \
-      --max-model-len 1024 --stall-s 10 --out "$dir" > "$out/$1.log" 2>&1
-  kill "$copier"
-  cp "$dir/loop_bench.json" "$out/$1.json" 2>/dev/null
-  for m in pipeline sync; do
-    grep -v 'HTTP/1.1" 200' "$dir/$m/up.log" 2>/dev/null | grep -v '^engine' | tail -300 > "$out/$1-$m.log"
-    cp "$dir/$m/history.jsonl" "$out/$1-$m-history.jsonl" 2>/dev/null
-  done
-  tail -40 "$out/$1.log"
+synthetic() {  # the random 1.5B (or SHAPE) model on the synthetic task: loop_bench's settings of docs/benchmarks.md
+  echo --warmup --until-reward "${UNTIL:-0.8}" --learning-rate "${LR:-3e-3}" --group-size 8 --groups-per-step 16 \
+      --max-tokens 256 --max-ahead "${MAX_AHEAD:-1}" --row-tokens 1024 --context-words 400 --max-model-len 4096 \
+      --stall-s 30
 }
 
 for bench in "$@"; do
@@ -98,10 +66,19 @@ for bench in "$@"; do
           --stub-processes 2 --versions 20 --version-interval 0.5 ${GATEWAY_CPUS:+--gateway-cpus "$GATEWAY_CPUS"} \
           --json "$out/gateway-scaling.json" \
           > "$out/gateway-scaling.log" 2>&1; tail -12 "$out/gateway-scaling.log" ;;
-    loop-two-gpu) loop two-gpu loop-two-gpu ;;
-    loop-one-gpu) loop one-gpu loop-one-gpu ;;
-    loop-multi) multi_loop ;;
-    loop-real) real_loop "loop-real${TAG:-}" ;;
+    loop-two-gpu|loop-one-gpu)
+      # shellcheck disable=SC2046  # synthetic's words are separate flags
+      loop "$bench" --layout "${bench#loop-}" --shape qwen2.5-1.5b --shared-engine --engines "${ENGINES:-1}" \
+          --concurrency "${CONCURRENCY:-16}" $(synthetic) ;;
+    loop-multi)  # #17: replicas and trainer ranks on their own GPUs of one host, each mode its own stack
+      # shellcheck disable=SC2046
+      loop loop-multi --layout two-gpu --shape "${SHAPE:-qwen2.5-7b}" --replica-gpus "${REPLICA_GPUS:-0,1}" \
+          --trainer-gpus "${TRAINER_GPUS:-2,3}" --concurrency "${CONCURRENCY:-32}" $(synthetic) ;;
+    loop-real)  # the real model on the arithmetic task, pipeline against sync on one GPU
+      loop "loop-real${TAG:-}" --layout one-gpu --model smollm2-135m --model-cache "$stash" --task arithmetic \
+          --eval-problems 256 --shared-engine --until-reward "${UNTIL:-2}" --learning-rate "${LR:-5e-4}" \
+          --group-size "${GROUP:-16}" --groups-per-step "${GPS:-8}" --concurrency "${CONCURRENCY:-16}" \
+          --max-tokens "${MAX_TOKENS:-128}" --max-ahead "${MAX_AHEAD:-2}" --max-model-len 1024 --stall-s 10 ;;
     unpaced-real)  # agents that do not wait for the trainer: the real model, wait against freshest
       streamrl model smollm2-135m /root/stash/models/smollm2-135m --cache "$stash/wheels" > "$out/model.log" 2>&1
       python3 "$repo/bench/unpaced_bench.py" --model /root/stash/models/smollm2-135m --task arithmetic \
