@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
+
+from streamrl.child import serve_until_stopped, stop_on_signals
 
 from .embedded import EmbeddedBroker
 from .topics import Topics
@@ -22,11 +23,9 @@ def run(args: argparse.Namespace) -> int:
                             partitions=args.partitions).start()
     print(f"broker ready: --bootstrap-servers {broker.bootstrap_servers}", flush=True)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        if broker.proc is not None and broker.proc.poll() is not None:
-            print("broker exited", flush=True)
-            return 1
+    stop_on_signals(stop)
+    if not serve_until_stopped(broker.proc, stop):
+        print("broker exited", flush=True)
+        return 1
     broker.stop()
     return 0

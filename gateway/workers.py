@@ -22,6 +22,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from streamrl.child import stop_on_signals
+
 from .config import GatewayConfig
 
 log = logging.getLogger(__name__)
@@ -71,8 +73,7 @@ class Workers:
 
     def run(self) -> int:
         """Start the workers and keep them running until SIGTERM/SIGINT; returns the exit status."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._stopping.set())
+        stop_on_signals(self._stopping)
         for i in range(self.config.workers):
             self._start(i)
         log.info("%d gateway workers on %s:%d", self.config.workers, self.config.host, self.config.port)

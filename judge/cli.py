@@ -6,9 +6,9 @@ Options come from defaults, then `--config FILE` (TOML or JSON, a [judge] table 
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
 
+from streamrl.child import stop_on_signals
 from streamrl.config_flags import add_config_flags, given
 
 from .config import JudgeConfig
@@ -21,8 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     config = JudgeConfig.load(args.config, **given(args, JudgeConfig))
     if not config.model:
         raise SystemExit("streamrl judge: --model (the judge model's name at --base-url) is required")

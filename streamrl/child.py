@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -72,3 +73,19 @@ def wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen | Non
             return
         time.sleep(0.02)
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT set ``stop`` (from the main thread): how every streamrl command is told to finish
+    what it is doing and exit 0, by ``streamrl up``, a supervisor, or Ctrl-C."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+
+def serve_until_stopped(proc: subprocess.Popen | None, stop: threading.Event) -> bool:
+    """Wait until ``stop`` is set (True) or the child ``proc`` exits by itself (False): the foreground
+    loop of a command whose work is done by one child (``streamrl broker``, ``streamrl engine``)."""
+    while not stop.wait(1.0):
+        if proc is not None and proc.poll() is not None:
+            return False
+    return True

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
 
+from .child import serve_until_stopped, stop_on_signals
 from .config_flags import add_config_flags, given
 from .engine import Engine, EngineConfig
 
@@ -25,10 +25,9 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(EngineConfig(**values, extra_args=[a for a in args.extra if a != "--"])).start()
     print(f"engine ready: {engine.url}", flush=True)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        if engine.proc is not None and engine.proc.poll() is not None:
-            return 1
+    stop_on_signals(stop)
+    if not serve_until_stopped(engine.proc, stop):
+        print("engine exited", flush=True)
+        return 1
     engine.stop()
     return 0

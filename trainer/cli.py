@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import threading
 
+from streamrl.child import stop_on_signals
 from streamrl.config_flags import add_config_flags, given
 
 from .config import TrainerConfig
@@ -30,15 +30,10 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     return TrainerConfig.load(args.config, **given(args, TrainerConfig))
 
 
-def stop_on_signals(stop: threading.Event) -> None:
-    """SIGTERM and SIGINT set ``stop``: the trainer finishes its step, publishes and exits 0."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-
-
 def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
-    stop_on_signals(stop)  # first: a SIGTERM while torch loads or the model is read is a clean stop
+    stop_on_signals(stop)  # first: a SIGTERM while torch loads or the model is read is a clean stop (the
+    # trainer finishes its step, publishes and exits 0)
     config = config_from_args(args)
     if not config.model:
         raise SystemExit("streamrl trainer: --model is required")

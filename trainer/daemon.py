@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
+from streamrl.child import stop_on_signals
+
 from .batch import GroupBatch, TrainSequence, save_batch
 from .config import TrainerConfig
 from .feed import GroupSource, ReplayGroups, StreamGroups
@@ -194,8 +196,6 @@ def run_trainer(c: TrainerConfig, stop: threading.Event | None = None) -> int:
     SIGTERM/SIGINT set one installed here (in the main thread); ``streamrl trainer`` installs its
     handlers before anything slow starts, so that a stop during start-up is a clean stop too."""
     if stop is None:
-        from .cli import stop_on_signals
-
         stop = threading.Event()
         if threading.current_thread() is threading.main_thread():
             stop_on_signals(stop)
