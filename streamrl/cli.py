@@ -28,6 +28,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
     parser = argparse.ArgumentParser(prog="streamrl", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--kafka-log-level", default="WARNING",
+                        help="kafka-python's own loggers (at INFO they narrate every connection of every client)")
     sub = parser.add_subparsers(dest="command", required=True)
     runners = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("kafka").setLevel(args.kafka_log_level.upper())
     return runners[args.command](args) or 0
 
 

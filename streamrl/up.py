@@ -398,10 +398,15 @@ class Stack:
         self.log.pump(part, proc.stdout, self.logs / f"{part}.log")
         return proc
 
+    @property
+    def _cli(self) -> list[str]:
+        """``python`` arguments that run a streamrl command; with ``verbose`` the Kafka client's INFO too."""
+        return ["-m", "streamrl.cli", *(["--kafka-log-level", "INFO"] if self.config.verbose else [])]
+
     def _trainer(self, trainer: TrainerConfig) -> None:
         path = self.run_dir / "trainer.json"
         path.write_text(json.dumps(dataclasses.asdict(trainer), indent=2))
-        cli = ["-m", "streamrl.cli", "trainer", "--config", str(path)]
+        cli = [*self._cli, "trainer", "--config", str(path)]
         n = self.config.trainer_nproc
         argv = [sys.executable, *cli] if n == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *cli]
@@ -435,7 +440,7 @@ class Stack:
         gateway = c.gateway_config(self.upstreams, self.bootstrap_servers, c.port or free_port(c.host))
         path = self.run_dir / "gateway.json"
         path.write_text(json.dumps(dataclasses.asdict(gateway), indent=2))
-        proc = self._spawn("gateway", [sys.executable, "-m", "streamrl.cli", "gateway", "--config", str(path)])
+        proc = self._spawn("gateway", [sys.executable, *self._cli, "gateway", "--config", str(path)])
         port = gateway.port
         self.gateway_url = f"http://{c.host}:{port}"
         wait_http(self.gateway_url, 120, proc, what="gateway")
@@ -459,7 +464,7 @@ class Stack:
                             topic_prefix=c.topic_prefix, kafka=c.child_kafka, name=f"{c.policy_name}-judge")
         path = self.run_dir / "judge.json"
         path.write_text(json.dumps(dataclasses.asdict(judge), indent=2))
-        self._spawn("judge", [sys.executable, "-m", "streamrl.cli", "judge", "--config", str(path)],
+        self._spawn("judge", [sys.executable, *self._cli, "judge", "--config", str(path)],
                     env={"PYTHONUNBUFFERED": "1"})
         self.log.line("judge", f"judging with {base} through the gateway")
 
