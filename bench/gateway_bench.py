@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -550,6 +550,100 @@ def print_table(results: dict[str, object]) -> None:
             "producer_process_run_delay_s", "cpu_pressure_some_s", "cgroup_throttled_s")))
     row("records waited (pipe full): open / closed loop",
         lambda e: f"{e['latency']['records_waited']} / {e['throughput']['records_waited']}")
+    rounds, summary = results["throughput_rounds"], results["summary"]
+    print(f"\nclosed loop, {summary['throughput_rounds']} rounds (the first in the table above, the rest "
+          "interleaved), req/s:")
+    for mode, rps in rounds.items():
+        print(f"  {mode:13s} " + " / ".join(f"{x:,.0f}" for x in rps) + f"  (median {np.median(rps):,.0f})")
+    print("  on / off per round: " + " / ".join(f"{x:.2f}" for x in summary["on_over_off_throughput_per_round"])
+          + f"  (median {summary['on_over_off_throughput_median']:.2f})")
+
+
+def measure_mode(mode: str, url: str, gw: subprocess.Popen | None, pages: subprocess.Popen | None,
+                 stub: subprocess.Popen, args: argparse.Namespace) -> dict[str, object]:
+    """One mode's open-loop latency, closed-loop throughput and CPU (of the gateway, or of the stub for
+    ``direct``), and its streaming latency; ``pages``: the open dashboards of ``on-dashboard``."""
+    pid = (gw or stub).pid
+    gw_url = url.rsplit("/v1/", 1)[0]
+    print(f"[{mode}] open loop at {args.rate:.0f} req/s for {args.seconds:.0f}s ...", flush=True)
+    # children: the gateway's record-producer process, when logging is on
+    threads, host0, helpers = ThreadCpu(pid), host_cpu_counters(), children(pid)
+    helper_delay0 = processes_run_delay_s(helpers)
+    lag0, waited0 = (lag_buckets(gw_url), producer_waited(gw_url)) if gw is not None else ({}, 0)
+    lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
+    lat["threads"] = threads.result(lat["requests"])
+    lat["host"] = counters_delta(host0, host_cpu_counters())
+    lat["host"]["producer_process_run_delay_s"] = processes_run_delay_s(helpers) - helper_delay0
+    if gw is not None:
+        lat["event_loop_lag"] = lag_summary(lag0, lag_buckets(gw_url))
+        lat["records_waited"] = producer_waited(gw_url) - waited0
+        lat["drain_s"] = wait_drained(gw_url)
+    print(f"[{mode}] closed loop, concurrency {args.concurrency} ...", flush=True)
+    cpu0, helper0 = cpu_seconds(pid), sum(cpu_seconds(c) for c in helpers)
+    threads, waited0 = ThreadCpu(pid), producer_waited(gw_url) if gw is not None else 0
+    thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
+    n = max(1, thr["requests"])
+    thr["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu0) * 1000 / n
+    thr["threads"] = threads.result(thr["requests"])
+    if gw is not None:
+        thr["records_waited"] = producer_waited(gw_url) - waited0
+    thr["cpu_of"] = "stub" if gw is None else "gateway"
+    if gw is not None:
+        thr["drain_s"] = wait_drained(gw_url)
+    # after the drain: the producer process's CPU for this phase's records, all of them sent
+    thr["producer_process_cpu_ms_per_request"] = (sum(cpu_seconds(c) for c in helpers) - helper0) * 1000 / n
+    entry: dict[str, object] = {"latency": lat, "throughput": thr}
+    if gw is None:
+        entry["large_body_latency"] = asyncio.run(open_loop(url, args.rate, args.seconds, LARGE_REQUEST))
+    if args.stream_rate:
+        entry["stream_latency"] = asyncio.run(open_loop(url, args.stream_rate, args.seconds, STREAM_REQUEST))
+    if gw is not None:
+        import httpx
+
+        health = httpx.get(f"{gw_url}/health").json()
+        entry["producer"] = health["producer"]
+        if pages is not None:  # how many dashboard answers the pages got during the mode
+            pages.terminate()
+            entry["dashboard"] = {"pages": args.dashboard_pages,
+                                  "answers": pages.communicate(timeout=10)[0].strip()}
+    return entry
+
+
+@contextlib.contextmanager
+def gateway_for(mode: str, stub_url: str, port: int, bootstrap: str, pages: int,
+                procs: list[subprocess.Popen]) -> Iterator[tuple[subprocess.Popen, subprocess.Popen | None]]:
+    """The gateway of ``mode`` on ``port`` (in ``procs`` while it runs, so a failure still stops it), healthy,
+    and for ``on-dashboard`` the child process of open dashboard pages; both stopped on leaving."""
+    gw = _spawn(gateway_cmd(stub_url, port, bootstrap, mode), f"gateway-{mode}")
+    procs.append(gw)
+    poller = None
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health")
+        if mode == "on-dashboard":
+            poller = subprocess.Popen([sys.executable, __file__, "--poll-dashboard", f"http://127.0.0.1:{port}",
+                                       "--dashboard-pages", str(pages)], stdout=subprocess.PIPE, text=True)
+        yield gw, poller
+    finally:
+        if poller is not None and poller.poll() is None:
+            poller.kill()
+            poller.wait()
+        _stop(gw)
+        procs.remove(gw)
+
+
+def throughput_rounds(modes: list[str], rounds: int, stub_url: str, port: int, bootstrap: str, concurrency: int,
+                      seconds: float, pages: int, procs: list[subprocess.Popen]) -> dict[str, list[float]]:
+    """Closed-loop req/s of each gateway mode over ``rounds`` more rounds, the modes interleaved (their order
+    reversed every other round): a host's speed drifts between phases by more than logging's cost."""
+    out: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):
+        for mode in (modes if r % 2 else modes[::-1]):
+            with gateway_for(mode, stub_url, port, bootstrap, pages, procs):
+                url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                out[mode].append(asyncio.run(closed_loop(url, concurrency, seconds, REQUEST))["rps"])
+                wait_drained(f"http://127.0.0.1:{port}")
+            print(f"[round {r + 1}] {mode}: {out[mode][-1]:,.0f} req/s", flush=True)
+    return out
 
 
 def main() -> None:
@@ -561,6 +655,8 @@ def main() -> None:
     p.add_argument("--modes", default="direct,off,on,on-json,on-dashboard",
                    help="direct, off and on are always run (the summary's baselines)")
     p.add_argument("--dashboard-pages", type=int, default=2, help="open dashboard pages in the on-dashboard mode")
+    p.add_argument("--throughput-rounds", type=int, default=2,
+                   help="more closed-loop rounds of the gateway modes, interleaved, after the full pass")
     p.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
     p.add_argument("--poll-dashboard", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -587,66 +683,20 @@ def main() -> None:
         stub_url = f"http://127.0.0.1:{stub_port}"
         _wait_http(f"{stub_url}/health")
         for mode in modes:
-            pages = None
-            if mode == "direct":
-                url = f"{stub_url}/v1/chat/completions"
-                gw = None
-            else:
-                gw = _spawn(gateway_cmd(stub_url, gw_port, broker.bootstrap_servers, mode), f"gateway-{mode}")
-                procs.append(gw)
-                _wait_http(f"http://127.0.0.1:{gw_port}/health")
-                url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
-                if mode == "on-dashboard":
-                    pages = subprocess.Popen([sys.executable, __file__, "--poll-dashboard", f"http://127.0.0.1:{gw_port}",
-                                              "--dashboard-pages", str(args.dashboard_pages)],
-                                             stdout=subprocess.PIPE, text=True)
-            gw_url = f"http://127.0.0.1:{gw_port}"
-            pid = (gw or stub).pid
-            print(f"[{mode}] open loop at {args.rate:.0f} req/s for {args.seconds:.0f}s ...", flush=True)
-            # children: the gateway's record-producer process, when logging is on
-            threads, host0, helpers = ThreadCpu(pid), host_cpu_counters(), children(pid)
-            helper_delay0 = processes_run_delay_s(helpers)
-            lag0, waited0 = (lag_buckets(gw_url), producer_waited(gw_url)) if gw is not None else ({}, 0)
-            lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
-            lat["threads"] = threads.result(lat["requests"])
-            lat["host"] = counters_delta(host0, host_cpu_counters())
-            lat["host"]["producer_process_run_delay_s"] = processes_run_delay_s(helpers) - helper_delay0
-            if gw is not None:
-                lat["event_loop_lag"] = lag_summary(lag0, lag_buckets(gw_url))
-                lat["records_waited"] = producer_waited(gw_url) - waited0
-                lat["drain_s"] = wait_drained(gw_url)
-            print(f"[{mode}] closed loop, concurrency {args.concurrency} ...", flush=True)
-            cpu0, helper0 = cpu_seconds(pid), sum(cpu_seconds(c) for c in helpers)
-            threads, waited0 = ThreadCpu(pid), producer_waited(gw_url) if gw is not None else 0
-            thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
-            n = max(1, thr["requests"])
-            thr["cpu_ms_per_request"] = (cpu_seconds(pid) - cpu0) * 1000 / n
-            thr["threads"] = threads.result(thr["requests"])
-            if gw is not None:
-                thr["records_waited"] = producer_waited(gw_url) - waited0
-            thr["cpu_of"] = "stub" if gw is None else "gateway"
-            if gw is not None:
-                thr["drain_s"] = wait_drained(gw_url)
-            # after the drain: the producer process's CPU for this phase's records, all of them sent
-            thr["producer_process_cpu_ms_per_request"] = (sum(cpu_seconds(c) for c in helpers) - helper0) * 1000 / n
-            entry: dict[str, object] = {"latency": lat, "throughput": thr}
-            if gw is None:
-                entry["large_body_latency"] = asyncio.run(open_loop(url, args.rate, args.seconds, LARGE_REQUEST))
-            if args.stream_rate:
-                entry["stream_latency"] = asyncio.run(open_loop(url, args.stream_rate, args.seconds, STREAM_REQUEST))
-            if gw is not None:
-                import httpx
-
-                health = httpx.get(f"{gw_url}/health").json()
-                entry["producer"] = health["producer"]
-                if pages is not None:  # how many dashboard answers the pages got during the mode
-                    pages.terminate()
-                    entry["dashboard"] = {"pages": args.dashboard_pages,
-                                          "answers": pages.communicate(timeout=10)[0].strip()}
-                _stop(gw)
-                procs.remove(gw)
-            results[mode] = entry
-            print(f"[{mode}] {json.dumps(entry)}", flush=True)
+            with contextlib.ExitStack() as running:
+                if mode == "direct":
+                    url, gw, pages = f"{stub_url}/v1/chat/completions", None, None
+                else:
+                    gw, pages = running.enter_context(gateway_for(mode, stub_url, gw_port, broker.bootstrap_servers,
+                                                                  args.dashboard_pages, procs))
+                    url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
+                results[mode] = measure_mode(mode, url, gw, pages, stub, args)
+                print(f"[{mode}] {json.dumps(results[mode])}", flush=True)
+        gateway_modes = [m for m in modes if m != "direct"]
+        extra = throughput_rounds(gateway_modes, args.throughput_rounds, stub_url, gw_port, broker.bootstrap_servers,
+                                  args.concurrency, args.seconds, args.dashboard_pages, procs)
+        results["throughput_rounds"] = {m: [results[m]["throughput"]["rps"], *extra[m]]  # type: ignore[index]
+                                        for m in gateway_modes}
         results["records"] = record_sizes(broker.bootstrap_servers)
     finally:
         for proc in procs:
@@ -682,6 +732,13 @@ def main() -> None:
     summary["direct_max_rps"] = d["throughput"]["rps"]
     summary["direct_large_body_p50_p99_ms"] = (d["large_body_latency"]["p50_ms"], d["large_body_latency"]["p99_ms"])
     summary["on_over_off_throughput"] = on["throughput"]["rps"] / off["throughput"]["rps"]
+    rounds = results["throughput_rounds"]  # type: ignore[index]
+    summary["throughput_rounds"] = len(rounds["off"])
+    summary["rps_median"] = {m: float(np.median(v)) for m, v in rounds.items()}
+    for mode in (m for m in rounds if m not in ("off", "on")):
+        summary[f"{mode}_over_on_throughput_median"] = float(np.median(np.divide(rounds[mode], rounds["on"])))
+    summary["on_over_off_throughput_per_round"] = list(np.divide(rounds["on"], rounds["off"]))
+    summary["on_over_off_throughput_median"] = float(np.median(summary["on_over_off_throughput_per_round"]))
     if "on-json" in results:
         summary["on_json_over_off_throughput"] = results["on-json"]["throughput"]["rps"] / off["throughput"]["rps"]
     if "on-dashboard" in results:  # the dashboard's cost: on with pages open against on, same run
