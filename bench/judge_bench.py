@@ -59,7 +59,7 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-explanation-chars", type=int, default=200)
-    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, help="the judge's max_tokens (default: none asked, as the service's default)")
     ap.add_argument("--engine-args", default="", help="extra vLLM arguments")
     ap.add_argument("--out", type=Path, default=Path("/tmp/judge-bench"))
     ap.add_argument("--json", type=Path, help="write the results here too")
