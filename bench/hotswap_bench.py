@@ -162,18 +162,17 @@ async def run_mode(mode: str, gw: str, publish, first_version: int, args: argpar
     }
 
 
-SWAP_LINE = re.compile(r"now served by \S+@v(\d+) .*received (\d+) ms after publication, verified in (\d+) ms, "
-                       r"loaded in (\d+) ms")
+ROUTED_LINE = re.compile(r"now served by \S+@v(\d+) \(was [^)]*\), (\d+) ms after publication")
+LOADED_LINE = re.compile(r"\S+@v(\d+) loaded on .*?: received (\d+) ms after publication, verified in (\d+) ms, "
+                         r"loaded in (\d+) ms")
 
 
 def gateway_swap_timings(log_file: Path, versions: range) -> dict[str, float | None]:
-    """The gateway's own account of each swap (from its log): publication -> routed, and the load alone."""
-    totals, loads = [], []
-    for m in SWAP_LINE.finditer(log_file.read_text(errors="replace")):
-        if int(m.group(1)) in versions:
-            received, verified, loaded = (int(m.group(i)) for i in (2, 3, 4))
-            totals.append(received + verified + loaded)
-            loads.append(loaded)
+    """The gateway's own account of each swap (gateway/hotswap.py's log lines): publication -> routed, and
+    the load alone (on every replica)."""
+    text = log_file.read_text(errors="replace")
+    totals = [int(m.group(2)) for m in ROUTED_LINE.finditer(text) if int(m.group(1)) in versions]
+    loads = [int(m.group(4)) for m in LOADED_LINE.finditer(text) if int(m.group(1)) in versions]
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
     return {"gateway_publish_to_routed_p50_ms": pct(totals, 50), "gateway_publish_to_routed_p99_ms": pct(totals, 99),
             "gateway_adapter_load_p50_ms": pct(loads, 50), "gateway_adapter_load_p99_ms": pct(loads, 99)}
