@@ -195,6 +195,7 @@ def main() -> None:
     p.add_argument("--upstream", help="use this running vLLM server (started with streamrl engine) instead")
     p.add_argument("--model", help="its model directory (default: build the tiny model)")
     p.add_argument("--json", type=Path)
+    p.add_argument("--logs", type=Path, help="keep the gateway's and the engine's logs here")
     args = p.parse_args()
 
     from streamrl.broker.embedded import EmbeddedBroker, free_port
@@ -240,7 +241,7 @@ def main() -> None:
         wait_http(gw, 60, what="gateway", interval=0.1)
 
         results = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-                   "args": {k: v for k, v in vars(args).items() if k != "json"}}
+                   "args": {k: v for k, v in vars(args).items() if k not in ("json", "logs")}}
         # warm-up: the first adapter a fresh engine serves costs seconds once (LoRA set-up); not measured
         publish(1)
         asyncio.run(wait_version(gw, 1))
@@ -266,6 +267,11 @@ def main() -> None:
         if engine is not None:
             engine.stop()
         broker.stop()
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for name in ("gateway.log", "engine.log"):
+                if (work / name).exists():
+                    shutil.copy(work / name, args.logs / name)
         shutil.rmtree(work, ignore_errors=True)
 
 
