@@ -85,6 +85,8 @@ class PolicyFollower:
         self._write_lock = asyncio.Lock()
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._room = asyncio.Event()
+        self._arrived = asyncio.Event()
+        """Set when something is queued: a load waiting for room gives way to a newer version."""
         self._reconcile_now = asyncio.Event()
         self._loading: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -144,7 +146,11 @@ class PolicyFollower:
     # -- the consumer thread (kafka-python blocks) ---------------------------------------------------
     def _deliver(self, item: object) -> None:
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._loop.call_soon_threadsafe(self._enqueue, item)
+
+    def _enqueue(self, item: object) -> None:
+        self._queue.put_nowait(item)
+        self._arrived.set()
 
     def _consume(self) -> None:
         reader = partition_reader(self.config.bootstrap_servers, self.topic, security=self.config.kafka,  # type: ignore[arg-type]
@@ -272,7 +278,7 @@ class PolicyFollower:
         await self._publish()
         self._route()
         self._trim()
-        self._queue.put_nowait(_WAKE)
+        self._enqueue(_WAKE)
 
     # -- routing (every gateway) ---------------------------------------------------------------------
     def _served(self, version: int) -> str:
@@ -365,9 +371,17 @@ class PolicyFollower:
             self._reject(exc.reason, f"not serving {name}: {exc}")
             return False
         while len(self.loaded) >= self.config.max_loaded_versions:
+            if not self._queue.empty():  # maybe a newer version: the loop takes it and loads the newest
+                return False
             log.info("%s waits for an older version to drain (%d loaded)", name, len(self.loaded))
             self._room.clear()
-            await self._room.wait()
+            self._arrived.clear()
+            waits = [asyncio.ensure_future(event.wait()) for event in (self._room, self._arrived)]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
         t1 = time.time()
         state = VersionState(record)
         self._loading_state = state

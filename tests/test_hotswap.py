@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from kafka_reader import TopicReader
 from relay import Relay
-from swap_helpers import engine_adapters, wait_unloaded
+from swap_helpers import engine_adapters, engine_loads, wait_unloaded
 
 from streamrl.broker.clients import make_producer
 from streamrl.broker.embedded import EmbeddedBroker, free_port
@@ -158,6 +159,50 @@ def test_request_started_before_swap_finishes_on_old_version(broker, engine, top
         chunks = [line for line in lines if line.startswith("data: {")]
         assert chunks and all(f'"model":"{name}@v1"' in line for line in chunks)
         wait_unloaded(engine, f"{name}@v1")  # drained, so unloaded
+
+
+def test_a_load_waiting_for_room_gives_way_to_a_newer_version(broker, engine, topics, adapters, base_model,
+                                                              relay: Relay, caplog: pytest.LogCaptureFixture):
+    """Two versions loaded at most: v1 held by a running stream, v2 routed, so v3 waits for v1 to drain. v4,
+    published while v3 waits, is taken at once, and it is v4 that is loaded when v1 drains: v3 never is (the
+    engine's own log), so the newest version is not served a load later than it could be."""
+    name = f"roomwait{uuid.uuid4().hex[:6]}"  # the engine's log, counted below, outlives a test session
+    publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
+    held: dict[str, object] = {}
+
+    def held_request() -> None:
+        body = {"model": name, "prompt": "held for room", "max_tokens": 8, "stream": True}
+        with httpx.Client(timeout=120) as http, http.stream("POST", f"{gw.url}/v1/completions", json=body) as r:
+            held["version"] = r.headers["x-policy-version"]
+            held["lines"] = [line for line in r.iter_lines() if line]
+
+    relay.hold_marker = b"held for room"
+    config = gateway_config(broker, engine, name, upstreams=(relay.url,), max_loaded_versions=2,
+                            keep_previous_versions=0)
+    with GatewayServer(config) as gw:
+        wait_routed(gw, 1)
+        thread = threading.Thread(target=held_request)
+        thread.start()
+        try:
+            assert relay.holding.wait(30), "the request did not reach the engine"
+            publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
+            wait_routed(gw, 2)
+            publish_version(broker.bootstrap_servers, topics, name, 3, adapters[2], base_model)
+            deadline = time.monotonic() + 30
+            while f"{name}@v3 waits for an older version to drain" not in caplog.text:
+                assert time.monotonic() < deadline, "v3 did not wait for room"
+                time.sleep(0.01)
+            publish_version(broker.bootstrap_servers, topics, name, 4, adapters[3], base_model)
+            while 4 not in gw.gateway.follower.records:  # taken while v3 waits, not after
+                assert time.monotonic() < deadline + 30, "v4 not taken while v3 waited for room"
+                time.sleep(0.01)
+            assert gw.gateway.router.version == 2 and gw.gateway.router.versions[1].in_flight == 1
+        finally:
+            relay.release()
+            thread.join(120)
+        assert held["version"] == "1"
+        wait_routed(gw, 4)
+        assert engine_loads(engine, f"{name}@v4") == 1 and engine_loads(engine, f"{name}@v3") == 0
 
 
 def test_catch_up_bad_checksum_and_max_loaded(broker, engine, topics, adapters, base_model):
