@@ -119,6 +119,20 @@ def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model
     reader.close()
 
 
+def held_stream(url: str, name: str, prompt: str, out: dict[str, object]) -> threading.Thread:
+    """A streamed completion of ``name`` in a thread (a relay holding ``prompt`` keeps it in flight); its
+    version header and lines land in ``out``."""
+    def run() -> None:
+        body = {"model": name, "prompt": prompt, "max_tokens": 16, "stream": True}
+        with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            out["version"] = r.headers["x-policy-version"]
+            out["lines"] = [line for line in r.iter_lines() if line]
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
 def test_request_started_before_swap_finishes_on_old_version(broker, engine, topics, adapters, base_model,
                                                             relay: Relay):
     """The old request's answer is held in a relay between gateway and engine until the test has seen the
@@ -126,19 +140,11 @@ def test_request_started_before_swap_finishes_on_old_version(broker, engine, top
     name = "inflight"
     publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
     old: dict[str, object] = {}
-
-    def old_request() -> None:
-        body = {"model": name, "prompt": "held across the swap", "max_tokens": 16, "stream": True}
-        with httpx.Client(timeout=120) as http, http.stream("POST", f"{gw.url}/v1/completions", json=body) as r:
-            old["version"] = r.headers["x-policy-version"]
-            old["lines"] = [line for line in r.iter_lines() if line]
-
     relay.hold_marker = b"held across the swap"
     config = gateway_config(broker, engine, name, upstreams=(relay.url,), keep_previous_versions=0)
     with GatewayServer(config) as gw:
         wait_routed(gw, 1)  # caught up on start
-        thread = threading.Thread(target=old_request)
-        thread.start()
+        thread = held_stream(gw.url, name, "held across the swap", old)
         try:
             assert relay.holding.wait(30), "the request did not reach the engine"
             assert gw.gateway.router.versions[1].in_flight == 1
@@ -169,20 +175,12 @@ def test_a_load_waiting_for_room_gives_way_to_a_newer_version(broker, engine, to
     name = f"roomwait{uuid.uuid4().hex[:6]}"  # the engine's log, counted below, outlives a test session
     publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
     held: dict[str, object] = {}
-
-    def held_request() -> None:
-        body = {"model": name, "prompt": "held for room", "max_tokens": 8, "stream": True}
-        with httpx.Client(timeout=120) as http, http.stream("POST", f"{gw.url}/v1/completions", json=body) as r:
-            held["version"] = r.headers["x-policy-version"]
-            held["lines"] = [line for line in r.iter_lines() if line]
-
     relay.hold_marker = b"held for room"
     config = gateway_config(broker, engine, name, upstreams=(relay.url,), max_loaded_versions=2,
                             keep_previous_versions=0)
     with GatewayServer(config) as gw:
         wait_routed(gw, 1)
-        thread = threading.Thread(target=held_request)
-        thread.start()
+        thread = held_stream(gw.url, name, "held for room", held)
         try:
             assert relay.holding.wait(30), "the request did not reach the engine"
             publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
