@@ -47,6 +47,7 @@ from gateway_bench import (  # bench/ is on the path when run as a script: the s
     _spawn,
     _stop,
     _wait_http,
+    children,
     closed_loop,
     cpu_seconds,
     gateway_cmd,
@@ -61,19 +62,7 @@ def _client(url: str, concurrency: int, seconds: float, out: multiprocessing.Que
 
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its live descendants (``--workers N`` runs N children under one supervisor)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone while listing
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, ()))
-    return tree
+    return [pid, *(q for child in children(pid) for q in process_tree(child))]
 
 
 def tree_cpu(pids: list[int]) -> float:
