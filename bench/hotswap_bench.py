@@ -14,6 +14,7 @@ and around swaps, delay from publish to the first request served by the new vers
 serving time lost per training step.
 
     .venv/bin/python bench/hotswap_bench.py [--versions 10] [--train-s 2] [--clients 4] [--max-tokens 16]
+        [--logs DIR]  (keep the gateway's and the engine's logs: the swap lines give received / verified / loaded)
 """
 
 from __future__ import annotations
