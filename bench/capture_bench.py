@@ -20,7 +20,9 @@ Reported per mode: completion tokens/s and its ratio to ``chat``, response bytes
 completion token and, where a capture frame came, its bytes per token. A check compares the first
 requests' captured tokens and logprobs with vLLM's own (``chat-logprobs-ids``, same seeds). With
 ``--rounds`` N the modes run N times in turn (the engine's speed drifts over a run; interleaving spreads
-the drift over every mode) and each mode reports the median of its rounds. ``--py-spy SECONDS`` samples
+the drift over every mode), each round starting one mode further down the list (so that no mode always
+follows the same one), and each mode reports the median of its rounds and the median of its ratios to
+``chat`` in the same round (paired). ``--py-spy SECONDS`` samples
 the engine's processes (API server and engine core, ``py-spy record --subprocesses``) for that long
 during each listed mode's last round, into ``--out``/py-spy-MODE.txt (collapsed stacks).
 
@@ -238,6 +240,14 @@ def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return {**rounds[-1], "tokens_per_s": float(np.median(speeds)), "rounds_tokens_per_s": speeds}
 
 
+def paired_ratios(modes: dict[str, dict[str, Any]], mode: str) -> list[float]:
+    """A mode's speed over its baseline's in each round (``chat-stream`` for ``gateway-stream``, else
+    ``chat``): the drift between rounds cancels out of these."""
+    base = modes.get("chat-stream" if mode == "gateway-stream" and "chat-stream" in modes else "chat", {})
+    pairs = zip(modes[mode].get("rounds_tokens_per_s", ()), base.get("rounds_tokens_per_s", ()), strict=False)
+    return [speed / ref for speed, ref in pairs]
+
+
 def start_py_spy(pid: int, args: argparse.Namespace, name: str) -> tuple[subprocess.Popen, Path]:
     """Sample a process and its children (the engine's API server and core; the gateway and its record
     producer) for ``--py-spy`` seconds."""
@@ -321,7 +331,8 @@ def main() -> int:
         ref = asyncio.run(reference(load, engine.url, args.check_requests))
         rounds: dict[str, list[dict[str, Any]]] = {}
         for round_ in range(args.rounds):
-            for mode in modes:
+            turn = round_ % len(modes)
+            for mode in modes[turn:] + modes[:turn]:
                 url = gateways["gateway" if mode == "gateway-stream" else mode][1] if mode.startswith("gateway") \
                     else engine.url
                 if mode == "generate":
@@ -360,17 +371,22 @@ def main() -> int:
         engine.stop()
     base = results["modes"].get("chat", {}).get("tokens_per_s")
     stream_base = results["modes"].get("chat-stream", {}).get("tokens_per_s")
-    print("\n| mode | completion tokens/s | vs plain chat | bytes per token (body / capture) | failed |")
-    print("| --- | ---: | ---: | --- | ---: |")
+    print("\n| mode | completion tokens/s | vs plain chat | same round (median) | bytes per token (body / capture) "
+          "| failed |")
+    print("| --- | ---: | ---: | ---: | --- | ---: |")
     for mode, r in results["modes"].items():
         if "skipped" in r:
-            print(f"| {mode} | skipped | | | |")
+            print(f"| {mode} | skipped | | | | |")
             continue
         ref_tps = stream_base if mode == "gateway-stream" and stream_base else base
         r["vs_plain_chat"] = r["tokens_per_s"] / ref_tps if ref_tps else None
+        paired = paired_ratios(results["modes"], mode)
+        if paired:
+            r["rounds_vs_plain_chat"], r["vs_plain_chat_paired"] = paired, float(np.median(paired))
         cap = f" / {r['capture_bytes_per_token']:.1f}" if "capture_bytes_per_token" in r else ""
-        print(f"| {mode} | {r['tokens_per_s']:,.0f} | {r['vs_plain_chat']:.2f}x | {r['bytes_per_token']:.1f}{cap} "
-              f"| {r['failures']} |")
+        same = f"{r['vs_plain_chat_paired']:.2f}x" if "vs_plain_chat_paired" in r else ""
+        print(f"| {mode} | {r['tokens_per_s']:,.0f} | {r['vs_plain_chat']:.2f}x | {same} | "
+              f"{r['bytes_per_token']:.1f}{cap} | {r['failures']} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
     return 0

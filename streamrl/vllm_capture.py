@@ -11,10 +11,12 @@ request it is (same body, same response bytes), while:
 1. its ``SamplingParams.logprobs`` is set to 0 as it enters the output processor, before it is sent to
    the engine core, so the sampler returns the sampled token's logprob (under ``--logprobs-mode``), and
    its ``extra_args`` carry ``vllm_capture_scheduler.MARK``, so that the engine core's scheduler sends
-   those logprobs as plain floats rather than numpy arrays (``streamrl/vllm_capture_scheduler.py``);
-2. each step's engine-core output of such a request gives up those floats and its new token ids here,
-   before the output processor would turn them into objects; vLLM's own logprob handling then sees none
-   (unless the client asked for logprobs itself: then it gets them too, from vLLM's arrays);
+   those logprobs as one column per step rather than numpy arrays per request
+   (``streamrl/vllm_capture_scheduler.py``);
+2. each step's engine-core output of such a request gives up its new token ids here, and its logprobs are
+   cut from the step's column, before the output processor would turn them into objects; vLLM's own
+   logprob handling then sees none (unless the client asked for logprobs itself: then it gets them too,
+   from vLLM's arrays);
 3. when the response ends, the arrays go to the gateway in a ``C`` frame.
 
 Two methods of the server's one ``OutputProcessor`` instance are wrapped (``add_request``,
@@ -46,7 +48,7 @@ from streamrl.engine_wire import (
     encode_capture,
     frame,
 )
-from streamrl.vllm_capture_scheduler import LOGPROBS_KEY, MARK, TESTED_VERSIONS, version_ok
+from streamrl.vllm_capture_scheduler import MARK, STEP_KEY, TESTED_VERSIONS, version_ok
 
 log = logging.getLogger("vllm.streamrl_capture")
 """Under vLLM's logger: vLLM configures only its own namespace, so this is how these lines reach the engine's
@@ -56,7 +58,8 @@ ANOMALIES: collections.Counter[str] = collections.Counter()
 """Calls whose capture went wrong, by kind (``duplicate_request_id``; ended without a capture:
 ``no_choice`` (no request of the call reached the output processor in its context) or ``cut_off`` (the
 answer ended before its last body), or ``client_gone`` (the gateway hung up first, e.g. killed: not a
-fault); sent with ``unfinished`` choices; ``not_encoded``): served to the gateway's probe (``GET /streamrl/capture``) so that a soak or a test can
+fault); sent with ``unfinished`` choices; ``not_encoded``; ``not_in_step``: an output whose request the
+step's column does not list): served to the gateway's probe (``GET /streamrl/capture``) so that a soak or a test can
 ask, whatever the logging set-up."""
 
 
@@ -88,9 +91,12 @@ class _Choice:
         self.token_chunks: list[list[int]] = []
         """The engine outputs' own ``new_token_ids`` lists: vLLM trims one in place when a stop string ends
         the choice inside a step, and the capture sees the trim."""
-        self.logprobs: list[float] = []
-        """The sampled tokens' logprobs, step after step."""
+        self.logprobs: list[np.ndarray] = []
+        """The sampled tokens' logprobs (float32), step after step."""
         self.done = False
+
+    def logprob_array(self) -> np.ndarray:
+        return np.concatenate(self.logprobs) if self.logprobs else np.zeros(0, np.float32)
 
 
 class _Capture:
@@ -123,12 +129,31 @@ class _Capture:
                 raise ValueError("an engine request without prompt token ids (prompt embeddings)")
             prompts[slot] = np.asarray(c.prompt, np.int32)
             ids = np.fromiter(itertools.chain.from_iterable(c.token_chunks), np.int32)
-            logprobs = np.asarray(c.logprobs, np.float32)
+            logprobs = c.logprob_array()
             if len(logprobs) < len(ids):
                 raise ValueError(f"choice {c.index}: {len(ids)} tokens but {len(logprobs)} logprobs")
             index = slot * n + c.index if self.endpoint == "completions" else c.index
             choices.append((index, slot, ids, logprobs[: len(ids)]))
         return encode_capture(prompts, choices)
+
+
+class _Step:
+    """One step's sampled-token logprobs, as the engine core's ``capture_scheduler`` sent them."""
+
+    __slots__ = ("column", "left", "rows", "starts")
+
+    def __init__(self, count: int, rows: dict[str, int], column: np.ndarray, starts: list[int] | None) -> None:
+        self.left = count
+        self.rows, self.column, self.starts = rows, column, starts
+
+    def cut(self, request_id: str, tokens: int) -> np.ndarray:
+        """A request's logprobs, the rows vLLM's own ``slice_request`` would give it."""
+        row = self.rows.get(request_id)
+        if row is None:  # not in the step it came with: the capture will not encode, and says so
+            ANOMALIES["not_in_step"] += 1
+            return self.column[:0]
+        start = self.starts[row] if self.starts is not None else row
+        return self.column[start:start + tokens]
 
 
 class _OutputProcessorHooks:
@@ -138,10 +163,12 @@ class _OutputProcessorHooks:
         self.processor = processor
         self.live: dict[str, _Choice] = {}
         """Internal engine request id -> its choice, while the engine produces it."""
-        self.float_steps = 0
-        """Captured steps whose logprobs came as floats (the engine core runs ``capture_scheduler``)."""
+        self.column_steps = 0
+        """Captured outputs whose logprobs were cut from their step's column (the core runs ``capture_scheduler``)."""
         self.array_steps = 0
-        """Captured steps whose logprobs came as vLLM's arrays (a client's own ``logprobs``, or a plain core)."""
+        """Captured outputs whose logprobs came as vLLM's arrays (a client's own ``logprobs``, or a plain core)."""
+        self._step: _Step | None = None
+        """The column of the step whose message is being processed, and how many of its outputs are to come."""
         self._add_request = processor.add_request
         self._process_outputs = processor.process_outputs
         processor.add_request = self.add_request
@@ -167,6 +194,7 @@ class _OutputProcessorHooks:
         return self._add_request(request, prompt, parent_req, request_index, queue)
 
     def process_outputs(self, engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        step = self._step_of(engine_core_outputs)
         if not self.live:
             return self._process_outputs(engine_core_outputs, *args, **kwargs)
         seen = []
@@ -176,18 +204,16 @@ class _OutputProcessorHooks:
             if choice is None:
                 continue
             seen.append((out.request_id, choice))
-            choice.token_chunks.append(out.new_token_ids)
-            extra = out.kv_transfer_params
-            if extra is not None and LOGPROBS_KEY in extra:  # the engine core ran capture_scheduler
-                choice.logprobs += extra.pop(LOGPROBS_KEY)
-                self.float_steps += 1
-                if not extra:
-                    out.kv_transfer_params = None
-            elif out.new_logprobs is not None:  # a client's own logprobs, or an engine core without it
-                choice.logprobs += out.new_logprobs.logprobs[:, 0].tolist()
+            tokens = out.new_token_ids
+            choice.token_chunks.append(tokens)
+            if out.new_logprobs is not None:  # a client's own logprobs, or an engine core without the column
+                choice.logprobs.append(out.new_logprobs.logprobs[:, 0].astype(np.float32))
                 self.array_steps += 1
                 if not choice.keep_vllm_logprobs:
                     out.new_logprobs = None
+            elif step is not None and tokens:
+                choice.logprobs.append(step.cut(out.request_id, len(tokens)))
+                self.column_steps += 1
         result = self._process_outputs(engine_core_outputs, *args, **kwargs)
         states = self.processor.request_states
         for request_id, choice in seen:
@@ -200,6 +226,25 @@ class _OutputProcessorHooks:
                 choice.done = True
                 live.pop(request_id, None)
         return result
+
+    def _step_of(self, engine_core_outputs: list[Any]) -> _Step | None:
+        """The step column these outputs are cut from. vLLM's output handler hands the processor one step's
+        message in chunks, in order, so the column rides on the first output of the first chunk
+        (``vllm_capture_scheduler.attach_step``) and serves as many outputs as the message holds."""
+        if len(engine_core_outputs):
+            first = engine_core_outputs[0]
+            extra = first.kv_transfer_params
+            if extra is not None and STEP_KEY in extra:  # taken out whether or not anything is captured
+                count, rows, column, starts = extra.pop(STEP_KEY)
+                if not extra:
+                    first.kv_transfer_params = None
+                self._step = _Step(count, rows, np.frombuffer(column, np.float32), starts)
+        step = self._step
+        if step is not None:
+            step.left -= len(engine_core_outputs)
+            if step.left <= 0:
+                self._step = None
+        return step
 
     def forget(self, capture: _Capture) -> None:
         """Drop what an ended HTTP request left (its client went away while the engine was producing)."""
@@ -286,7 +331,7 @@ class CaptureMiddleware:
             status, body = 404, {"error": {"message": f"token capture off: {hooks}", "code": 404}}
         else:
             status, body = 200, {"format": FORMAT_VERSION, "vllm": vllm.__version__,
-                                 "logprob_steps": {"floats": hooks.float_steps, "arrays": hooks.array_steps},
+                                 "logprob_steps": {"column": hooks.column_steps, "arrays": hooks.array_steps},
                                  "anomalies": dict(ANOMALIES)}
         raw = orjson.dumps(body)
         await send({"type": "http.response.start", "status": status,
@@ -301,7 +346,8 @@ def _note_unfinished(capture: _Capture) -> None:
     """A response ended with a choice not seen to finish: logged once (then at debug level), with what tells
     the cases apart, since it was sent all the same."""
     global _unfinished_noted
-    detail = [(c.request_id, sum(map(len, c.token_chunks)), len(c.logprobs)) for c in capture.choices if not c.done]
+    detail = [(c.request_id, sum(map(len, c.token_chunks)), sum(map(len, c.logprobs))) for c in capture.choices
+              if not c.done]
     if _unfinished_noted:
         log.debug("streamrl capture sent with unfinished choices (request id, tokens, logprobs): %s", detail)
     else:

