@@ -22,7 +22,10 @@ requests' captured tokens and logprobs with vLLM's own (``chat-logprobs-ids``, s
 ``--rounds`` N the modes run N times in turn (the engine's speed drifts over a run; interleaving spreads
 the drift over every mode), each round starting one mode further down the list (so that no mode always
 follows the same one), and each mode reports the median of its rounds and the median of its ratios to
-``chat`` in the same round (paired). ``--py-spy SECONDS`` samples
+``chat`` in the same round (paired). Each run also reads from /proc the CPU time of the engine's processes
+(and of the gateway's) per 1,000 completion tokens, and the engine core's busy-loop thread's own CPU time
+and wait for a CPU: that thread bounds generation here, so its CPU per token is capture's cost to the
+engine, a figure the host's noise moves far less than tokens/s. ``--py-spy SECONDS`` samples
 the engine's processes (API server and engine core, ``py-spy record --subprocesses``) for that long
 during each listed mode's last round, into ``--out``/py-spy-MODE.txt (collapsed stacks).
 
@@ -235,9 +238,76 @@ def spawn_gateway(upstream: str, bootstrap: str, port: int, json_path: bool, log
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """A mode's figures over its rounds: the last round's details, the median speed, every round's speed."""
+    """A mode's figures over its rounds: the last round's details, the median speed and CPU per token, every
+    round's speed and its engine core's wait for a CPU."""
     speeds = [r["tokens_per_s"] for r in rounds]
-    return {**rounds[-1], "tokens_per_s": float(np.median(speeds)), "rounds_tokens_per_s": speeds}
+    cpu = {k: float(np.median([r["cpu_ms_per_1k_tokens"][k] for r in rounds]))
+           for k in rounds[-1].get("cpu_ms_per_1k_tokens", {})}
+    return {**rounds[-1], "tokens_per_s": float(np.median(speeds)), "rounds_tokens_per_s": speeds,
+            "cpu_ms_per_1k_tokens": cpu,
+            "rounds_engine_core_run_delay_s": [r.get("engine_core_run_delay_s") for r in rounds]}
+
+
+class ProcessCpu:
+    """CPU seconds the engine's processes (API server, engine core) and a gateway's (with its producer
+    process) spend in one mode's run, and how long the engine core's thread waited for a CPU. The engine
+    core's thread is what bounds generation here, so its CPU per token is what capture costs it, a figure
+    that the host's noise (a neighbour taking the core: run delay) moves far less than tokens/s."""
+
+    def __init__(self, processes: dict[str, list[int]], core_pid: int | None) -> None:
+        from gateway_bench import cpu_seconds, run_delay_seconds
+
+        self.cpu, self.delay = cpu_seconds, run_delay_seconds
+        self.processes, self.core_pid = processes, core_pid
+        self.before = self.sample()
+
+    def sample(self) -> dict[str, float]:
+        out = {}
+        for name, pids in self.processes.items():
+            out[name] = sum(self._cpu(pid) for pid in pids)
+        if self.core_pid is not None:
+            out["engine_core_thread"] = self._thread(self.core_pid)
+            out["engine_core_run_delay"] = self.delay(self.core_pid, self.core_pid)
+        return out
+
+    def _cpu(self, pid: int) -> float:
+        try:
+            return self.cpu(pid)
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
+    @staticmethod
+    def _thread(pid: int) -> float:
+        """The engine core's main thread (its busy loop) alone: /proc/PID/task/PID/stat."""
+        try:
+            fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
+    def result(self, tokens: int, seconds: float) -> dict[str, Any]:
+        after = self.sample()
+        used = {k: after[k] - self.before[k] for k in after}
+        per_1k = 1000 / max(tokens, 1)
+        out: dict[str, Any] = {"cpu_ms_per_1k_tokens": {name: used[name] * 1000 * per_1k for name in self.processes}}
+        if self.core_pid is not None:
+            out["cpu_ms_per_1k_tokens"]["engine_core_thread"] = used["engine_core_thread"] * 1000 * per_1k
+            out["engine_core_thread_busy"] = used["engine_core_thread"] / seconds
+            out["engine_core_run_delay_s"] = used["engine_core_run_delay"]
+        return out
+
+
+def engine_core_pid(api_server_pid: int) -> int | None:
+    """The engine core: the API server's child process whose command line vLLM names ``VLLM::EngineCore``."""
+    from gateway_bench import children
+
+    for pid in children(api_server_pid):
+        try:
+            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    return None
 
 
 def paired_ratios(modes: dict[str, dict[str, Any]], mode: str) -> list[float]:
@@ -285,7 +355,7 @@ def main() -> int:
     args = p.parse_args()
 
     import httpx
-    from gateway_bench import _stop, _wait_http, lag_buckets, lag_summary
+    from gateway_bench import _stop, _wait_http, children, lag_buckets, lag_summary
 
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
@@ -329,6 +399,7 @@ def main() -> int:
         for name, (_, url) in gateways.items():  # the gateways' first calls (connections, producer) too
             asyncio.run(load.run(name, url))
         ref = asyncio.run(reference(load, engine.url, args.check_requests))
+        core = engine_core_pid(engine.proc.pid)
         rounds: dict[str, list[dict[str, Any]]] = {}
         for round_ in range(args.rounds):
             turn = round_ % len(modes)
@@ -348,7 +419,13 @@ def main() -> int:
                     gateway = gateways["gateway" if mode == "gateway-stream" else mode][0]
                     profilers.append(start_py_spy(gateway.pid, args, f"{mode}-gateway"))
                 lag_before = lag_buckets(url) if mode.startswith("gateway") else None
+                processes = {"api_server": [engine.proc.pid], "engine_core": [core] if core else []}
+                if mode.startswith("gateway"):
+                    gateway_pid = gateways["gateway" if mode == "gateway-stream" else mode][0].pid
+                    processes["gateway"] = [gateway_pid, *children(gateway_pid)]
+                cpu = ProcessCpu(processes, core)
                 r = asyncio.run(load.run(mode, url, engine.url))
+                r.update(cpu.result(r["completion_tokens"], r["seconds"]))
                 if profilers:
                     r["py_spy"] = [finish_py_spy(p) for p in profilers]
                 if lag_before is not None:  # the gateway's own event loop: how late its 5 ms timer ran
@@ -360,10 +437,13 @@ def main() -> int:
                     r["gateway_health"] = httpx.get(f"{url}/health").json()
                 rounds.setdefault(mode, []).append(r)
                 results["modes"][mode] = median_round(rounds[mode])
+                cpu_line = ", ".join(f"{k} {v:.0f}" for k, v in r["cpu_ms_per_1k_tokens"].items())
                 print(f"[{mode}] {r['tokens_per_s']:,.0f} tok/s, {r['bytes_per_token']:.1f} B/token, "
                       f"latency mean {r['latency_s']['mean']:.2f} s (engine "
                       f"{r['latency_s'].get('engine_e2e_mean') or float('nan'):.2f} s), engine running "
-                      f"{r.get('engine_running_mean', float('nan')):.0f}, {r['failures']} failed", flush=True)
+                      f"{r.get('engine_running_mean', float('nan')):.0f}, {r['failures']} failed; CPU ms per 1k "
+                      f"tokens: {cpu_line}; engine core busy {r.get('engine_core_thread_busy', float('nan')):.0%}, "
+                      f"waited for a CPU {r.get('engine_core_run_delay_s', float('nan')):.2f} s", flush=True)
     finally:
         for proc, _ in gateways.values():
             _stop(proc)
@@ -371,12 +451,13 @@ def main() -> int:
         engine.stop()
     base = results["modes"].get("chat", {}).get("tokens_per_s")
     stream_base = results["modes"].get("chat-stream", {}).get("tokens_per_s")
-    print("\n| mode | completion tokens/s | vs plain chat | same round (median) | bytes per token (body / capture) "
-          "| failed |")
-    print("| --- | ---: | ---: | ---: | --- | ---: |")
+    base_core = results["modes"].get("chat", {}).get("cpu_ms_per_1k_tokens", {}).get("engine_core_thread")
+    print("\n| mode | completion tokens/s | vs plain chat | same round (median) | engine core thread CPU ms per 1k "
+          "tokens (vs chat) | bytes per token (body / capture) | failed |")
+    print("| --- | ---: | ---: | ---: | --- | --- | ---: |")
     for mode, r in results["modes"].items():
         if "skipped" in r:
-            print(f"| {mode} | skipped | | | | |")
+            print(f"| {mode} | skipped | | | | | |")
             continue
         ref_tps = stream_base if mode == "gateway-stream" and stream_base else base
         r["vs_plain_chat"] = r["tokens_per_s"] / ref_tps if ref_tps else None
@@ -385,7 +466,9 @@ def main() -> int:
             r["rounds_vs_plain_chat"], r["vs_plain_chat_paired"] = paired, float(np.median(paired))
         cap = f" / {r['capture_bytes_per_token']:.1f}" if "capture_bytes_per_token" in r else ""
         same = f"{r['vs_plain_chat_paired']:.2f}x" if "vs_plain_chat_paired" in r else ""
-        print(f"| {mode} | {r['tokens_per_s']:,.0f} | {r['vs_plain_chat']:.2f}x | {same} | "
+        core_ms = r.get("cpu_ms_per_1k_tokens", {}).get("engine_core_thread")
+        core = f"{core_ms:.0f} ({core_ms / base_core:.2f}x)" if core_ms and base_core else ""
+        print(f"| {mode} | {r['tokens_per_s']:,.0f} | {r['vs_plain_chat']:.2f}x | {same} | {core} | "
               f"{r['bytes_per_token']:.1f}{cap} | {r['failures']} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
