@@ -256,3 +256,34 @@ def test_kill_9_sigterm_and_restart_train_every_group_exactly_once(tiny_model, b
     assert sum(v for k, v in committed.items() if "rewards" in k) == 6 * GROUP_SIZE
     assert state.version == 6 and state.step == 6 and not state.pending
     assert all(int(s["step"]) == 6 for s in state.optimizer["state"].values())  # optimizer state carried over
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_adapter_is_written_in_the_base_models_dtype(dtype: torch.dtype, tmp_path: Path) -> None:
+    """The published weights take the base model's dtype (vLLM casts a LoRA to its model's dtype anyway),
+    under the same names peft's own ``save_pretrained`` writes, and peft loads them back."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from streamrl.trainer.publish import write_adapter
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = get_peft_model(Qwen2ForCausalLM(config).to(dtype), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)  # trained: B is no longer 0
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)  # peft's default
+    path, sha = write_adapter(model, tmp_path / "policy", 1, {"step": 1})
+    saved = load_file(path / "adapter_model.safetensors")
+    model.save_pretrained(tmp_path / "peft-own")
+    own = load_file(tmp_path / "peft-own" / "adapter_model.safetensors")
+    assert saved.keys() == own.keys() and len(saved) == 8
+    for key, value in saved.items():
+        assert value.dtype == dtype
+        torch.testing.assert_close(value, own[key].to(dtype), rtol=0, atol=0)
+    assert sha == hashlib.sha256((path / "adapter_model.safetensors").read_bytes()).hexdigest()
+    reloaded = PeftModel.from_pretrained(Qwen2ForCausalLM(config).to(dtype), path)
+    weights = {n: p for n, p in reloaded.named_parameters() if "lora_B" in n}
+    assert weights and all(p.abs().sum() > 0 for p in weights.values())

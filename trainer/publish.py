@@ -1,7 +1,8 @@
 """Publish adapter versions: atomic directory, weights hash, policy record, bounded history on disk.
 
 ``<adapters>/<name>/v<N>/`` holds ``adapter_config.json`` and ``adapter_model.safetensors`` (peft's
-format, which vLLM's runtime LoRA loading reads) plus ``streamrl_trainer.json`` (version, step and the
+format, which vLLM's runtime LoRA loading reads; the weights in the base model's dtype, see
+:func:`serving_weights`) plus ``streamrl_trainer.json`` (version, step and the
 ids of the groups this version was trained on). It is written under a temporary name and renamed, so
 a reader never sees a half-written version. The last ``keep`` version directories stay on disk because
 a serving engine may still read them.
@@ -15,6 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
 from peft import PeftModel
 
 from streamrl.broker.schema import WEIGHTS_FILE, sha256_file
@@ -31,6 +33,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def serving_weights(model: PeftModel) -> dict[str, torch.Tensor]:
+    """The adapter's weights in the base model's dtype, for peft's ``save_pretrained(state_dict=...)``.
+
+    The optimizer keeps them in fp32, but vLLM casts a runtime LoRA to its model's dtype on load (and the
+    trainer itself computes under bf16 autocast on a bf16 base), so fp32 on disk would only double the bytes
+    the trainer writes, every gateway hashes and every engine reads while serving: publish -> served."""
+    dtype = model.get_base_model().dtype
+    return {k: v.detach().to(dtype) for k, v in model.state_dict().items() if "lora_" in k}
+
+
 def write_adapter(model: PeftModel, policy_dir: Path, version: int, meta: dict) -> tuple[Path, str]:
     """Write version ``version`` atomically; returns its directory and the sha256 of its weights.
 
@@ -41,7 +53,7 @@ def write_adapter(model: PeftModel, policy_dir: Path, version: int, meta: dict) 
     final = policy_dir / f"v{version}"
     tmp = policy_dir / f".tmp-v{version}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=serving_weights(model))
     (tmp / META_FILE).write_text(json.dumps({"version": version, **meta}))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
