@@ -25,7 +25,8 @@ follows the same one), and each mode reports the median of its rounds and the me
 ``chat`` in the same round (paired). Each run also reads from /proc the CPU time of the engine's processes
 (and of the gateway's) per 1,000 completion tokens, and the engine core's busy-loop thread's own CPU time
 and wait for a CPU: that thread bounds generation here, so its CPU per token is capture's cost to the
-engine, a figure the host's noise moves far less than tokens/s. ``--py-spy SECONDS`` samples
+engine without the time a neighbour held its core (reported beside it, with the thread's busy share; a
+slower core still shows). ``--py-spy SECONDS`` samples
 the engine's processes (API server and engine core, ``py-spy record --subprocesses``) for that long
 during each listed mode's last round, into ``--out``/py-spy-MODE.txt (collapsed stacks).
 
@@ -251,8 +252,8 @@ def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 class ProcessCpu:
     """CPU seconds the engine's processes (API server, engine core) and a gateway's (with its producer
     process) spend in one mode's run, and how long the engine core's thread waited for a CPU. The engine
-    core's thread is what bounds generation here, so its CPU per token is what capture costs it, a figure
-    that the host's noise (a neighbour taking the core: run delay) moves far less than tokens/s."""
+    core's thread is what bounds generation here, so its CPU per token is what capture costs it, without
+    the time a neighbour held the core (run delay, which tokens/s includes)."""
 
     def __init__(self, processes: dict[str, list[int]], core_pid: int | None) -> None:
         from gateway_bench import cpu_seconds, run_delay_seconds

@@ -186,7 +186,7 @@ class _OutputProcessorHooks:
             keep = params.logprobs is not None
             if not keep:
                 params.logprobs = 0  # the sampled token's logprob only; the engine core reads it from here
-                params.extra_args = {**(params.extra_args or {}), MARK: True}  # ... and sends it as floats
+                params.extra_args = {**(params.extra_args or {}), MARK: True}  # ... in its step's column
             choice = _Choice(request.request_id, request.external_req_id or request.request_id, request_index,
                              request.prompt_token_ids, keep)
             capture.choices.append(choice)
