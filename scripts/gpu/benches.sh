@@ -7,6 +7,8 @@
 #   gateway-scaling: GATEWAY_CPUS (a taskset list, e.g. 0-7) pins the gateways there and the load elsewhere
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
+#   capture: ROUNDS (default 3), REQUESTS per mode and round (default 1024), PY_SPY (seconds, default 0),
+#          CAPTURE_MODES (default chat,chat-capture,gateway)
 #   env:   LR (loop learning rate, default 3e-3; loop-real 5e-4), ENGINES (vLLM replicas, default 1),
 #          MAX_AHEAD (pipeline's steps ahead, default 1; loop-real 2), CONCURRENCY (groups in flight,
 #          default 16), LOOP_SECONDS (per mode, default 150), UNTIL (target reward, default 0.8);
@@ -55,7 +57,8 @@ for bench in "$@"; do
   echo "== $bench $(date -u +%T)"
   case $bench in
     capture)  # every way of asking for tokens, chat / capture / gateway interleaved over ROUNDS (default 3)
-      python3 "$repo/bench/capture_bench.py" --shape qwen2.5-1.5b --requests 1024 --concurrency 256 --max-tokens 256 \
+      python3 "$repo/bench/capture_bench.py" --shape qwen2.5-1.5b --requests "${REQUESTS:-1024}" --concurrency 256 \
+          --max-tokens 256 \
           --modes "${CAPTURE_MODES:-chat,chat-capture,gateway}" --rounds "${ROUNDS:-3}" \
           --py-spy "${PY_SPY:-0}" --out /root/cb --json "$out/capture.json" > "$out/capture.log" 2>&1
       cp /root/cb/py-spy-*.txt "$out/" 2>/dev/null; tail -12 "$out/capture.log" ;;
