@@ -18,7 +18,9 @@ flight, each with its own prompt. Modes:
 
 Reported per mode: completion tokens/s and its ratio to ``chat``, response bytes on the wire per
 completion token and, where a capture frame came, its bytes per token. A check compares the first
-requests' captured tokens and logprobs with vLLM's own (``chat-logprobs-ids``, same seeds). With
+requests' captured tokens and logprobs with vLLM's own (``chat-logprobs-ids``, same seeds: on a GPU the
+sampled tokens differ with the batch, so ``teacher_forced`` also scores the captured tokens with the engine's
+``prompt_logprobs`` and reports how far the captured logprobs are from those). With
 ``--rounds`` N the modes run N times in turn (the engine's speed drifts over a run; interleaving spreads
 the drift over every mode), each round starting one mode further down the list (so that no mode always
 follows the same one), and each mode reports the median of its rounds and the median of its ratios to
@@ -212,6 +214,35 @@ async def reference(load: Load, base_url: str, n: int) -> dict[int, dict[str, An
                 choice = (await r.json())["choices"][0]
             out[i] = {"ids": choice["token_ids"], "logprobs": [e["logprob"] for e in choice["logprobs"]["content"]]}
     return out
+
+
+def teacher_forced(captures: dict[int, bytes], engine_url: str, model: str) -> dict[str, Any]:
+    """The captured logprobs against the engine's own for the same tokens: each captured reply is sent back
+    as a prompt (its prompt ids, then its sampled ids) with ``prompt_logprobs``, which gives the model's
+    logprob of every one of those tokens. Unlike comparing with a second sampled request, this holds when
+    the sampled tokens differ from run to run (seeded sampling on a GPU depends on the batch); with the
+    bench's temperature 1 and no top-k/top-p, the sampling distribution is the model's. A capture that put
+    a step's logprobs on the wrong request or token would be off by nats, batch-order noise by hundredths."""
+    import httpx
+
+    from streamrl.engine_wire import decode_capture
+
+    diffs: list[np.ndarray] = []
+    for raw in captures.values():
+        [c] = decode_capture(raw)
+        prompt = [int(t) for t in c.prompt_token_ids]
+        sampled = [int(t) for t in c.token_ids]
+        r = httpx.post(f"{engine_url}/v1/completions", timeout=120,
+                       json={"model": model, "prompt": prompt + sampled, "max_tokens": 1, "temperature": 1.0,
+                             "prompt_logprobs": 0})
+        r.raise_for_status()
+        entries = r.json()["choices"][0]["prompt_logprobs"][len(prompt):]
+        forced = np.asarray([e[str(t)]["logprob"] for e, t in zip(entries, sampled, strict=True)], np.float32)
+        diffs.append(np.abs(c.logprobs - forced))
+    every = np.concatenate(diffs) if diffs else np.zeros(0, np.float32)
+    return {"replies": len(diffs), "tokens": int(every.size),
+            "max_abs_diff": float(every.max()) if every.size else None,
+            "mean_abs_diff": float(every.mean()) if every.size else None}
 
 
 def check_captures(captures: dict[int, bytes], ref: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -434,6 +465,7 @@ def main() -> int:
                 captures = r.pop("_captures")
                 if captures:
                     r["check"] = check_captures(captures, ref)
+                    r["check"]["teacher_forced"] = teacher_forced(captures, engine.url, served)
                 if mode.startswith("gateway"):
                     r["gateway_health"] = httpx.get(f"{url}/health").json()
                 rounds.setdefault(mode, []).append(r)
