@@ -465,7 +465,10 @@ def main() -> int:
                 captures = r.pop("_captures")
                 if captures:
                     r["check"] = check_captures(captures, ref)
-                    r["check"]["teacher_forced"] = teacher_forced(captures, engine.url, served)
+                    try:  # a check that fails must not cost the run its figures
+                        r["check"]["teacher_forced"] = teacher_forced(captures, engine.url, served)
+                    except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+                        r["check"]["teacher_forced"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                 if mode.startswith("gateway"):
                     r["gateway_health"] = httpx.get(f"{url}/health").json()
                 rounds.setdefault(mode, []).append(r)
