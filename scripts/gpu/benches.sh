@@ -3,7 +3,8 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | gateway | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
+#   BENCH: capture | lora-load | gateway | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
+#   lora-load: VERSIONS (default 24, a third each idle / generating / beside a GPU neighbour), STREAMS (128)
 #   gateway-scaling: GATEWAY_CPUS (a taskset list, e.g. 0-7) pins the gateways there and the load elsewhere
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
@@ -62,6 +63,12 @@ for bench in "$@"; do
           --modes "${CAPTURE_MODES:-chat,chat-capture,gateway}" --rounds "${ROUNDS:-3}" \
           --py-spy "${PY_SPY:-0}" --out /root/cb --json "$out/capture.json" > "$out/capture.log" 2>&1
       cp /root/cb/py-spy-*.txt "$out/" 2>/dev/null; tail -12 "$out/capture.log" ;;
+    lora-load)  # adapter loads into a generating engine: load time, generation's pause, where the time goes
+      python3 "$repo/bench/lora_load_bench.py" --shape qwen2.5-1.5b --rank 16 --versions "${VERSIONS:-24}" \
+          --streams "${STREAMS:-128}" --max-tokens 512 --interval-s 1.5 --gpu-neighbour --py-spy --out /root/llb \
+          --json "$out/lora-load.json" > "$out/lora-load.log" 2>&1
+      for f in /root/llb/py-spy-lora-*.txt; do [ -f "$f" ] && gzip -c "$f" > "$out/$(basename "$f").gz"; done
+      tail -8 "$out/lora-load.log" ;;
     gateway) python3 "$repo/bench/gateway_bench.py" --seconds 8 --stream-rate 20 --json "$out/gateway.json" \
                > "$out/gateway.log" 2>&1; tail -12 "$out/gateway.log" ;;
     gateway-scaling)  # #18: 1, 2, 4, 8 gateway processes on one port, logging on, and publish -> served
