@@ -89,11 +89,14 @@ def gpu_neighbour(seconds: float) -> None:
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    end = time.monotonic() + seconds
+    end, ready = time.monotonic() + seconds, False
     while time.monotonic() < end:
         for _ in range(20):
             a = (a @ b).clamp_(-1, 1)
         torch.cuda.synchronize()
+        if not ready:
+            print("ready", flush=True)
+            ready = True
 
 
 class Versions:
@@ -227,7 +230,11 @@ async def run(args: argparse.Namespace, url: str, dirs: list[Path], engine_pid: 
                     while len(arrivals) < args.streams * 8 and not any(t.done() for t in streams):
                         await asyncio.sleep(0.1)  # every stream past its prefill
                 if phase == "shared-gpu":
-                    neighbour = subprocess.Popen([sys.executable, __file__, "--neighbour", "3600"])
+                    neighbour = await asyncio.create_subprocess_exec(
+                        sys.executable, __file__, "--neighbour", "3600", stdout=subprocess.PIPE)
+                    assert neighbour.stdout is not None
+                    if await neighbour.stdout.readline() != b"ready\n":  # busy from here on
+                        raise RuntimeError("the GPU neighbour did not start (no CUDA device?)")
                 await asyncio.sleep(args.interval_s)
                 profiler = None
                 if args.py_spy:
@@ -259,6 +266,7 @@ async def run(args: argparse.Namespace, url: str, dirs: list[Path], engine_pid: 
                 t.cancel()
             if neighbour is not None:
                 neighbour.kill()
+                await neighbour.wait()
             failed = [t.exception() for t in streams if t.done() and not t.cancelled() and t.exception()]
     if failed:
         raise RuntimeError(f"a stream failed: {failed[0]}")
