@@ -122,7 +122,7 @@ class Load:
                             raw = await r.read()
                             status, framed = r.status, r.headers.get(CAPTURE_HEADER) == "1"
                     except aiohttp.ClientError as exc:
-                        status, raw, framed = type(exc).__name__, b"", False
+                        status, raw, framed = f"{type(exc).__name__}: {exc}"[:120], b"", False
                     latencies.append(time.perf_counter() - sent)
                     if status != 200:
                         failures += 1
@@ -243,13 +243,14 @@ def spawn_gateway(upstream: str, bootstrap: str, port: int, json_path: bool, log
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """A mode's figures over its rounds: the last round's details, the median speed and CPU per token, every
-    round's speed and its engine core's wait for a CPU."""
+    round's speed, failures and its engine core's wait for a CPU (a failure in any round must show)."""
     speeds = [r["tokens_per_s"] for r in rounds]
     cpu = {k: float(np.median([r["cpu_ms_per_1k_tokens"][k] for r in rounds]))
            for k in rounds[-1].get("cpu_ms_per_1k_tokens", {})}
     return {**rounds[-1], "tokens_per_s": float(np.median(speeds)), "rounds_tokens_per_s": speeds,
             "cpu_ms_per_1k_tokens": cpu,
-            "rounds_engine_core_run_delay_s": [r.get("engine_core_run_delay_s") for r in rounds]}
+            "rounds_engine_core_run_delay_s": [r.get("engine_core_run_delay_s") for r in rounds],
+            "failures": sum(r["failures"] for r in rounds), "rounds_errors": [r["errors"] for r in rounds]}
 
 
 class ProcessCpu:
@@ -437,7 +438,8 @@ def main() -> int:
                       f"{r['latency_s'].get('engine_e2e_mean') or float('nan'):.2f} s), engine running "
                       f"{r.get('engine_running_mean', float('nan')):.0f}, {r['failures']} failed; CPU ms per 1k "
                       f"tokens: {cpu_line}; engine core busy {r.get('engine_core_thread_busy', float('nan')):.0%}, "
-                      f"waited for a CPU {r.get('engine_core_run_delay_s', float('nan')):.2f} s", flush=True)
+                      f"waited for a CPU {r.get('engine_core_run_delay_s', float('nan')):.2f} s"
+                      f"{'; errors ' + json.dumps(r['errors']) if r['errors'] else ''}", flush=True)
     finally:
         for proc, _ in gateways.values():
             _stop(proc)

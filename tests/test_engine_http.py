@@ -1,0 +1,31 @@
+"""The HTTP server of the engine ``streamrl engine`` starts (vLLM's uvicorn), as its clients see it."""
+
+from __future__ import annotations
+
+import http.client
+import time
+from urllib.parse import urlsplit
+
+from streamrl.engine import KEEP_ALIVE_S, Engine
+
+
+def test_idle_connection_outlives_vllms_default_keep_alive(engine: Engine) -> None:
+    """A kept-alive connection left idle for longer than vLLM's default 5 s still carries the next request
+    (``KEEP_ALIVE_S``: with 5 s the server cut off requests sent on such connections). The idle time is what
+    is tested, so the test waits it out."""
+    assert KEEP_ALIVE_S > 6
+    url = urlsplit(engine.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        first.read()
+        assert first.status == 200
+        sock = conn.sock
+        time.sleep(6)
+        conn.request("GET", "/v1/models")
+        second = conn.getresponse()
+        assert second.status == 200 and b'"data"' in second.read()
+        assert conn.sock is sock  # the same connection, not a new one
+    finally:
+        conn.close()
