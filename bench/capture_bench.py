@@ -148,11 +148,31 @@ class Load:
                 async with session.get(f"{engine_url}/metrics") as r:
                     return histogram_totals(await r.text(), "vllm:e2e_request_latency_seconds")
 
+            async def watch_loop() -> None:  # this process's own event loop: a late client is not a slow engine
+                # (on the 2-core box vLLM's CPU worker held both cores for seconds: a round's wave of requests
+                # then left this process late and ran into the engine's keep-alive; see client_run_delay_s)
+                while True:
+                    before = time.perf_counter()
+                    await asyncio.sleep(0.01)
+                    late = time.perf_counter() - before - 0.01
+                    stalls[0] = max(stalls[0], late)
+                    stalls[1] += late if late > 0.1 else 0.0
+
+            from gateway_bench import run_delay_seconds, thread_cpu
+
+            me = os.getpid()
+            delay0 = sum(run_delay_seconds(me, t) for t in thread_cpu(me))
+            cpu0 = time.process_time()
+            stalls = [0.0, 0.0]
+            watcher = asyncio.ensure_future(watch_loop())
             sampler = asyncio.ensure_future(sample_running()) if engine_url else None
             e2e_before = await engine_e2e() if engine_url else (0.0, 0.0)
             started = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(a.concurrency)))
             seconds = time.perf_counter() - started
+            watcher.cancel()
+            waited = sum(run_delay_seconds(me, t) for t in thread_cpu(me)) - delay0
+            used = time.process_time() - cpu0
             if sampler is not None:
                 sampler.cancel()
                 e2e_after = await engine_e2e()
@@ -160,6 +180,8 @@ class Load:
                 engine_latency = (e2e_after[0] - e2e_before[0]) / done if done else None
         lat = np.asarray(latencies) if latencies else np.zeros(1)
         out = {"requests": a.requests, "failures": failures, "errors": errors, "seconds": seconds,
+               "client_loop_max_late_s": stalls[0], "client_loop_late_s": stalls[1],
+               "client_run_delay_s": waited, "client_cpu_s": used,
                "completion_tokens": tokens, "tokens_per_s": tokens / seconds,
                "bytes_per_token": body_bytes / max(tokens, 1),
                "latency_s": {"mean": float(lat.mean()), "p50": float(np.percentile(lat, 50)),
@@ -439,6 +461,8 @@ def main() -> int:
                       f"{r.get('engine_running_mean', float('nan')):.0f}, {r['failures']} failed; CPU ms per 1k "
                       f"tokens: {cpu_line}; engine core busy {r.get('engine_core_thread_busy', float('nan')):.0%}, "
                       f"waited for a CPU {r.get('engine_core_run_delay_s', float('nan')):.2f} s"
+                      f"; this client's loop late {r['client_loop_late_s']:.2f} s (at most {r['client_loop_max_late_s']:.2f}), "
+                      f"its CPU {r['client_cpu_s']:.2f} s, waited for a CPU {r['client_run_delay_s']:.2f} s"
                       f"{'; errors ' + json.dumps(r['errors']) if r['errors'] else ''}", flush=True)
     finally:
         for proc, _ in gateways.values():

@@ -17,12 +17,12 @@ from streamrl.broker.embedded import free_port
 from streamrl.child import spawn, stop_group, wait_http
 
 KEEP_ALIVE_S = 75
-"""How long vLLM's HTTP server keeps an idle connection (its default is 5 s). With 5 s, the CPU capture bench
-lost a fifth of a round's requests in some rounds (52 of 256, 64 in flight, in 4 of 8 rounds; none of 8 rounds
-at 60 s): requests sent on a kept-alive connection the moment its previous answer had arrived waited 5.2 s and
-were then cut off by the server, all at once (``ServerDisconnectedError``). A plain client then fails, and the
-gateway's one retry on a fresh connection can fail the same way. Clients that pool connections, the gateway
-among them (``upstream_keepalive_s``, 4 s), close theirs first, so a longer keep-alive costs nothing."""
+"""How long vLLM's HTTP server keeps an idle connection open (its default is 5 s). A client that cannot run for
+longer than that (a stalled event loop, a starved process) and then sends on a pooled connection finds it closed
+by the server as it writes: on the 2-core CPU box the capture bench's client waited 5-16 s for a CPU in some
+rounds (vLLM's CPU worker held both cores) and lost 47-61 of a round's 256 requests to
+``ServerDisconnectedError``; at 60 s none. Clients that close their pooled connections first (the gateway:
+``upstream_keepalive_s``, 4 s) are not affected either way, so a longer keep-alive costs nothing."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ from streamrl.engine import KEEP_ALIVE_S, Engine
 
 def test_idle_connection_outlives_vllms_default_keep_alive(engine: Engine) -> None:
     """A kept-alive connection left idle for longer than vLLM's default 5 s still carries the next request
-    (``KEEP_ALIVE_S``: with 5 s the server cut off requests sent on such connections). The idle time is what
+    (``KEEP_ALIVE_S``: with 5 s, a client that could not run for a while lost its next requests). The idle time is what
     is tested, so the test waits it out."""
     assert KEEP_ALIVE_S > 6
     url = urlsplit(engine.url)
