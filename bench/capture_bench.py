@@ -158,10 +158,10 @@ class Load:
                     stalls[0] = max(stalls[0], late)
                     stalls[1] += late if late > 0.1 else 0.0
 
-            from gateway_bench import run_delay_seconds, thread_cpu
+            from gateway_bench import processes_run_delay_s
 
-            me = os.getpid()
-            delay0 = sum(run_delay_seconds(me, t) for t in thread_cpu(me))
+            me = [os.getpid()]
+            delay0 = processes_run_delay_s(me)
             cpu0 = time.process_time()
             stalls = [0.0, 0.0]
             watcher = asyncio.ensure_future(watch_loop())
@@ -171,7 +171,7 @@ class Load:
             await asyncio.gather(*(worker() for _ in range(a.concurrency)))
             seconds = time.perf_counter() - started
             watcher.cancel()
-            waited = sum(run_delay_seconds(me, t) for t in thread_cpu(me)) - delay0
+            waited = processes_run_delay_s(me) - delay0
             used = time.process_time() - cpu0
             if sampler is not None:
                 sampler.cancel()

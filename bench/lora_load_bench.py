@@ -128,10 +128,14 @@ class Versions:
 
     async def unload_idle(self) -> None:
         for name in [n for n in self.retiring if not self.in_use[n]]:
+            if name not in self.retiring:  # another caller took it while this one awaited an unload
+                continue
             self.retiring.remove(name)
             start = time.perf_counter()
             async with self.session.post(f"{self.url}/v1/unload_lora_adapter", json={"lora_name": name}) as r:
-                await r.read()
+                text = await r.text()
+                if r.status != 200:
+                    raise RuntimeError(f"unload {name}: {r.status} {text[:300]}")
             self.unload_ms.append((time.perf_counter() - start) * 1000)
 
 

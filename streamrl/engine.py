@@ -1,7 +1,8 @@
 """Start and stop a vLLM OpenAI server as a child process, set up for streamrl.
 
 Runtime LoRA loading is on (the gateway hot-swaps adapter versions into it) and logprobs are those of
-the distribution actually sampled (``processed_logprobs``), which off-policy correction needs.
+the distribution actually sampled (``processed_logprobs``), which off-policy correction needs. Idle
+connections stay open ``KEEP_ALIVE_S`` instead of vLLM's 5 s.
 """
 
 from __future__ import annotations
