@@ -3,7 +3,7 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | lora-load | gateway | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
+#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
 #   lora-load: VERSIONS (default 24, a third each idle / generating / beside a GPU neighbour), STREAMS (128)
 #   gateway-scaling: GATEWAY_CPUS (a taskset list, e.g. 0-7) pins the gateways there and the load elsewhere
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
@@ -63,6 +63,9 @@ for bench in "$@"; do
           --modes "${CAPTURE_MODES:-chat,chat-capture,gateway}" --rounds "${ROUNDS:-3}" \
           --py-spy "${PY_SPY:-0}" --out /root/cb --json "$out/capture.json" > "$out/capture.log" 2>&1
       cp /root/cb/py-spy-*.txt "$out/" 2>/dev/null; tail -12 "$out/capture.log" ;;
+    sampler-logprob)  # the sampled token's logprob in vLLM's GPU sampler against torch's kernels
+      python3 "$repo/bench/sampler_logprob_bench.py" --json "$out/sampler-logprob.json" > "$out/sampler-logprob.log" 2>&1
+      tail -4 "$out/sampler-logprob.log" ;;
     lora-load)  # adapter loads into a generating engine: load time, generation's pause, where the time goes
       python3 "$repo/bench/lora_load_bench.py" --shape qwen2.5-1.5b --rank 16 --versions "${VERSIONS:-24}" \
           --streams "${STREAMS:-128}" --max-tokens 512 --interval-s 1.5 --gpu-neighbour --py-spy --out /root/llb \
