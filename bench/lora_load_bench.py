@@ -51,7 +51,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 NAME = "policy"
 ADD_LORA_PARTS = {  # a frame's function name -> the part of a load it is (first match from the leaf wins)
     "from_local_checkpoint": "read files", "_load_adapter": "read files", "pin_memory": "pin host memory",
-    "_create_merged_loras_inplace": "pack q/k/v, gate/up", "optimize": "pack q/k/v, gate/up",
+    "from_lora_tensors": "cast and pin each tensor", "_create_merged_loras_inplace": "pack q/k/v, gate/up",
+    "optimize": "scale lora_B (none when the scaling is 1: trainer/publish.py folds it in)",
     "set_lora": "copy into GPU slots", "reset_lora": "copy into GPU slots", "activate_adapter": "copy into GPU slots",
     "remove_oldest_adapter": "evict", "remove_adapter": "evict",
     "_wait_for_response": "engine core waits for its worker process", "call_utility_async": "API server's call",

@@ -39,6 +39,8 @@ def test_add_lora_breakdown(bench, tmp_path: Path) -> None:
         'process 1:"EngineCore";run_busy_loop (core.py:1);EngineCore.add_lora (core.py:2);'
         "Worker.add_lora (w.py:3);LRUCacheWorkerLoRAManager.add_adapter (m.py:4);"
         "WorkerLoRAManager._load_adapter (m.py:5);LoRAModel.from_local_checkpoint (l.py:6) 7",
+        'process 1:"EngineCore";EngineCore.add_lora (core.py:2);LoRAModel.from_local_checkpoint (l.py:6);'
+        "LoRAModel.from_lora_tensors (l.py:7) 4",
         'process 1:"EngineCore";EngineCore.add_lora (core.py:2);LRUCacheWorkerLoRAManager.add_adapter (m.py:4);'
         "LoRAModelManager._create_merged_loras_inplace (m.py:7);PackedLoRALayerWeights.pack (w.py:8);"
         "LoRALayerWeights.optimize (w.py:9) 5",
@@ -49,5 +51,7 @@ def test_add_lora_breakdown(bench, tmp_path: Path) -> None:
         "not a stack line",
     ]))
     got = bench.add_lora_breakdown(raw)
-    assert got["samples"] == 28 and got["in_add_lora"] == 17
-    assert got["parts"] == {"read files": 7, "pack q/k/v, gate/up": 5, "copy into GPU slots": 3, "pin host memory": 2}
+    assert got["samples"] == 32 and got["in_add_lora"] == 21
+    scale = "scale lora_B (none when the scaling is 1: trainer/publish.py folds it in)"
+    assert got["parts"] == {"read files": 7, scale: 5, "cast and pin each tensor": 4, "copy into GPU slots": 3,
+                            "pin host memory": 2}

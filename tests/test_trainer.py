@@ -261,7 +261,8 @@ def test_kill_9_sigterm_and_restart_train_every_group_exactly_once(tiny_model, b
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_adapter_is_written_in_the_base_models_dtype(dtype: torch.dtype, tmp_path: Path) -> None:
     """The published weights take the base model's dtype (vLLM casts a LoRA to its model's dtype anyway),
-    under the same names peft's own ``save_pretrained`` writes, and peft loads them back."""
+    under the same names peft's own ``save_pretrained`` writes, with the scaling folded into ``lora_B`` (so
+    vLLM skips its multiply on load), and peft loads them back into the same model."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -270,7 +271,10 @@ def test_adapter_is_written_in_the_base_models_dtype(dtype: torch.dtype, tmp_pat
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
-    model = get_peft_model(Qwen2ForCausalLM(config).to(dtype), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    lora = LoraConfig(r=4, lora_alpha=12, target_modules=["q_proj", "v_proj"])  # scaling 3: not a power of 2
+    base = Qwen2ForCausalLM(config).to(dtype)
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    model = get_peft_model(base, lora)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p)  # trained: B is no longer 0
@@ -282,8 +286,60 @@ def test_adapter_is_written_in_the_base_models_dtype(dtype: torch.dtype, tmp_pat
     assert saved.keys() == own.keys() and len(saved) == 8
     for key, value in saved.items():
         assert value.dtype == dtype
-        torch.testing.assert_close(value, own[key].to(dtype), rtol=0, atol=0)
+        expected = own[key] * (3.0 if "lora_B" in key else 1.0)
+        torch.testing.assert_close(value, expected.to(dtype), rtol=0, atol=0)
+    assert json.loads((path / "adapter_config.json").read_text())["lora_alpha"] == 4  # scaling 1 on disk
     assert sha == hashlib.sha256((path / "adapter_model.safetensors").read_bytes()).hexdigest()
-    reloaded = PeftModel.from_pretrained(Qwen2ForCausalLM(config).to(dtype), path)
+    fresh = Qwen2ForCausalLM(config).to(dtype)
+    fresh.load_state_dict(base_state)
+    reloaded = PeftModel.from_pretrained(fresh, path)
     weights = {n: p for n, p in reloaded.named_parameters() if "lora_B" in n}
     assert weights and all(p.abs().sum() > 0 for p in weights.values())
+    if dtype == torch.float32:  # the same model (bf16's rounding of B is checked weight by weight above)
+        ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_vllm_serves_the_written_adapter_as_the_trainer_computes_it(tiny_model, engine, tmp_path) -> None:
+    """What the trainer writes (its scaling folded into ``lora_B``, scaling 1 on disk) is what vLLM serves:
+    the sampling logprobs of a completion under the adapter equal the trainer's recompute with its in-memory
+    adapter at temperature 0.7, within the tolerance of vLLM's bf16 against the trainer's fp32 (as for the base
+    model in test_engine_capture.py), and differ from the base model's by far more than that."""
+    from streamrl.trainer.model import load_policy, packed_logprobs
+    from streamrl.trainer.publish import write_adapter
+
+    config = TrainerConfig(model=str(tiny_model), device="cpu", lora_rank=8, lora_alpha=24.0)  # scaling 3
+    model = load_policy(config, torch.device("cpu"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)  # trained: B is no longer 0
+    path, _ = write_adapter(model, tmp_path / "policy", 1, {"step": 1})
+    name = f"folded-{uuid.uuid4().hex[:6]}"
+    prompt = [int(t) for t in np.random.default_rng(0).integers(10, 2000, 12)]
+    with httpx.Client(base_url=engine.url, timeout=120) as http:
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path.resolve())})
+        assert r.status_code == 200, r.text
+        try:
+            r = http.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 32, "seed": 3,
+                                                   "temperature": 0.7, "logprobs": 0, "return_token_ids": True,
+                                                   "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        finally:
+            http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+    choice = r.json()["choices"][0]
+    sampled = choice["token_ids"]
+    logged = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32)
+    ids = torch.tensor([prompt + sampled])
+    targets = torch.arange(len(prompt), ids.shape[1])
+    temperatures = torch.full((len(sampled),), 0.7)
+    with torch.no_grad():
+        recomputed = packed_logprobs(model, ids, torch.arange(ids.shape[1])[None], targets, temperatures=temperatures)
+        with model.disable_adapter():
+            base = packed_logprobs(model, ids, torch.arange(ids.shape[1])[None], targets, temperatures=temperatures)
+    assert len(sampled) == len(logged) == 32
+    diff = (logged - recomputed).abs()
+    assert diff.max() < 1e-2 and diff.mean() < 2e-3, (diff.max(), diff.mean())
+    assert (logged - base).abs().max() > 0.1  # the adapter is what served them

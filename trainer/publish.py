@@ -1,8 +1,8 @@
 """Publish adapter versions: atomic directory, weights hash, policy record, bounded history on disk.
 
 ``<adapters>/<name>/v<N>/`` holds ``adapter_config.json`` and ``adapter_model.safetensors`` (peft's
-format, which vLLM's runtime LoRA loading reads; the weights in the base model's dtype, see
-:func:`serving_weights`) plus ``streamrl_trainer.json`` (version, step and the
+format, which vLLM's runtime LoRA loading reads; the weights in the base model's dtype with the scaling
+folded into ``lora_B``, see :func:`serving_weights`) plus ``streamrl_trainer.json`` (version, step and the
 ids of the groups this version was trained on). It is written under a temporary name and renamed, so
 a reader never sees a half-written version. The last ``keep`` version directories stay on disk because
 a serving engine may still read them.
@@ -11,6 +11,7 @@ a serving engine may still read them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -34,13 +35,44 @@ def _fsync_dir(path: Path) -> None:
 
 
 def serving_weights(model: PeftModel) -> dict[str, torch.Tensor]:
-    """The adapter's weights in the base model's dtype, for peft's ``save_pretrained(state_dict=...)``.
+    """The adapter's weights in the base model's dtype, for peft's ``save_pretrained(state_dict=...)``, with
+    each layer's scaling folded into its ``lora_B`` (see :func:`folds_scaling`; then saved with scaling 1).
 
     The optimizer keeps them in fp32, but vLLM casts a runtime LoRA to its model's dtype on load (and the
     trainer itself computes under bf16 autocast on a bf16 base), so fp32 on disk would only double the bytes
     the trainer writes, every gateway hashes and every engine reads while serving: publish -> served."""
     dtype = model.get_base_model().dtype
-    return {k: v.detach().to(dtype) for k, v in model.state_dict().items() if "lora_" in k}
+    scales = _b_scales(model) if folds_scaling(model) else {}
+    return {k: (v.detach() * scales.get(k, 1.0)).to(dtype) for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def folds_scaling(model: PeftModel) -> bool:
+    """Whether the adapter is written with its scaling (``lora_alpha / r``) already in ``lora_B``.
+
+    vLLM multiplies every ``lora_B`` of a loaded adapter by its scaling, on the CPU in the engine core's
+    thread, while generation waits (``LoRALayerWeights.optimize``: on one H200 beside a trainer, about a third
+    of a load's samples in py-spy; docs/benchmarks.md); with scaling 1 it skips the multiply. Not done for
+    per-module ranks or alphas (``rank_pattern`` / ``alpha_pattern``), which streamrl's trainer never sets."""
+    config = model.peft_config[model.active_adapter]
+    return not config.rank_pattern and not config.alpha_pattern
+
+
+def _b_scales(model: PeftModel) -> dict[str, float]:
+    """``state_dict`` key of each ``lora_B`` weight -> that layer's scaling."""
+    from peft.tuners.lora import LoraLayer
+
+    adapter = model.active_adapter
+    return {f"{name}.lora_B.{adapter}.weight": float(module.scaling[adapter])
+            for name, module in model.named_modules() if isinstance(module, LoraLayer) and adapter in module.scaling}
+
+
+def _unit_scaling_config(path: Path) -> None:
+    """Rewrite the saved ``adapter_config.json`` so that its scaling is 1 (``lora_alpha`` = r, or sqrt(r) with
+    rsLoRA): the scaling is in ``lora_B`` already (:func:`serving_weights`)."""
+    config_file = path / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["lora_alpha"] = math.sqrt(config["r"]) if config.get("use_rslora") else config["r"]
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def write_adapter(model: PeftModel, policy_dir: Path, version: int, meta: dict) -> tuple[Path, str]:
@@ -54,6 +86,8 @@ def write_adapter(model: PeftModel, policy_dir: Path, version: int, meta: dict) 
     tmp = policy_dir / f".tmp-v{version}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=serving_weights(model))
+    if folds_scaling(model):
+        _unit_scaling_config(tmp)
     (tmp / META_FILE).write_text(json.dumps({"version": version, **meta}))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
