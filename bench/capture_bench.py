@@ -42,6 +42,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -337,7 +338,8 @@ def start_py_spy(pid: int, args: argparse.Namespace, name: str) -> tuple[subproc
     """Sample a process and its children (the engine's API server and core; the gateway and its record
     producer) for ``--py-spy`` seconds."""
     out = args.out / f"py-spy-{name}.txt"
-    cmd = ["py-spy", "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "100",
+    beside = Path(sys.executable).parent / "py-spy"  # installed into the venv that runs this, not on PATH
+    cmd = [shutil.which("py-spy") or str(beside), "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "100",
            "--duration", str(int(args.py_spy)), "--format", "raw", "--output", str(out)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out
 
