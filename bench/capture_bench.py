@@ -29,7 +29,11 @@ and wait for a CPU: that thread bounds generation here, so its CPU per token is 
 engine without the time a neighbour held its core (reported beside it, with the thread's busy share; a
 slower core still shows). ``--py-spy SECONDS`` samples
 the engine's processes (API server and engine core, ``py-spy record --subprocesses``) for that long
-during each listed mode's last round, into ``--out``/py-spy-MODE.txt (collapsed stacks).
+during each listed mode's last round, into ``--out``/py-spy-MODE.txt (collapsed stacks). ``--py-spy-core``
+instead samples the engine core process alone, with native frames (torch, CUDA launches), in every round,
+and reports per mode the median over rounds of each function's samples per 1,000 tokens (``core_profile``):
+the same round's chat is the baseline, so what capture adds to the thread that bounds generation shows by
+function, whatever the host's speed that round.
 
     python bench/capture_bench.py --shape qwen2.5-1.5b [--requests 1024 --concurrency 256 --max-tokens 256]
     python bench/capture_bench.py --model DIR ...        (an existing checkpoint)
@@ -42,7 +46,9 @@ import asyncio
 import json
 import os
 import platform
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -270,7 +276,8 @@ def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     speeds = [r["tokens_per_s"] for r in rounds]
     cpu = {k: float(np.median([r["cpu_ms_per_1k_tokens"][k] for r in rounds]))
            for k in rounds[-1].get("cpu_ms_per_1k_tokens", {})}
-    return {**rounds[-1], "tokens_per_s": float(np.median(speeds)), "rounds_tokens_per_s": speeds,
+    last = {k: v for k, v in rounds[-1].items() if not k.startswith("_")}  # per-round internals stay out
+    return {**last, "tokens_per_s": float(np.median(speeds)), "rounds_tokens_per_s": speeds,
             "cpu_ms_per_1k_tokens": cpu,
             "rounds_engine_core_run_delay_s": [r.get("engine_core_run_delay_s") for r in rounds],
             "failures": sum(r["failures"] for r in rounds), "rounds_errors": [r["errors"] for r in rounds]}
@@ -334,24 +341,62 @@ def paired_ratios(modes: dict[str, dict[str, Any]], mode: str) -> list[float]:
     return [speed / ref for speed, ref in pairs]
 
 
-def start_py_spy(pid: int, args: argparse.Namespace, name: str) -> tuple[subprocess.Popen, Path]:
+def start_py_spy(pid: int, args: argparse.Namespace, name: str, *, native: bool = False,
+                 seconds: float | None = None) -> tuple[subprocess.Popen, Path]:
     """Sample a process and its children (the engine's API server and core; the gateway and its record
-    producer) for ``--py-spy`` seconds."""
+    producer) for ``--py-spy`` seconds; ``native``: that process alone, with native frames."""
     out = args.out / f"py-spy-{name}.txt"
     beside = Path(sys.executable).parent / "py-spy"  # installed into the venv that runs this, not on PATH
+    if native:
+        cmd = [shutil.which("py-spy") or str(beside), "record", "--pid", str(pid), "--native", "--nonblocking",
+               "--rate", "100", "--duration", str(int(seconds or args.py_spy)), "--format", "raw", "--output", str(out)]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out
     cmd = [shutil.which("py-spy") or str(beside), "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "100",
            "--duration", str(int(args.py_spy)), "--format", "raw", "--output", str(out)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out
 
 
-def finish_py_spy(profiler: tuple[subprocess.Popen, Path]) -> dict[str, Any]:
+def finish_py_spy(profiler: tuple[subprocess.Popen, Path], *, stop: bool = False) -> dict[str, Any]:
+    """Wait for py-spy to write its file (``stop``: end its sampling now; py-spy writes what it has on SIGINT)."""
     proc, out = profiler
+    if stop and proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
     try:
         log = proc.communicate(timeout=120)[0].decode(errors="replace")
     except subprocess.TimeoutExpired:
         proc.kill()
         log = "py-spy did not finish"
     return {"file": str(out), "exit": proc.returncode, "log": log[-2000:]}
+
+
+def function_samples(raw: Path) -> dict[str, int]:
+    """Inclusive samples per function (``name (file)``, line numbers dropped) of py-spy's collapsed stacks."""
+    counts: dict[str, int] = {}
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        seen = {re.sub(r":\d+\)$", ")", frame) for frame in stack.split(";")}
+        for frame in seen:
+            counts[frame] = counts.get(frame, 0) + int(n)
+    return counts
+
+
+def core_profile(rounds: list[dict[str, Any]], base_rounds: list[dict[str, Any]], top: int = 40) -> list[dict]:
+    """A mode's engine-core functions by samples per 1,000 tokens (median over rounds), beside the same
+    rounds' baseline mode: the functions whose cost per token differs most first."""
+    def per_1k(r: dict[str, Any]) -> dict[str, float]:
+        return {f: n * 1000 / max(r["completion_tokens"], 1) for f, n in r.get("_core_samples", {}).items()}
+
+    mine, base = [per_1k(r) for r in rounds], [per_1k(r) for r in base_rounds]
+    names = {f for d in mine + base for f in d}
+    rows = []
+    for f in names:
+        a = float(np.median([d.get(f, 0.0) for d in mine])) if mine else 0.0
+        b = float(np.median([d.get(f, 0.0) for d in base])) if base else 0.0
+        rows.append({"function": f, "per_1k_tokens": round(a, 2), "baseline_per_1k_tokens": round(b, 2)})
+    rows.sort(key=lambda r: -abs(r["per_1k_tokens"] - r["baseline_per_1k_tokens"]))
+    return rows[:top]
 
 
 def main() -> int:
@@ -369,6 +414,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times in turn; report medians")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
                    help="profile the engine during each mode's last round (needs py-spy on the PATH)")
+    p.add_argument("--py-spy-core", action="store_true",
+                   help="profile the engine core alone (native frames) in every round; per-token comparison")
     args = p.parse_args()
 
     import httpx
@@ -431,6 +478,8 @@ def main() -> int:
                         continue
                 profile = bool(args.py_spy) and round_ == args.rounds - 1
                 profilers = [start_py_spy(engine.proc.pid, args, mode)] if profile else []
+                core_spy = start_py_spy(core, args, f"core-{mode}-{round_}", native=True, seconds=3600) \
+                    if args.py_spy_core and core else None
                 if profile and mode.startswith("gateway"):
                     gateway = gateways["gateway" if mode == "gateway-stream" else mode][0]
                     profilers.append(start_py_spy(gateway.pid, args, f"{mode}-gateway"))
@@ -444,6 +493,12 @@ def main() -> int:
                 r.update(cpu.result(r["completion_tokens"], r["seconds"]))
                 if profilers:
                     r["py_spy"] = [finish_py_spy(p) for p in profilers]
+                if core_spy is not None:
+                    spy = finish_py_spy(core_spy, stop=True)
+                    raw = Path(spy["file"])
+                    r["_core_samples"] = function_samples(raw) if raw.exists() else {}
+                    if not r["_core_samples"]:
+                        r["core_py_spy"] = spy
                 if lag_before is not None:  # the gateway's own event loop: how late its 5 ms timer ran
                     r["gateway_event_loop_lag"] = lag_summary(lag_before, lag_buckets(url))
                 captures = r.pop("_captures")
@@ -492,6 +547,14 @@ def main() -> int:
         core = f"{core_ms:.0f} ({core_ms / base_core:.2f}x)" if core_ms and base_core else ""
         print(f"| {mode} | {r['tokens_per_s']:,.0f} | {r['vs_plain_chat']:.2f}x | {same} | {core} | "
               f"{r['bytes_per_token']:.1f}{cap} | {r['failures']} |")
+    if args.py_spy_core:
+        for mode, mode_rounds in rounds.items():
+            if mode != "chat":
+                rows = core_profile(mode_rounds, rounds.get("chat", []))
+                results["modes"][mode]["core_profile"] = rows
+                print(f"\n[{mode}] engine core samples per 1k tokens against chat's, largest differences:")
+                for row in rows[:15]:
+                    print(f"  {row['per_1k_tokens']:7.2f} vs {row['baseline_per_1k_tokens']:7.2f}  {row['function'][:110]}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
     return 0
