@@ -30,8 +30,8 @@ engine without the time a neighbour held its core (reported beside it, with the 
 slower core still shows). ``--py-spy SECONDS`` samples
 the engine's processes (API server and engine core, ``py-spy record --subprocesses``) for that long
 during each listed mode's last round, into ``--out``/py-spy-MODE.txt (collapsed stacks). ``--py-spy-core``
-instead samples the engine core process alone, with native frames (torch, CUDA launches), in every round,
-and reports per mode the median over rounds of each function's samples per 1,000 tokens (``core_profile``):
+instead samples the engine core process alone (Python frames; native ones would stop it at every sample), in
+every round, and reports per mode the median over rounds of each function's CPU ms per 1,000 tokens (``core_profile``):
 the same round's chat is the baseline, so what capture adds to the thread that bounds generation shows by
 function, whatever the host's speed that round.
 
@@ -341,14 +341,15 @@ def paired_ratios(modes: dict[str, dict[str, Any]], mode: str) -> list[float]:
     return [speed / ref for speed, ref in pairs]
 
 
-def start_py_spy(pid: int, args: argparse.Namespace, name: str, *, native: bool = False,
+def start_py_spy(pid: int, args: argparse.Namespace, name: str, *, alone: bool = False,
                  seconds: float | None = None) -> tuple[subprocess.Popen, Path]:
     """Sample a process and its children (the engine's API server and core; the gateway and its record
-    producer) for ``--py-spy`` seconds; ``native``: that process alone, with native frames."""
+    producer) for ``--py-spy`` seconds; ``alone``: that process only. Never with native frames: py-spy
+    takes those only by stopping the process at every sample, which would change what is measured."""
     out = args.out / f"py-spy-{name}.txt"
     beside = Path(sys.executable).parent / "py-spy"  # installed into the venv that runs this, not on PATH
-    if native:
-        cmd = [shutil.which("py-spy") or str(beside), "record", "--pid", str(pid), "--native", "--nonblocking",
+    if alone:
+        cmd = [shutil.which("py-spy") or str(beside), "record", "--pid", str(pid), "--nonblocking",
                "--rate", "100", "--duration", str(int(seconds or args.py_spy)), "--format", "raw", "--output", str(out)]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out
     cmd = [shutil.which("py-spy") or str(beside), "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "100",
@@ -369,24 +370,30 @@ def finish_py_spy(profiler: tuple[subprocess.Popen, Path], *, stop: bool = False
     return {"file": str(out), "exit": proc.returncode, "log": log[-2000:]}
 
 
-def function_samples(raw: Path) -> dict[str, int]:
-    """Inclusive samples per function (``name (file)``, line numbers dropped) of py-spy's collapsed stacks."""
+def function_samples(raw: Path) -> tuple[dict[str, int], int]:
+    """Inclusive samples per function (``name (file)``, line numbers dropped) of py-spy's collapsed stacks,
+    and the samples in all."""
     counts: dict[str, int] = {}
+    total = 0
     for line in raw.read_text(errors="replace").splitlines():
         stack, _, n = line.rpartition(" ")
         if not n.isdigit():
             continue
+        total += int(n)
         seen = {re.sub(r":\d+\)$", ")", frame) for frame in stack.split(";")}
         for frame in seen:
             counts[frame] = counts.get(frame, 0) + int(n)
-    return counts
+    return counts, total
 
 
 def core_profile(rounds: list[dict[str, Any]], base_rounds: list[dict[str, Any]], top: int = 40) -> list[dict]:
-    """A mode's engine-core functions by samples per 1,000 tokens (median over rounds), beside the same
-    rounds' baseline mode: the functions whose cost per token differs most first."""
+    """A mode's engine-core functions by CPU ms per 1,000 tokens (median over rounds), beside the same rounds'
+    baseline mode, the functions whose cost per token differs most first. A function's share of the round's
+    samples (py-spy leaves out idle ones) times the engine core's CPU per 1,000 tokens from /proc: what it costs,
+    whether or not the profiler was attached for the whole round."""
     def per_1k(r: dict[str, Any]) -> dict[str, float]:
-        return {f: n * 1000 / max(r["completion_tokens"], 1) for f, n in r.get("_core_samples", {}).items()}
+        total, cpu = r.get("_core_total", 0), r["cpu_ms_per_1k_tokens"].get("engine_core", 0.0)
+        return {f: n / total * cpu for f, n in r.get("_core_samples", {}).items()} if total else {}
 
     mine, base = [per_1k(r) for r in rounds], [per_1k(r) for r in base_rounds]
     names = {f for d in mine + base for f in d}
@@ -394,8 +401,9 @@ def core_profile(rounds: list[dict[str, Any]], base_rounds: list[dict[str, Any]]
     for f in names:
         a = float(np.median([d.get(f, 0.0) for d in mine])) if mine else 0.0
         b = float(np.median([d.get(f, 0.0) for d in base])) if base else 0.0
-        rows.append({"function": f, "per_1k_tokens": round(a, 2), "baseline_per_1k_tokens": round(b, 2)})
-    rows.sort(key=lambda r: -abs(r["per_1k_tokens"] - r["baseline_per_1k_tokens"]))
+        rows.append({"function": f, "cpu_ms_per_1k_tokens": round(a, 2),
+                     "baseline_cpu_ms_per_1k_tokens": round(b, 2)})
+    rows.sort(key=lambda r: -abs(r["cpu_ms_per_1k_tokens"] - r["baseline_cpu_ms_per_1k_tokens"]))
     return rows[:top]
 
 
@@ -415,7 +423,7 @@ def main() -> int:
     p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
                    help="profile the engine during each mode's last round (needs py-spy on the PATH)")
     p.add_argument("--py-spy-core", action="store_true",
-                   help="profile the engine core alone (native frames) in every round; per-token comparison")
+                   help="profile the engine core alone in every round; per-token comparison with chat")
     args = p.parse_args()
 
     import httpx
@@ -478,7 +486,7 @@ def main() -> int:
                         continue
                 profile = bool(args.py_spy) and round_ == args.rounds - 1
                 profilers = [start_py_spy(engine.proc.pid, args, mode)] if profile else []
-                core_spy = start_py_spy(core, args, f"core-{mode}-{round_}", native=True, seconds=3600) \
+                core_spy = start_py_spy(core, args, f"core-{mode}-{round_}", alone=True, seconds=3600) \
                     if args.py_spy_core and core else None
                 if profile and mode.startswith("gateway"):
                     gateway = gateways["gateway" if mode == "gateway-stream" else mode][0]
@@ -496,8 +504,8 @@ def main() -> int:
                 if core_spy is not None:
                     spy = finish_py_spy(core_spy, stop=True)
                     raw = Path(spy["file"])
-                    r["_core_samples"] = function_samples(raw) if raw.exists() else {}
-                    if not r["_core_samples"]:
+                    r["_core_samples"], r["_core_total"] = function_samples(raw) if raw.exists() else ({}, 0)
+                    if not r["_core_total"]:
                         r["core_py_spy"] = spy
                 if lag_before is not None:  # the gateway's own event loop: how late its 5 ms timer ran
                     r["gateway_event_loop_lag"] = lag_summary(lag_before, lag_buckets(url))
@@ -552,9 +560,10 @@ def main() -> int:
             if mode != "chat":
                 rows = core_profile(mode_rounds, rounds.get("chat", []))
                 results["modes"][mode]["core_profile"] = rows
-                print(f"\n[{mode}] engine core samples per 1k tokens against chat's, largest differences:")
+                print(f"\n[{mode}] engine core CPU ms per 1k tokens by function against chat's, largest differences:")
                 for row in rows[:15]:
-                    print(f"  {row['per_1k_tokens']:7.2f} vs {row['baseline_per_1k_tokens']:7.2f}  {row['function'][:110]}")
+                    print(f"  {row['cpu_ms_per_1k_tokens']:7.2f} vs {row['baseline_cpu_ms_per_1k_tokens']:7.2f}  "
+                          f"{row['function'][:110]}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
     return 0

@@ -30,23 +30,27 @@ def test_function_samples_are_inclusive_and_count_a_frame_once_per_stack(bench, 
         "run_busy_loop (core.py:11);compute_topk_scores (logprob.py:1) 2",
         "garbage",
     ]))
-    got = bench.function_samples(raw)
-    assert got["run_busy_loop (core.py)"] == 12
+    got, total = bench.function_samples(raw)
+    assert total == 12 and got["run_busy_loop (core.py)"] == 12
     assert got["step (core.py)"] == 10
     assert got["sample (s.py)"] == 7 and got["compute_topk_scores (logprob.py)"] == 2
 
 
 def test_core_profile_compares_per_token_with_the_same_rounds_baseline(bench) -> None:
-    """Samples are per 1,000 tokens (a round that made twice the tokens for twice the samples costs the
-    same), medians over rounds, and the functions that differ most from the baseline come first."""
-    chat = [{"completion_tokens": 1000, "_core_samples": {"step": 100, "sample": 10}},
-            {"completion_tokens": 2000, "_core_samples": {"step": 200, "sample": 20}}]
-    capture = [{"completion_tokens": 1000, "_core_samples": {"step": 100, "sample": 10, "topk": 8}},
-               {"completion_tokens": 2000, "_core_samples": {"step": 260, "sample": 20, "topk": 12}}]
+    """A function's CPU per 1,000 tokens is its share of the round's samples times the engine core's CPU per
+    1,000 tokens (so a profiler attached late changes nothing); medians over rounds; the functions that
+    differ most from the baseline come first."""
+    def round_(cpu: float, total: int, samples: dict[str, int]) -> dict:
+        return {"cpu_ms_per_1k_tokens": {"engine_core": cpu}, "_core_total": total, "_core_samples": samples}
+
+    chat = [round_(100.0, 100, {"step": 50, "sample": 10}), round_(100.0, 300, {"step": 150, "sample": 30})]
+    capture = [round_(120.0, 100, {"step": 50, "sample": 10, "topk": 10}),
+               round_(140.0, 50, {"step": 25, "sample": 5, "topk": 10})]
     rows = bench.core_profile(capture, chat)
-    assert rows[0] == {"function": "step", "per_1k_tokens": 115.0, "baseline_per_1k_tokens": 100.0}
-    assert rows[1] == {"function": "topk", "per_1k_tokens": 7.0, "baseline_per_1k_tokens": 0.0}
-    assert rows[2] == {"function": "sample", "per_1k_tokens": 10.0, "baseline_per_1k_tokens": 10.0}
+    assert rows[0] == {"function": "topk", "cpu_ms_per_1k_tokens": 20.0, "baseline_cpu_ms_per_1k_tokens": 0.0}
+    assert rows[1] == {"function": "step", "cpu_ms_per_1k_tokens": 65.0, "baseline_cpu_ms_per_1k_tokens": 50.0}
+    assert rows[2] == {"function": "sample", "cpu_ms_per_1k_tokens": 13.0, "baseline_cpu_ms_per_1k_tokens": 10.0}
+    assert bench.core_profile([round_(100.0, 0, {})], chat)[0]["cpu_ms_per_1k_tokens"] == 0.0  # no samples: none
 
 
 def test_median_round_keeps_per_round_internals_out(bench) -> None:
