@@ -348,12 +348,9 @@ def start_py_spy(pid: int, args: argparse.Namespace, name: str, *, alone: bool =
     takes those only by stopping the process at every sample, which would change what is measured."""
     out = args.out / f"py-spy-{name}.txt"
     beside = Path(sys.executable).parent / "py-spy"  # installed into the venv that runs this, not on PATH
-    if alone:
-        cmd = [shutil.which("py-spy") or str(beside), "record", "--pid", str(pid), "--nonblocking",
-               "--rate", "100", "--duration", str(int(seconds or args.py_spy)), "--format", "raw", "--output", str(out)]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out
-    cmd = [shutil.which("py-spy") or str(beside), "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "100",
-           "--duration", str(int(args.py_spy)), "--format", "raw", "--output", str(out)]
+    cmd = [shutil.which("py-spy") or str(beside), "record", "--pid", str(pid), *([] if alone else ["--subprocesses"]),
+           "--nonblocking", "--rate", "100", "--duration", str(int(seconds or args.py_spy)),
+           "--format", "raw", "--output", str(out)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out
 
 
