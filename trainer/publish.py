@@ -36,25 +36,22 @@ def _fsync_dir(path: Path) -> None:
 
 def serving_weights(model: PeftModel) -> dict[str, torch.Tensor]:
     """The adapter's weights in the base model's dtype, for peft's ``save_pretrained(state_dict=...)``, with
-    each layer's scaling folded into its ``lora_B`` (see :func:`folds_scaling`; then saved with scaling 1).
+    each layer's scaling (``lora_alpha / r``) folded into its ``lora_B`` (the config is then saved with
+    scaling 1: :func:`_unit_scaling_config`).
 
     The optimizer keeps them in fp32, but vLLM casts a runtime LoRA to its model's dtype on load (and the
     trainer itself computes under bf16 autocast on a bf16 base), so fp32 on disk would only double the bytes
-    the trainer writes, every gateway hashes and every engine reads while serving: publish -> served."""
-    dtype = model.get_base_model().dtype
-    scales = _b_scales(model) if folds_scaling(model) else {}
-    return {k: (v.detach() * scales.get(k, 1.0)).to(dtype) for k, v in model.state_dict().items() if "lora_" in k}
-
-
-def folds_scaling(model: PeftModel) -> bool:
-    """Whether the adapter is written with its scaling (``lora_alpha / r``) already in ``lora_B``.
-
-    vLLM multiplies every ``lora_B`` of a loaded adapter by its scaling, on the CPU in the engine core's
-    thread, while generation waits (``LoRALayerWeights.optimize``: on one H200 beside a trainer, about a third
-    of a load's samples in py-spy; docs/benchmarks.md); with scaling 1 it skips the multiply. Not done for
-    per-module ranks or alphas (``rank_pattern`` / ``alpha_pattern``), which streamrl's trainer never sets."""
+    the trainer writes, every gateway hashes and every engine reads while serving: publish -> served. The
+    scaling: vLLM multiplies every ``lora_B`` of a loaded adapter by it, on the CPU in the engine core's thread,
+    while generation waits (``LoRALayerWeights.optimize``: on one H200 beside a trainer, about a third of a
+    load's samples in py-spy; docs/benchmarks.md); with scaling 1 it skips the multiply."""
     config = model.peft_config[model.active_adapter]
-    return not config.rank_pattern and not config.alpha_pattern
+    if config.rank_pattern or config.alpha_pattern:  # one lora_alpha = r in the config could not undo them
+        raise ValueError("per-module ranks or alphas (rank_pattern / alpha_pattern) are not published")
+    dtype = model.get_base_model().dtype
+    scales = _b_scales(model)
+    return {k: (v.detach() * scales[k] if k in scales else v.detach()).to(dtype)
+            for k, v in model.state_dict().items() if "lora_" in k}
 
 
 def _b_scales(model: PeftModel) -> dict[str, float]:
@@ -86,8 +83,7 @@ def write_adapter(model: PeftModel, policy_dir: Path, version: int, meta: dict) 
     tmp = policy_dir / f".tmp-v{version}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=serving_weights(model))
-    if folds_scaling(model):
-        _unit_scaling_config(tmp)
+    _unit_scaling_config(tmp)
     (tmp / META_FILE).write_text(json.dumps({"version": version, **meta}))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:

@@ -9,7 +9,7 @@
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
 #   capture: ROUNDS (default 3), REQUESTS per mode and round (default 1024), PY_SPY (seconds, default 0),
-#          PY_SPY_CORE=1 (the engine core alone, every round: its functions' samples per 1k tokens vs chat),
+#          PY_SPY_CORE=1 (the engine core alone, every round: each function's CPU ms per 1k tokens vs chat),
 #          CAPTURE_MODES (default chat,chat-capture,gateway)
 #   env:   LR (loop learning rate, default 3e-3; loop-real 5e-4), ENGINES (vLLM replicas, default 1),
 #          MAX_AHEAD (pipeline's steps ahead, default 1; loop-real 2), CONCURRENCY (groups in flight,
