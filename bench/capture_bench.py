@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -52,6 +53,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -280,7 +282,10 @@ def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return {**last, "tokens_per_s": float(np.median(speeds)), "rounds_tokens_per_s": speeds,
             "cpu_ms_per_1k_tokens": cpu,
             "rounds_engine_core_run_delay_s": [r.get("engine_core_run_delay_s") for r in rounds],
-            "failures": sum(r["failures"] for r in rounds), "rounds_errors": [r["errors"] for r in rounds]}
+            "failures": sum(r["failures"] for r in rounds), "rounds_errors": [r["errors"] for r in rounds],
+            "rounds_host": [r.get("host") for r in rounds], "rounds_placement": [r.get("placement") for r in rounds],
+            "rounds_engine_core_thread_cpu_ms_per_1k": [r["cpu_ms_per_1k_tokens"].get("engine_core_thread")
+                                                         for r in rounds]}
 
 
 class ProcessCpu:
@@ -290,8 +295,12 @@ class ProcessCpu:
     the time a neighbour held the core (run delay, which tokens/s includes)."""
 
     def __init__(self, processes: dict[str, list[int]], core_pid: int | None) -> None:
+        from gateway_bench import host_cpu_counters
+
         self.processes, self.core_pid = processes, core_pid
         self.before = self.sample()
+        self.host0 = host_cpu_counters()
+        self.placement = Placement(core_pid, processes.get("api_server", [None])[0]) if core_pid else None
 
     def sample(self) -> dict[str, float]:
         from gateway_bench import cpu_seconds, run_delay_seconds, thread_cpu
@@ -309,7 +318,10 @@ class ProcessCpu:
         return out
 
     def result(self, tokens: int, seconds: float) -> dict[str, Any]:
+        from gateway_bench import counters_delta, host_cpu_counters
+
         after = self.sample()
+        host = counters_delta(self.host0, host_cpu_counters())
         used = {k: after[k] - self.before[k] for k in after}
         per_1k = 1000 / max(tokens, 1)
         out: dict[str, Any] = {"cpu_ms_per_1k_tokens": {name: used[name] * 1000 * per_1k for name in self.processes}}
@@ -317,7 +329,95 @@ class ProcessCpu:
             out["cpu_ms_per_1k_tokens"]["engine_core_thread"] = used["engine_core_thread"] * 1000 * per_1k
             out["engine_core_thread_busy"] = used["engine_core_thread"] / seconds
             out["engine_core_run_delay_s"] = used["engine_core_run_delay"]
+        out["host"] = {k: round(v, 3) for k, v in host.items() if k in ("host_steal_s", "cpu_pressure_some_s",
+                                                                          "cgroup_throttled_s")}
+        if self.placement is not None:
+            out["placement"] = self.placement.stop()
         return out
+
+
+def cpu_list(text: str) -> list[int]:
+    """A kernel CPU list ("0-7,16,18-19") as CPU numbers."""
+    cpus: list[int] = []
+    for part in filter(None, text.strip().split(",")):
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def cpu_nodes() -> dict[int, int]:
+    """Each CPU's NUMA node (all on node 0 where sysfs has no nodes)."""
+    nodes = {}
+    for node in Path("/sys/devices/system/node").glob("node[0-9]*"):
+        with contextlib.suppress(OSError, ValueError):
+            for cpu in cpu_list((node / "cpulist").read_text()):
+                nodes[cpu] = int(node.name[4:])
+    return nodes or dict.fromkeys(range(os.cpu_count() or 1), 0)
+
+
+def gpu_local_cpus() -> list[int]:
+    """The CPUs sysfs names local to the first visible GPU (its PCI device's ``local_cpulist``); [] if unknown."""
+    with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError, IndexError):
+        bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.split()[0].lower()
+        return cpu_list(Path(f"/sys/bus/pci/devices/{bus[-12:]}/local_cpulist").read_text())
+    return []
+
+
+def topology() -> dict[str, Any]:
+    """What the machine's CPUs are, for reading placement: NUMA nodes, SMT siblings, the GPU's local CPUs."""
+    nodes = cpu_nodes()
+    siblings = set()
+    for cpu in nodes:
+        with contextlib.suppress(OSError):
+            siblings.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "")
+    return {"cpus": len(nodes), "nodes": {str(n): sorted(c for c, m in nodes.items() if m == n) for n in set(nodes.values())},
+            "smt_sibling_sets": sorted(siblings)[:64], "gpu_local_cpus": gpu_local_cpus(), "cpu_model": model,
+            "affinity": sorted(os.sched_getaffinity(0))}
+
+
+class Placement:
+    """Which CPU the engine core's busy-loop thread (and the API server's main thread) ran on, sampled every
+    20 ms over a round (``processor`` of /proc/PID/task/TID/stat): a round whose thread sat on a slower CPU,
+    another NUMA node than the GPU's, or one CPU with the API server shows here."""
+
+    def __init__(self, core_pid: int, api_pid: int | None) -> None:
+        self.core_pid, self.api_pid = core_pid, api_pid
+        self.core: dict[int, int] = {}
+        self.shared = self.samples = self.migrations = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _cpu(pid: int) -> int | None:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            return int(Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()[36])
+        return None
+
+    def _run(self) -> None:
+        last = None
+        while not self._stop.wait(0.02):
+            cpu = self._cpu(self.core_pid)
+            if cpu is None:
+                continue
+            self.samples += 1
+            self.core[cpu] = self.core.get(cpu, 0) + 1
+            self.migrations += last is not None and cpu != last
+            last = cpu
+            self.shared += self.api_pid is not None and self._cpu(self.api_pid) == cpu
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        nodes = cpu_nodes()
+        by_node: dict[str, int] = {}
+        for cpu, n in self.core.items():
+            by_node[str(nodes.get(cpu, -1))] = by_node.get(str(nodes.get(cpu, -1)), 0) + n
+        return {"samples": self.samples, "engine_core_cpus": {str(c): n for c, n in sorted(self.core.items())},
+                "engine_core_nodes": by_node, "migrations": self.migrations, "same_cpu_as_api_server": self.shared}
 
 
 def engine_core_pid(api_server_pid: int) -> int | None:
@@ -419,6 +519,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times in turn; report medians")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
                    help="profile the engine during each mode's last round (needs py-spy on the PATH)")
+    p.add_argument("--engine-cpus", default="", metavar="CPUS",
+                   help="pin vLLM's processes to these CPUs (a kernel CPU list, or gpu-local: the GPU's NUMA-local "
+                        "CPUs), this client, the broker and the gateways to the others")
     p.add_argument("--py-spy-core", action="store_true",
                    help="profile the engine core alone in every round; per-token comparison with chat")
     args = p.parse_args()
@@ -442,8 +545,17 @@ def main() -> int:
                                "machine": f"{platform.machine()}, {os.cpu_count()} cores", "modes": {}}
     engine = Engine(EngineConfig(model=args.model, max_model_len=2048, max_loras=2,
                                  extra_args=args.engine_args.split()), log_file=args.out / "engine.log")
+    results["topology"] = topology()
+    everything = os.sched_getaffinity(0)
+    engine_cpus = set(gpu_local_cpus() if args.engine_cpus == "gpu-local" else cpu_list(args.engine_cpus))
+    engine_cpus &= everything
+    if engine_cpus:  # vLLM's processes inherit it; what starts after the engine gets the rest
+        os.sched_setaffinity(0, engine_cpus)
+    results["engine_cpus"] = sorted(engine_cpus)
     started = time.monotonic()
     engine.start(timeout=900)
+    if engine_cpus and everything - engine_cpus:
+        os.sched_setaffinity(0, everything - engine_cpus)
     results["engine_start_s"] = time.monotonic() - started
     import vllm
 
@@ -523,6 +635,9 @@ def main() -> int:
                       f"{r.get('engine_running_mean', float('nan')):.0f}, {r['failures']} failed; CPU ms per 1k "
                       f"tokens: {cpu_line}; engine core busy {r.get('engine_core_thread_busy', float('nan')):.0%}, "
                       f"waited for a CPU {r.get('engine_core_run_delay_s', float('nan')):.2f} s"
+                      f"; steal {r['host'].get('host_steal_s', float('nan')):.2f} s, core thread on "
+                      f"{json.dumps(r.get('placement', {}).get('engine_core_nodes'))} (nodes), "
+                      f"{r.get('placement', {}).get('migrations', 0)} moves"
                       f"; this client's loop late {r['client_loop_late_s']:.2f} s (at most {r['client_loop_max_late_s']:.2f}), "
                       f"its CPU {r['client_cpu_s']:.2f} s, waited for a CPU {r['client_run_delay_s']:.2f} s"
                       f"{'; errors ' + json.dumps(r['errors']) if r['errors'] else ''}", flush=True)

@@ -346,8 +346,9 @@ class ThreadCpu:
 
 def host_cpu_counters() -> dict[str, float]:
     """Counters of CPU starvation outside any one thread: cgroup throttling (a CPU quota stops every thread
-    of the container at once, which a thread's run delay shows but cannot explain) and CPU pressure (time
-    in which some runnable task of the machine or container waited for a CPU)."""
+    of the container at once, which a thread's run delay shows but cannot explain), the host's steal time
+    (a virtual machine's CPUs taken by the hypervisor: invisible to run delay) and CPU pressure (time in
+    which some runnable task of the machine or container waited for a CPU)."""
     out: dict[str, float] = {}
     for path, scale in ((Path("/sys/fs/cgroup/cpu.stat"), 1e-6), (Path("/sys/fs/cgroup/cpu/cpu.stat"), 1e-9),
                         (Path("/sys/fs/cgroup/cpu,cpuacct/cpu.stat"), 1e-9)):
@@ -358,6 +359,8 @@ def host_cpu_counters() -> dict[str, float]:
             throttled = fields.get("throttled_usec", fields.get("throttled_time", 0))
             out["cgroup_throttled_s"] = float(throttled) * scale
             break
+    with contextlib.suppress(OSError, ValueError, IndexError):  # a VM's vCPUs held by the hypervisor
+        out["host_steal_s"] = int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8]) / os.sysconf("SC_CLK_TCK")
     for path in (Path("/sys/fs/cgroup/cpu.pressure"), Path("/proc/pressure/cpu")):
         with contextlib.suppress(OSError, ValueError, IndexError):
             some = path.read_text().splitlines()[0]

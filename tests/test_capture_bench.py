@@ -58,3 +58,24 @@ def test_median_round_keeps_per_round_internals_out(bench) -> None:
               for t in (10.0, 30.0, 20.0)]
     got = bench.median_round(rounds)
     assert got["tokens_per_s"] == 20.0 and not any(k.startswith("_") for k in got)
+
+
+def test_cpu_list_reads_the_kernels_format(bench) -> None:
+    """sysfs writes ranges and single CPUs, comma-separated, with a newline; an empty list is no CPUs."""
+    assert bench.cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert bench.cpu_list("") == [] and bench.cpu_list("5") == [5]
+
+
+def test_placement_samples_the_thread_it_watches(bench) -> None:
+    """This process's main thread is watched: every sample lands on a CPU this process may run on."""
+    import os
+    import time
+
+    placement = bench.Placement(os.getpid(), None)
+    deadline = time.monotonic() + 5
+    while placement.samples < 3 and time.monotonic() < deadline:
+        sum(range(10_000))
+    got = placement.stop()
+    assert got["samples"] >= 3
+    assert {int(c) for c in got["engine_core_cpus"]} <= os.sched_getaffinity(0)
+    assert sum(got["engine_core_nodes"].values()) == got["samples"]

@@ -10,7 +10,8 @@
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
 #   capture: ROUNDS (default 3), REQUESTS per mode and round (default 1024), PY_SPY (seconds, default 0),
 #          PY_SPY_CORE=1 (the engine core alone, every round: each function's CPU ms per 1k tokens vs chat),
-#          CAPTURE_MODES (default chat,chat-capture,gateway)
+#          CAPTURE_MODES (default chat,chat-capture,gateway), ENGINE_CPUS (vLLM pinned there: a CPU list or
+#          gpu-local; the client and the gateway on the other CPUs), TAG (suffix of capture.json / .log)
 #   env:   LR (loop learning rate, default 3e-3; loop-real 5e-4), ENGINES (vLLM replicas, default 1),
 #          MAX_AHEAD (pipeline's steps ahead, default 1; loop-real 2), CONCURRENCY (groups in flight,
 #          default 16), LOOP_SECONDS (per mode, default 150), UNTIL (target reward, default 0.8);
@@ -62,12 +63,12 @@ for bench in "$@"; do
       python3 "$repo/bench/capture_bench.py" --shape qwen2.5-1.5b --requests "${REQUESTS:-1024}" --concurrency 256 \
           --max-tokens 256 \
           --modes "${CAPTURE_MODES:-chat,chat-capture,gateway}" --rounds "${ROUNDS:-3}" \
-          --py-spy "${PY_SPY:-0}" ${PY_SPY_CORE:+--py-spy-core} --out /root/cb --json "$out/capture.json" \
-          > "$out/capture.log" 2>&1
+          --py-spy "${PY_SPY:-0}" ${PY_SPY_CORE:+--py-spy-core} --engine-cpus "${ENGINE_CPUS:-}" --out /root/cb \
+          --json "$out/capture${TAG:-}.json" > "$out/capture${TAG:-}.log" 2>&1
       for f in /root/cb/py-spy-*.txt; do  # the engine core's per-round profiles stay: capture.json sums them
         case $f in */py-spy-core-*) ;; *) [ -f "$f" ] && cp "$f" "$out/" ;; esac
       done
-      tail -"$([ -n "${PY_SPY_CORE:-}" ] && echo 60 || echo 12)" "$out/capture.log" ;;
+      tail -"$([ -n "${PY_SPY_CORE:-}" ] && echo 60 || echo 12)" "$out/capture${TAG:-}.log" ;;
     sampler-logprob)  # the sampled token's logprob in vLLM's GPU sampler against torch's kernels
       python3 "$repo/bench/sampler_logprob_bench.py" --json "$out/sampler-logprob.json" > "$out/sampler-logprob.log" 2>&1
       tail -4 "$out/sampler-logprob.log" ;;
