@@ -6,7 +6,8 @@ CPU between writes (a gateway's event loop answering requests); a child process 
 producer process's own reader (``broker.frame_pipe.FrameReader``), either sleeping in ``select`` whenever
 the pipe is empty (``idle_s=0``: every write wakes it) or polling while records flow (the default). A
 write that wakes a sleeping reader hints the kernel to run the reader on the writer's CPU, where it can
-preempt the writer. Reported per mode: the writer's time runnable but off-CPU (/proc schedstat) and how
+preempt the writer; a reader under ``SCHED_BATCH`` does not preempt on waking (the kernel leaves batch
+tasks to the tick). Reported per mode: the writer's time runnable but off-CPU (/proc schedstat) and how
 late its writes were against the schedule; the modes alternate ``--rounds`` times, and the summary is
 the ratio of the medians.
 
@@ -26,12 +27,18 @@ import time
 from gateway_bench import run_delay_seconds  # bench/ is on the path when run as a script
 
 from streamrl.broker.frame_pipe import FRAME, FrameReader, enlarge_pipe
+from streamrl.broker.log_producer import background_priority
 
-MODES = {"sleeping reader": 0.0, "polling reader": 1.0}
+MODES = {"sleeping reader": (0.0, False), "polling reader": (1.0, False),
+         "sleeping reader, SCHED_BATCH": (0.0, True), "polling reader, SCHED_BATCH": (1.0, True)}
+"""Each mode: the reader's ``idle_s`` and whether its process runs under ``SCHED_BATCH`` (as the producer
+process does: ``broker.log_producer.background_priority``)."""
 
 
-def _consume(read_fd: int, write_fd: int, idle_s: float) -> None:
+def _consume(read_fd: int, write_fd: int, idle_s: float, batch: bool) -> None:
     os.close(write_fd)
+    if batch:
+        background_priority()
     for _ in FrameReader(read_fd, idle_s=idle_s):
         pass
 
@@ -41,10 +48,11 @@ def _run_delay_s() -> float:
     return run_delay_seconds(os.getpid(), threading.get_native_id())
 
 
-def one_run(idle_s: float, rate: float, seconds: float, frame_bytes: int, work_ms: float) -> dict[str, float]:
+def one_run(idle_s: float, batch: bool, rate: float, seconds: float, frame_bytes: int,
+            work_ms: float) -> dict[str, float]:
     read_fd, write_fd = os.pipe()
     enlarge_pipe(write_fd)
-    child = multiprocessing.get_context("fork").Process(target=_consume, args=(read_fd, write_fd, idle_s))
+    child = multiprocessing.get_context("fork").Process(target=_consume, args=(read_fd, write_fd, idle_s, batch))
     child.start()
     os.close(read_fd)
     payload = b"x" * frame_bytes
@@ -84,8 +92,8 @@ def main() -> None:
     args = p.parse_args()
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     for _ in range(args.rounds):
-        for mode, idle_s in MODES.items():
-            result = one_run(idle_s, args.rate, args.seconds, args.frame_bytes, args.work_ms)
+        for mode, (idle_s, batch) in MODES.items():
+            result = one_run(idle_s, batch, args.rate, args.seconds, args.frame_bytes, args.work_ms)
             runs[mode].append(result)
             print(mode, json.dumps({k: round(v, 2) for k, v in result.items()}), flush=True)
     med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
@@ -94,8 +102,9 @@ def main() -> None:
     for mode, m in med.items():
         print(f"| {mode} | {m['writer_run_delay_ms']:.1f} | "
               f"{m['late_p50_ms']:.2f} / {m['late_p99_ms']:.2f} / {m['late_max_ms']:.2f} |")
-    ratio = med["sleeping reader"]["writer_run_delay_ms"] / max(med["polling reader"]["writer_run_delay_ms"], 1e-3)
-    print(f"\nwriter off-CPU: sleeping reader / polling reader = {ratio:.1f}x")
+    base = med["sleeping reader"]["writer_run_delay_ms"]
+    ratio = {mode: base / max(m["writer_run_delay_ms"], 1e-3) for mode, m in med.items()}
+    print("\nwriter off-CPU, sleeping reader over: " + ", ".join(f"{mode} {r:.1f}x" for mode, r in ratio.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs, "median": med, "ratio": ratio}, f, indent=2)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import pickle
 import threading
+import time
 
 import pytest
 from kafka_reader import TopicReader
@@ -49,6 +51,30 @@ def test_process_producer_delivers_plain_and_deferred_records(broker: EmbeddedBr
     got = reader.wait_for(lambda r: isinstance(r, RewardRecord) and r.trajectory_id.startswith(tag), count=80)
     assert {r.trajectory_id for r in got} == {f"{tag}-plain-{i}" for i in range(50)} | {
         f"{tag}-built-{i}" for i in range(30)}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="Linux scheduling policies")
+def test_producer_process_threads_run_as_batch(broker: EmbeddedBroker) -> None:
+    """Every thread of the producer process (pipe reader, Kafka network and delivery threads) runs under
+    SCHED_BATCH, so none of its wake-ups preempts the server's event loop; the server's own thread does not."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    producer = LogProducer(broker.bootstrap_servers, process=True)
+    try:
+        topic = Topics("log-producer-batch").rewards
+        rec = RewardRecord(trajectory_id="batch-0", reward=1.0)
+        assert producer.offer(topic, b"batch-0", encode(rec))
+        deadline = time.monotonic() + 60
+        while producer.stats.delivered < 1 and time.monotonic() < deadline:  # its Kafka threads are up
+            time.sleep(0.05)
+        assert producer.stats.delivered == 1
+        child = next(p for p in multiprocessing.active_children()
+                     if p.pid not in before and p.name == "streamrl-log-producer")
+        threads = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(threads) > 2
+        assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_BATCH}
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    finally:
+        producer.close()
 
 
 def _pipe_writer(**bounds: int) -> tuple[int, PipeWriter]:
