@@ -336,17 +336,10 @@ class ProcessCpu:
         return out
 
 
-def cpu_list(text: str) -> list[int]:
-    """A kernel CPU list ("0-7,16,18-19") as CPU numbers."""
-    cpus: list[int] = []
-    for part in filter(None, text.strip().split(",")):
-        first, _, last = part.partition("-")
-        cpus.extend(range(int(first), int(last or first) + 1))
-    return cpus
-
-
 def cpu_nodes() -> dict[int, int]:
     """Each CPU's NUMA node (all on node 0 where sysfs has no nodes)."""
+    from gateway_bench import cpu_list
+
     nodes = {}
     for node in Path("/sys/devices/system/node").glob("node[0-9]*"):
         with contextlib.suppress(OSError, ValueError):
@@ -355,26 +348,26 @@ def cpu_nodes() -> dict[int, int]:
     return nodes or dict.fromkeys(range(os.cpu_count() or 1), 0)
 
 
-def gpu_local_cpus() -> list[int]:
-    """The CPUs sysfs names local to the first visible GPU (its PCI device's ``local_cpulist``); [] if unknown."""
+def gpu_local_cpus() -> set[int]:
+    """The CPUs sysfs names local to the first visible GPU (its PCI device's ``local_cpulist``); none if unknown."""
+    from gateway_bench import cpu_list
+
     with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError, IndexError):
         bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True,
                              text=True, timeout=30).stdout.split()[0].lower()
         return cpu_list(Path(f"/sys/bus/pci/devices/{bus[-12:]}/local_cpulist").read_text())
-    return []
+    return set()
 
 
 def topology() -> dict[str, Any]:
     """What the machine's CPUs are, for reading placement: NUMA nodes, SMT siblings, the GPU's local CPUs."""
+    from gateway_bench import smt_siblings
+
     nodes = cpu_nodes()
-    siblings = set()
-    for cpu in nodes:
-        with contextlib.suppress(OSError):
-            siblings.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), "")
     return {"cpus": len(nodes), "nodes": {str(n): sorted(c for c, m in nodes.items() if m == n) for n in set(nodes.values())},
-            "smt_sibling_sets": sorted(siblings)[:64], "gpu_local_cpus": gpu_local_cpus(), "cpu_model": model,
+            "smt_sibling_sets": smt_siblings(), "gpu_local_cpus": sorted(gpu_local_cpus()), "cpu_model": model,
             "affinity": sorted(os.sched_getaffinity(0))}
 
 
@@ -527,7 +520,7 @@ def main() -> int:
     args = p.parse_args()
 
     import httpx
-    from gateway_bench import _stop, _wait_http, children, lag_buckets, lag_summary
+    from gateway_bench import _stop, _wait_http, children, cpu_list, lag_buckets, lag_summary
 
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
@@ -547,8 +540,7 @@ def main() -> int:
                                  extra_args=args.engine_args.split()), log_file=args.out / "engine.log")
     results["topology"] = topology()
     everything = os.sched_getaffinity(0)
-    engine_cpus = set(gpu_local_cpus() if args.engine_cpus == "gpu-local" else cpu_list(args.engine_cpus))
-    engine_cpus &= everything
+    engine_cpus = (gpu_local_cpus() if args.engine_cpus == "gpu-local" else cpu_list(args.engine_cpus)) & everything
     if engine_cpus:  # vLLM's processes inherit it; what starts after the engine gets the rest
         os.sched_setaffinity(0, engine_cpus)
     results["engine_cpus"] = sorted(engine_cpus)

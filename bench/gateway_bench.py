@@ -369,6 +369,23 @@ def host_cpu_counters() -> dict[str, float]:
     return out
 
 
+def cpu_list(text: str) -> set[int]:
+    """``0-3,8`` -> {0, 1, 2, 3, 8} (the kernel's and taskset's list format; sysfs ends it with a newline,
+    and an empty list is no CPUs)."""
+    cpus: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def smt_siblings() -> list[str]:
+    """Each physical core's logical CPUs, as the kernel lists them (``0,8`` where two threads share one)."""
+    lists = {path.read_text().strip() for path in
+             Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology/thread_siblings_list")}
+    return sorted(lists, key=lambda x: min(cpu_list(x)))
+
+
 def counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before[k] for k in after if k in before}
 

@@ -49,8 +49,10 @@ from gateway_bench import (  # bench/ is on the path when run as a script: the s
     _wait_http,
     children,
     closed_loop,
+    cpu_list,
     cpu_seconds,
     gateway_cmd,
+    smt_siblings,
 )
 
 POLICY = "policy"
@@ -77,22 +79,6 @@ def host_busy_cores_s() -> float:
     """CPU seconds the whole host spent busy (all cores, /proc/stat; idle and iowait excluded)."""
     ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_list(text: str) -> set[int]:
-    """``0-3,8`` -> {0, 1, 2, 3, 8} (the kernel's and taskset's list format)."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
-def smt_siblings() -> list[str]:
-    """Each physical core's logical CPUs, as the kernel lists them (``0,8`` where two threads share one)."""
-    lists = {path.read_text().strip() for path in
-             Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology/thread_siblings_list")}
-    return sorted(lists, key=lambda x: min(cpu_list(x)))
 
 
 def throughput(url: str, clients: int, concurrency: int, seconds: float,

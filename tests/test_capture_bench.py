@@ -62,8 +62,10 @@ def test_median_round_keeps_per_round_internals_out(bench) -> None:
 
 def test_cpu_list_reads_the_kernels_format(bench) -> None:
     """sysfs writes ranges and single CPUs, comma-separated, with a newline; an empty list is no CPUs."""
-    assert bench.cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
-    assert bench.cpu_list("") == [] and bench.cpu_list("5") == [5]
+    from gateway_bench import cpu_list  # capture_bench's path puts bench/ first
+
+    assert cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert cpu_list("") == set() and cpu_list("5") == {5}
 
 
 def test_placement_samples_the_thread_it_watches(bench) -> None:
