@@ -15,7 +15,7 @@ import select
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,24 +71,39 @@ class PipeWriter:
     def put(self, item: object, count: int) -> bool:
         """Pickle ``item`` (``count`` records) into a frame; False when the backlog is full (the caller
         counts the drop)."""
-        data = pickle.dumps(item, protocol=5)
-        frame = memoryview(FRAME.pack(len(data)) + data)
+        return self.put_chunks((pickle.dumps(item, protocol=5),), count)
+
+    def put_chunks(self, chunks: Sequence[bytes], count: int) -> bool:
+        """One frame of ``chunks`` joined (``count`` records): written with one ``writev`` when the pipe has
+        room, so the chunks are never joined in this process; False when the backlog is full."""
+        size = sum(map(len, chunks))
+        head = FRAME.pack(size)
         with self.cond:
             if self.closing:
                 return False
             if self.backlog:  # the pipe may have room again: write what waits, not waiting for the drain thread
                 self._flush_backlog()
                 if self.backlog and (self.backlog_items >= self.max_buffered
-                                     or self.backlog_bytes + len(frame) > self.max_buffered_bytes):
+                                     or self.backlog_bytes + FRAME.size + size > self.max_buffered_bytes):
                     return False
+            written = 0
+            if not self.backlog:  # nothing ahead of it: straight into the pipe
+                try:
+                    written = os.writev(self.fd, (head, *chunks))
+                except BlockingIOError:
+                    pass
+                except OSError as exc:  # the child died: nothing will read this
+                    self.lost += count
+                    log.warning("records not handed to the producer process: %s", exc)
+                    return True
+                if written == FRAME.size + size:
+                    return True
+            frame = memoryview(b"".join((head, *chunks)))[written:]  # what the pipe did not take waits
             self.backlog.append((frame, count))
             self.backlog_items += count
             self.backlog_bytes += len(frame)
-            if len(self.backlog) == 1:  # nothing ahead of it: straight into the pipe
-                self._flush_backlog()
-            if self.backlog:  # this frame (what the pipe did not take of it) waits for the drain thread
-                self.waited += count
-                self.cond.notify()
+            self.waited += count
+            self.cond.notify()
         return True
 
     def _flush_backlog(self) -> None:

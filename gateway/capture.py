@@ -286,6 +286,19 @@ def sse_chunks(data: bytes) -> Iterator[dict[str, Any]]:
         yield chunk
 
 
+def engine_parts(ctx: CallContext, total_s: float) -> bytes:
+    """The call's context as the first part of ``encode_engine_parts``: JSON, a fraction of a pickle's cost
+    on the event loop."""
+    return orjson.dumps((ctx, total_s))
+
+
+def encode_engine_parts(context: bytes, body: bytes, capture: bytes) -> list[tuple[bytes | None, bytes]]:
+    """``encode_engine_records`` of a non-streamed call handed over as byte strings (``LogProducer.offer_parts``):
+    the context from ``engine_parts``, vLLM's body and the capture."""
+    fields, total_s = orjson.loads(context)
+    return encode_engine_records(CallContext(**fields), body, capture, total_s)
+
+
 def encode_engine_records(ctx: CallContext, body: bytes | list[tuple[float, bytes]], capture: bytes | None,
                           total_s: float) -> list[tuple[bytes | None, bytes]]:
     """The producer's job for one call served by ``streamrl engine`` (``streamrl/engine_wire.py``): token ids

@@ -30,7 +30,13 @@ from streamrl.engine_wire import (
     frame,
     unframe,
 )
-from streamrl.gateway.capture import CallContext, CaptureError, encode_engine_records
+from streamrl.gateway.capture import (
+    CallContext,
+    CaptureError,
+    encode_engine_parts,
+    encode_engine_records,
+    engine_parts,
+)
 from streamrl.vllm_capture import _CURRENT, _Capture, _OutputProcessorHooks
 from streamrl.vllm_capture_scheduler import TESTED_VERSIONS, version_ok
 
@@ -269,6 +275,21 @@ def test_a_call_without_capture_is_counted_not_recorded() -> None:
               (0.1, b'data: {"error":{"message":"boom"}}\n\n')]
     with pytest.raises(CaptureError, match="error"):  # vLLM's mid-stream error: no record
         encode_engine_records(ctx, stream, capture, 0.1)
+
+
+def test_a_call_handed_over_as_parts_makes_the_same_records() -> None:
+    """The gateway's hand-off of a non-streamed call (context as JSON, body and capture as they came) builds
+    in the producer process exactly the records that the call's objects build."""
+    ctx = CallContext(trajectory_id="t-1", group_id="g", endpoint="chat", model="m", policy_name="p",
+                      policy_version=3, request={"messages": [{"role": "user", "content": "héllo"}], "n": 1},
+                      purpose="eval", key_id="k")
+    body = b'{"id":"x","choices":[{"index":0,"message":{"content":"hi"},"finish_reason":"stop"}]}'
+    capture = encode_capture([np.arange(3, dtype=np.int32)],
+                             [(0, 0, np.arange(2, dtype=np.int32), np.asarray([-0.25, -1.5], np.float32))])
+    records = encode_engine_records(ctx, body, capture, 0.125)
+    assert encode_engine_parts(engine_parts(ctx, 0.125), body, capture) == records
+    with pytest.raises(CaptureError):  # a capture that does not fit the body: no record, as for the objects
+        encode_engine_parts(engine_parts(ctx, 0.125), body.replace(b'"index":0', b'"index":1'), capture)
 
 
 # -- the real vLLM CPU server with the middleware --------------------------------------------------------

@@ -14,7 +14,7 @@ from kafka_reader import TopicReader
 
 from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.frame_pipe import FRAME, FrameReader, PipeWriter
-from streamrl.broker.log_producer import LogProducer
+from streamrl.broker.log_producer import LogProducer, builder_name, decode_item, parts_frame
 from streamrl.broker.schema import RewardRecord, decode, encode
 from streamrl.broker.topics import Topics, create_topics
 
@@ -25,8 +25,58 @@ def _reward_records(tag: str, n: int) -> list[tuple[bytes | None, bytes]]:
             for i in range(n)]
 
 
-def _fails() -> list[tuple[bytes | None, bytes]]:
+def _fails(*_parts: bytes) -> list[tuple[bytes | None, bytes]]:
     raise ValueError("cannot build")
+
+
+def _reward_parts(tag: bytes, rewards: bytes) -> list[tuple[bytes | None, bytes]]:
+    """A builder of parts (``offer_parts``): one reward record per byte of ``rewards``."""
+    return [(f"{tag.decode()}-{i}".encode(), encode(RewardRecord(trajectory_id=f"{tag.decode()}-{i}", reward=float(r))))
+            for i, r in enumerate(rewards)]
+
+
+@pytest.mark.parametrize("process", [True, False], ids=["process", "thread"])
+def test_records_offered_as_parts_are_delivered_or_counted(broker: EmbeddedBroker, process: bool) -> None:
+    """``offer_parts``: byte strings and a module-level builder travel to the producer (process or thread);
+    the records it builds are delivered; a builder that raises counts its records invalid, one that cannot be
+    named is refused at the door."""
+    topics = Topics("log-producer-parts")
+    create_topics(broker.bootstrap_servers, topics, partitions=1)
+    reader = TopicReader(broker.bootstrap_servers, topics.rewards)
+    tag = os.urandom(4).hex()
+    producer = LogProducer(broker.bootstrap_servers, process=process)
+    try:
+        for i in range(20):
+            assert producer.offer_parts(topics.rewards, _reward_parts, (f"{tag}-{i}".encode(), bytes(range(3))), 3)
+        assert producer.offer_parts(topics.rewards, _fails, (b"x" * 100_000,), 2)
+        refused = producer.offer_parts(topics.rewards, lambda *parts: [], (b"x",), 4)
+        assert refused is not process  # a lambda cannot be named in the process's frame; a thread takes it
+    finally:
+        producer.close()
+    stats = producer.stats
+    assert (stats.offered, stats.delivered, stats.undelivered) == (66, 60, 0)
+    assert stats.invalid == (6 if process else 2)
+    got = reader.wait_for(lambda r: isinstance(r, RewardRecord) and r.trajectory_id.startswith(tag), count=60)
+    assert sorted((r.trajectory_id, r.reward) for r in got) == sorted(
+        (f"{tag}-{i}-{j}", float(j)) for i in range(20) for j in range(3))
+
+
+def test_frames_of_parts_decode_and_malformed_ones_are_refused() -> None:
+    """A frame of parts comes out as the topic, the builder bound to the parts, and the record count; a frame
+    cut short, or naming a builder the process cannot import, is a ``ValueError`` (the process counts it)."""
+    parts = (b"tag", bytes([1, 2]))
+    frame = b"".join(parts_frame("t.rewards", builder_name(_reward_parts), parts, 2))
+    topic, key, build, count = decode_item(frame)
+    assert (topic, key, count) == ("t.rewards", None, 2)
+    assert [k for k, _ in build()] == [b"tag-0", b"tag-1"]
+    assert decode_item(pickle.dumps(("t", b"k", b"v", 1), protocol=5)) == ("t", b"k", b"v", 1)
+    with pytest.raises(ValueError, match="parts"):
+        decode_item(frame[:-1])
+    unknown = b"".join(parts_frame("t", "no_such_module_here:build", parts, 2))
+    with pytest.raises(ValueError, match="builder"):
+        decode_item(unknown)
+    with pytest.raises(ValueError, match="module-level"):
+        builder_name(lambda: [])
 
 
 def test_process_producer_delivers_plain_and_deferred_records(broker: EmbeddedBroker) -> None:
