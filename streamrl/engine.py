@@ -47,6 +47,9 @@ class EngineConfig:
     token_capture: bool = True
     """Serve token ids and sampling logprobs to the gateway as arrays (``streamrl/vllm_capture.py``); off, the
     engine is a plain vLLM server and the gateway asks for them in the JSON (half the generation speed)."""
+    pin_lora_memory: bool = False
+    """Let vLLM pin adapters' host copies (its default). Off, they stay pageable: beside a trainer on the same
+    GPU a load then takes 1/5 of the time (``streamrl/vllm_lora_memory.py``)."""
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -75,6 +78,8 @@ class Engine:
         if c.token_capture:
             cmd += ["--middleware", "streamrl.vllm_capture.CaptureMiddleware",
                     "--scheduler-cls", "streamrl.vllm_capture_scheduler.capture_scheduler"]
+        if not c.pin_lora_memory:
+            cmd += ["--worker-extension-cls", "streamrl.vllm_lora_memory.PageableLoRAHostMemory"]
         if c.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
         if c.served_model_name:

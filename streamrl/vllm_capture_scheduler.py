@@ -37,9 +37,9 @@ STEP_KEY = "streamrl_step"
 ``[outputs in the message, {request id: row}, float32 column bytes, rows' starts or None]``."""
 
 
-def version_ok(version: str) -> bool:
-    """Whether ``version`` (``vllm.__version__``, a local suffix such as ``+cpu`` allowed) was tested."""
-    return any(version == v or version.startswith(v + "+") for v in TESTED_VERSIONS)
+def version_ok(version: str, tested: tuple[str, ...] = TESTED_VERSIONS) -> bool:
+    """Whether ``version`` (``vllm.__version__``, a local suffix such as ``+cpu`` allowed) is one of ``tested``."""
+    return any(version == v or version.startswith(v + "+") for v in tested)
 
 
 def attach_step(outputs_by_client: dict[int, Any], batch: Any, req_id_to_index: dict[str, int]) -> None:
