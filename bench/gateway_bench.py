@@ -7,8 +7,11 @@ this load generator. Modes, all in the same run:
 
   direct   client -> stub
   off      client -> gateway (logging off: forwards bytes) -> stub
-  on       client -> gateway (logging on: the client's request with the capture header; the stub answers
-           as ``streamrl engine`` does, vLLM's bytes plus a capture frame; records to Kafka) -> stub
+  on       client -> gateway (logging on: the client's request with the deferred-capture header; the stub
+           answers as ``streamrl engine`` does, vLLM's plain bytes, and queues the capture for the gateway's
+           record producer, which reads it on the stub's capture stream; records to Kafka) -> stub
+  on-framed  as ``on`` with ``--no-deferred-capture``: the stub answers vLLM's bytes plus a capture frame
+           through the gateway's event loop (the path of streamed calls, and of every call before deferral)
   on-json  client -> gateway (logging on, ``--no-token-capture``: asks for ids + logprobs in the JSON, strips
            them, records to Kafka; the path of a plain vLLM upstream) -> stub
   on-dashboard  as ``on``, with ``--dashboard-pages`` dashboard pages open: a child process long-polls
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -114,7 +118,19 @@ def serve_stub(port: int) -> None:
     import uvloop
     from aiohttp import web
 
-    from streamrl.engine_wire import BODY, CAPTURE_HEADER, FORMAT_VERSION, PROBE_PATH, frame
+    from streamrl.engine_wire import (
+        BODY,
+        CAPTURE_HEADER,
+        DEFER_PREFIX,
+        FORMAT_VERSION,
+        HEARTBEAT,
+        PROBE_PATH,
+        STREAM_PATH,
+        deferred_frame,
+        deferred_header,
+        frame,
+    )
+    from streamrl.vllm_capture_outbox import HEARTBEAT_S, Outbox, new_token
 
     bodies = stub_bodies("chat")
     streams = {(a, b): b"".join(stub_stream_events(a, b)) for a in (False, True) for b in (False, True)}
@@ -123,13 +139,25 @@ def serve_stub(port: int) -> None:
     framed_body = frame(BODY, bodies[(False, False)]) + stub_capture(1)
     events = stub_stream_events(False, False)
     framed_stream = b"".join(frame(BODY, e) for e in events[:-1]) + stub_capture(2) + frame(BODY, events[-1])
+    capture = stub_capture(1)[5:]  # the payload of the C frame
+    counts = (1, PROMPT_TOKENS, COMPLETION_TOKENS)
     models = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "parent": None}]})
-    probe = orjson.dumps({"format": FORMAT_VERSION})
+    probe = orjson.dumps({"format": FORMAT_VERSION, "deferred": True})
+    outboxes: dict[str, Outbox] = {}
+    anomalies: collections.Counter[str] = collections.Counter()
 
     async def chat(request: web.Request) -> web.StreamResponse:
         req = orjson.loads(await request.read())
         key = (bool(req.get("logprobs")), bool(req.get("return_token_ids")))
-        framed = CAPTURE_HEADER in request.headers
+        asked = request.headers.get(CAPTURE_HEADER)
+        if asked is not None and asked.startswith(DEFER_PREFIX) and not req.get("stream"):
+            # as streamrl engine answers a deferred request: vLLM's plain bytes, the capture to the outbox
+            token = new_token()
+            box = outboxes.setdefault(asked[len(DEFER_PREFIX):], Outbox())
+            box.put(deferred_frame(token, bodies[(False, False)], capture), anomalies)
+            return web.Response(body=bodies[(False, False)], content_type="application/json",
+                                headers={CAPTURE_HEADER: deferred_header(token, counts)})
+        framed = asked is not None
         headers = {CAPTURE_HEADER: "1"} if framed else {}
         if req.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
@@ -140,6 +168,19 @@ def serve_stub(port: int) -> None:
             return resp
         return web.Response(body=framed_body if framed else bodies[key], content_type="application/json",
                             headers=headers)
+
+    async def capture_stream(request: web.Request) -> web.StreamResponse:
+        box = outboxes.setdefault(request.query["consumer"], Outbox())
+        claim = box.reader = object()
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            while box.reader is claim:
+                if not box.frames:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(box.ready.wait(), HEARTBEAT_S)
+                await resp.write(box.take() if box.frames else frame(HEARTBEAT, b""))
+        return resp
 
     async def lora(_request: web.Request) -> web.Response:  # hot-swap: loads and unloads take no time here
         return web.Response(text="Success")
@@ -158,6 +199,7 @@ def serve_stub(port: int) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get(PROBE_PATH, capture_probe)
+    app.router.add_get(STREAM_PATH, capture_stream)
     app.router.add_post("/v1/load_lora_adapter", lora)
     app.router.add_post("/v1/unload_lora_adapter", lora)
     uvloop.install()
@@ -442,8 +484,8 @@ def children(pid: int) -> list[int]:
 def gateway_cmd(stub_url: str, port: int, bootstrap: str, mode: str) -> list[str]:
     cmd = [sys.executable, "-m", "streamrl.cli", "--log-level", "WARNING", "gateway", "--upstream", stub_url,
            "--bootstrap-servers", bootstrap, "--port", str(port), "--topic-prefix", "bench"]
-    return {"off": [*cmd, "--no-logging"], "on": cmd, "on-json": [*cmd, "--no-token-capture"],
-            "on-dashboard": cmd}[mode]
+    return {"off": [*cmd, "--no-logging"], "on": cmd, "on-framed": [*cmd, "--no-deferred-capture"],
+            "on-json": [*cmd, "--no-token-capture"], "on-dashboard": cmd}[mode]
 
 
 def poll_dashboard(gateway_url: str, pages: int) -> None:
@@ -533,7 +575,7 @@ def vllm_record_sizes(upstream: str, requests: int = 20, max_tokens: int = 256) 
 
 def print_table(results: dict[str, object]) -> None:
     """The figures of docs/benchmarks.md, one row each."""
-    modes = [m for m in ("direct", "off", "on", "on-json", "on-dashboard") if m in results]
+    modes = [m for m in ("direct", "off", "on", "on-framed", "on-json", "on-dashboard") if m in results]
 
     def row(name: str, cell: Callable[[dict[str, object]], str]) -> None:
         cells = []
@@ -672,7 +714,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--stream-rate", type=float, default=20, help="open-loop rate for the streaming run (0: skip)")
-    p.add_argument("--modes", default="direct,off,on,on-json,on-dashboard",
+    p.add_argument("--modes", default="direct,off,on,on-framed,on-json,on-dashboard",
                    help="direct, off and on are always run (the summary's baselines)")
     p.add_argument("--dashboard-pages", type=int, default=2, help="open dashboard pages in the on-dashboard mode")
     p.add_argument("--throughput-rounds", type=int, default=2,
@@ -688,7 +730,7 @@ def main() -> None:
     if args.poll_dashboard:
         poll_dashboard(args.poll_dashboard, args.dashboard_pages)
         return
-    modes = ["direct", "off", "on", *(m for m in ("on-json", "on-dashboard") if m in args.modes.split(","))]
+    modes = ["direct", "off", "on", *(m for m in ("on-framed", "on-json", "on-dashboard") if m in args.modes.split(","))]
 
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
@@ -757,6 +799,8 @@ def main() -> None:
     summary["rps_median"] = {m: float(np.median(v)) for m, v in rounds.items()}
     for mode in (m for m in rounds if m not in ("off", "on")):
         summary[f"{mode}_over_on_throughput_median"] = float(np.median(np.divide(rounds[mode], rounds["on"])))
+    for mode in (m for m in rounds if m not in ("off", "on")):
+        summary[f"{mode}_over_off_throughput_median"] = float(np.median(np.divide(rounds[mode], rounds["off"])))
     summary["on_over_off_throughput_per_round"] = list(np.divide(rounds["on"], rounds["off"]))
     summary["on_over_off_throughput_median"] = float(np.median(summary["on_over_off_throughput_per_round"]))
     if "on-json" in results:

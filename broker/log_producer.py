@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kafka import KafkaProducer
 
@@ -104,6 +104,8 @@ function, named in the frame that carries the parts to the producer process."""
 
 _PARTS = 0x50
 """First byte of a frame of parts (a pickle frame's first byte is the PROTO opcode, 0x80)."""
+_WAITING_PARTS = 0x51
+"""First byte of a frame of parts whose last part is the key of the side input they wait for (``Waiter``)."""
 _PARTS_HEAD = struct.Struct("<BIHHB")
 """A frame of parts: kind, records, topic length, builder name length, number of parts; then each part's
 length (u32), the topic, the builder's ``module:qualname`` and the parts."""
@@ -128,19 +130,61 @@ def _resolve(name: str) -> PartsBuild | None:
         return None
 
 
-def parts_frame(topic: str, name: str, parts: Sequence[bytes], count: int) -> tuple[bytes, ...]:
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """Records that cannot be built before a side input arrives in the producer (``offer_parts(wait_for=...)``):
+    the ``Waiter`` builds them with ``build(*parts, *side_input)`` once it has it."""
+
+    topic: str
+    build: PartsBuild
+    parts: tuple[bytes, ...]
+    count: int
+    key: bytes
+
+
+class Waiter(Protocol):
+    """Joins ``Waiting`` records with side inputs that reach the producer some other way (the gateway's
+    deferred captures: ``gateway/capture_stream.py``). Made in the producer (process or thread) by
+    ``WaiterSpec``; hands finished items to ``deliver`` from any thread, and counts records whose input never
+    came as invalid."""
+
+    def offer(self, waiting: Waiting) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class WaiterSpec:
+    """How the producer makes its ``Waiter``: ``factory`` (``module:qualname``) is called as
+    ``factory(deliver, counts, *args)``; ``args`` must be picklable."""
+
+    factory: str
+    args: tuple[Any, ...] = ()
+
+    def make(self, deliver: Callable[[Item], None], counts: Any) -> Waiter:
+        factory = _resolve(self.factory)
+        if factory is None:
+            raise ValueError(f"no waiter factory {self.factory!r}")
+        return factory(deliver, counts, *self.args)
+
+
+def parts_frame(topic: str, name: str, parts: Sequence[bytes], count: int,
+                wait_for: bytes | None = None) -> tuple[bytes, ...]:
     """The chunks of one frame of parts, to be written as they are (``PipeWriter.put_chunks``)."""
     t, n = topic.encode(), name.encode()
-    head = _PARTS_HEAD.pack(_PARTS, count, len(t), len(n), len(parts))
+    kind = _PARTS
+    if wait_for is not None:
+        kind, parts = _WAITING_PARTS, (*parts, wait_for)
+    head = _PARTS_HEAD.pack(kind, count, len(t), len(n), len(parts))
     return (head + b"".join(_PART_LEN.pack(len(x)) for x in parts) + t + n, *parts)
 
 
-def decode_item(data: bytes) -> Item:
+def decode_item(data: bytes) -> Item | Waiting:
     """A frame from the server: a pickled item, or parts with the builder that turns them into records.
     ``ValueError`` (or a pickle error) for a frame that is neither."""
-    if data[:1] != bytes((_PARTS,)):
+    if data[:1] not in (bytes((_PARTS,)), bytes((_WAITING_PARTS,))):
         return pickle.loads(data)
-    _, count, topic_len, name_len, n = _PARTS_HEAD.unpack_from(data)
+    kind, count, topic_len, name_len, n = _PARTS_HEAD.unpack_from(data)
     sizes = struct.unpack_from(f"<{n}I", data, _PARTS_HEAD.size)
     pos = _PARTS_HEAD.size + _PART_LEN.size * n
     topic = data[pos:pos + topic_len].decode()
@@ -155,6 +199,8 @@ def decode_item(data: bytes) -> Item:
     for size in sizes:
         parts.append(data[pos:pos + size])
         pos += size
+    if kind == _WAITING_PARTS:
+        return Waiting(topic, build, tuple(parts[:-1]), count, parts[-1])
     return topic, None, functools.partial(build, *parts), count
 
 
@@ -202,13 +248,27 @@ class SenderConfig:
 
 class _Sender:
     """Builds deferred records and hands them to the ``Delivery`` (Kafka, or the spool), which counts
-    outcomes into ``counts`` (a plain list in a thread, shared memory in a child process)."""
+    outcomes into ``counts`` (a plain list in a thread, shared memory in a child process); ``Waiting`` records
+    go to the ``Waiter``, which hands them back here (from its own threads: one lock for the delivery)."""
 
-    def __init__(self, config: SenderConfig, counts: Any) -> None:
+    def __init__(self, config: SenderConfig, counts: Any, waiter: WaiterSpec | None = None) -> None:
         self.config, self.counts = config, counts
         self.delivery = config.delivery(counts, "completions")
+        self.lock = threading.Lock()
+        self.waiter = waiter.make(self.handle, counts) if waiter is not None else None
 
-    def handle(self, item: Item) -> None:
+    def handle(self, item: Item | Waiting) -> None:
+        if isinstance(item, Waiting):
+            if self.waiter is None:
+                self.counts[INVALID] += item.count
+                log.warning("records waiting for a side input, but this producer has no waiter")
+            else:
+                self.waiter.offer(item)
+            return
+        with self.lock:
+            self._handle(item)
+
+    def _handle(self, item: Item) -> None:
         topic, key, value, count = item
         if callable(value):
             try:
@@ -222,6 +282,8 @@ class _Sender:
         self.delivery.put_many([(topic, k, v) for k, v in pairs])
 
     def close(self) -> None:
+        if self.waiter is not None:
+            self.waiter.close()  # what it still holds is delivered (or counted) first
         self.delivery.close(self.config.send_timeout_ms / 1000)
 
 
@@ -260,7 +322,7 @@ def background_priority() -> bool:
     return True
 
 
-def _child_main(conn: Any, config: SenderConfig, counts: Any) -> None:
+def _child_main(conn: Any, config: SenderConfig, counts: Any, waiter: WaiterSpec | None = None) -> None:
     """The producer process: receives pickled items until an empty frame, then flushes and exits."""
     # The parent decides when to stop: a Ctrl-C or a SIGTERM sent to the whole process group must not
     # lose what is buffered here. The pipe closing (the parent gone) ends this loop too.
@@ -268,7 +330,7 @@ def _child_main(conn: Any, config: SenderConfig, counts: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     background_priority()  # before any thread starts: they inherit it
     _collect_rarely()
-    sender = _Sender(config, counts)
+    sender = _Sender(config, counts, waiter)
     try:
         for data in FrameReader(conn.fileno()):
             try:
@@ -295,7 +357,7 @@ class LogProducer:
                  compression: str | None = DEFAULT_COMPRESSION, send_timeout_ms: int = 10_000,
                  client_id: str = "streamrl-gateway", process: bool = False, spool_dir: str | Path | None = None,
                  spool_max_bytes: int = 1 << 30, spool_after_ms: int = 2_000,
-                 security: KafkaSecurity = PLAINTEXT) -> None:
+                 security: KafkaSecurity = PLAINTEXT, waiter: WaiterSpec | None = None) -> None:
         self.bootstrap_servers, self.security = bootstrap_servers, security
         self.config = config = SenderConfig(bootstrap_servers, compression, send_timeout_ms, client_id,
                                             None if spool_dir is None else str(spool_dir), spool_max_bytes,
@@ -306,19 +368,19 @@ class LogProducer:
         self._process = None
         self._pipe: PipeWriter | None = None
         self._builders: dict[PartsBuild, str] = {}
-        self._queue: queue.Queue[Item | None] = queue.Queue(max_buffered)
+        self._queue: queue.Queue[Item | Waiting | None] = queue.Queue(max_buffered)
         if process:
             ctx = multiprocessing.get_context("spawn")
             self._counts: Any = ctx.Array("q", NCOUNTS, lock=False)
             reader, writer = ctx.Pipe(duplex=False)
             self._process = ctx.Process(target=_child_main, name="streamrl-log-producer", daemon=True,
-                                        args=(reader, config, self._counts))
+                                        args=(reader, config, self._counts, waiter))
             self._process.start()
             reader.close()
             self._pipe = PipeWriter(writer, max_buffered, max_buffered_bytes)
         else:
             self._counts = [0] * NCOUNTS
-            self._sender = _Sender(config, self._counts)
+            self._sender = _Sender(config, self._counts, waiter)
             self._thread = threading.Thread(target=self._run, name="streamrl-log-producer", daemon=True)
             self._thread.start()
 
@@ -338,12 +400,17 @@ class LogProducer:
         If ``build`` raises, none of them is sent and all are counted as invalid."""
         return self._put((topic, None, build, count))
 
-    def offer_parts(self, topic: str, build: PartsBuild, parts: Sequence[bytes], count: int) -> bool:
+    def offer_parts(self, topic: str, build: PartsBuild, parts: Sequence[bytes], count: int,
+                    wait_for: bytes | None = None) -> bool:
         """Queue ``count`` records that ``build(*parts)`` makes later, off the caller's thread, like
         ``offer_deferred``; the parts travel to the producer process as they are, beside the builder's name,
         which costs the caller a fraction of pickling them (a gateway call's body and capture: 14 KB).
-        ``build`` must be a module-level function; if it raises, the records are counted as invalid."""
+        ``build`` must be a module-level function; if it raises, the records are counted as invalid.
+        With ``wait_for``, the producer's ``Waiter`` builds them once the side input of that key is in
+        (``build(*parts, *side_input)``)."""
         if self._pipe is None:
+            if wait_for is not None:
+                return self._put(Waiting(topic, build, tuple(parts), count, wait_for))  # type: ignore[arg-type]
             return self._put((topic, None, functools.partial(build, *parts), count))
         self._offered += count
         try:
@@ -352,13 +419,13 @@ class LogProducer:
             self._unsendable += count
             log.warning("records not handed to the producer process: %s", exc)
             return False
-        if not self._pipe.put_chunks(parts_frame(topic, name, parts, count), count):
+        if not self._pipe.put_chunks(parts_frame(topic, name, parts, count, wait_for), count):
             self._dropped += count
             return False
         return True
 
-    def _put(self, item: Item) -> bool:
-        n = item[3]
+    def _put(self, item: Item | Waiting) -> bool:
+        n = item.count if isinstance(item, Waiting) else item[3]
         self._offered += n
         if self._pipe is not None:
             try:

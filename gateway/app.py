@@ -24,10 +24,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from streamrl.broker.delivery import FAILED, NCOUNTS, Delivery
-from streamrl.broker.log_producer import LogProducer, ProducerStats
+from streamrl.broker.log_producer import LogProducer, ProducerStats, WaiterSpec
 from streamrl.broker.topics import Topics
 
 from .auth import AuthMiddleware, check_bind, has_scope, load_keys, request_key
+from .capture_stream import deferred_captures
 from .config import GatewayConfig
 from .coordination import Coordination, default_gateway_id
 from .dashboard import Dashboard
@@ -60,7 +61,7 @@ class Gateway:
         self.metrics.info.labels(self.gateway_id).set(1)
         self.pool = UpstreamPool(config.upstreams, interval_s=config.health_interval_s,
                                  timeout_s=config.health_timeout_s, eject_after=config.health_failures_to_eject,
-                                 token_capture=config.token_capture)
+                                 token_capture=config.token_capture, deferred_capture=config.deferred_capture)
         self.router = PolicyRouter(config.policy_name, self.pool)
         self.producer: LogProducer | None = None
         self.reward_counts = [0] * NCOUNTS
@@ -94,11 +95,17 @@ class Gateway:
         self.fresh_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                                    auto_decompress=False, skip_auto_headers=("User-Agent",))
         if c.bootstrap_servers is not None:
+            waiter = None
+            if c.token_capture and c.deferred_capture:  # the producer reads the engines' capture streams
+                consumer = os.urandom(8).hex()
+                waiter = WaiterSpec(f"{deferred_captures.__module__}:{deferred_captures.__qualname__}",
+                                    (consumer, dict(c.extra_headers), c.deferred_capture_wait_s))
+                self.proxy.defer_to(consumer)
             self.producer = LogProducer(c.bootstrap_servers, max_buffered=c.max_buffered_records,
                                         max_buffered_bytes=c.max_buffered_bytes,
                                         send_timeout_ms=c.producer_send_timeout_ms, process=c.producer_process,
                                         spool_dir=c.spool_path, spool_max_bytes=c.spool_max_bytes,
-                                        spool_after_ms=c.spool_after_ms, security=c.kafka)
+                                        spool_after_ms=c.spool_after_ms, security=c.kafka, waiter=waiter)
             self.reward_delivery = self.producer.config.delivery(self.reward_counts, "rewards", linger_ms=0)
         self.proxy.producer = self.producer
         self.proxy.session = self.session

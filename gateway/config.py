@@ -67,6 +67,11 @@ class GatewayConfig:
     token_capture: bool = True
     """Take token ids and logprobs from the capture frame of upstreams that offer it (``streamrl engine``);
     off, every upstream is asked for them in its JSON, as a plain vLLM is."""
+    deferred_capture: bool = True
+    """Non-streamed calls to upstreams that offer it: their captures come to the record producer on the
+    upstream's capture stream, not through the event loop in the answer (``gateway/capture_stream.py``)."""
+    deferred_capture_wait_s: float = 30.0
+    """How long a call's record waits in the producer for its deferred capture before it is counted invalid."""
     record_request: bool = True
     """Keep the request (messages/prompt, tools, sampling params) in each record for inspection."""
     load_retry_s: float = 1.0

@@ -27,7 +27,16 @@ from starlette.types import Receive, Scope, Send
 
 from streamrl.broker.log_producer import LogProducer
 from streamrl.broker.schema import RecordError, check_id, check_purpose
-from streamrl.engine_wire import BODY, CAPTURE_HEADER, FrameSplitter, WireError, capture_counts, unframe
+from streamrl.engine_wire import (
+    BODY,
+    CAPTURE_HEADER,
+    DEFER_PREFIX,
+    FrameSplitter,
+    WireError,
+    capture_counts,
+    parse_deferred_header,
+    unframe,
+)
 
 from .auth import KEY_STATE, PINNED_VERSION_SCOPE
 from .capture import (
@@ -39,6 +48,7 @@ from .capture import (
     engine_parts,
     usage_tokens,
 )
+from .capture_stream import wait_key
 from .config import GatewayConfig
 from .dashboard import Dashboard
 from .metrics import GatewayMetrics
@@ -134,8 +144,8 @@ def header_value(text: str) -> str:
 class _Call:
     """One request's state while it is forwarded."""
 
-    __slots__ = ("ctx", "endpoint", "engine_capture", "headers", "lease", "one_choice", "record", "strip_ids",
-                 "strip_logprobs", "upstream")
+    __slots__ = ("ctx", "deferred", "endpoint", "engine_capture", "headers", "lease", "one_choice", "record",
+                 "strip_ids", "strip_logprobs", "upstream")
 
     def __init__(self, endpoint: Endpoint, ctx: CallContext, lease: Lease, record: bool, one_choice: bool = False) -> None:
         self.endpoint = endpoint
@@ -146,6 +156,8 @@ class _Call:
         """Plain-vLLM path: what the gateway asked for in the JSON on its own behalf, to set back to null."""
         self.engine_capture = False
         """The upstream hands the tokens over in a capture frame (``streamrl/engine_wire.py``)."""
+        self.deferred = False
+        """... or, asked to, on its capture stream to the record producer (``capture_stream.py``)."""
         self.upstream: Upstream | None = None
         self.headers = {"X-Request-Id": ctx.request_id, "X-Trajectory-Id": header_value(ctx.trajectory_id)}
         if ctx.group_id is not None:
@@ -244,11 +256,18 @@ class Proxy:
                                               sock_read=config.upstream_timeout_s)
         self._upstream_headers = {"Content-Type": JSON, **config.extra_headers}
         self._capture_headers = {**self._upstream_headers, CAPTURE_HEADER: "1"}
+        self._deferred_headers: dict[str, str] | None = None
+        """With ``defer_to``: the capture header asking for deferred capture."""
         self._fallback_logged = False
         self.dashboard: Dashboard | None = None
         """Told which version served each logged call of the policy name (``dashboard.py``)."""
         self._late_captures: set[asyncio.Task[None]] = set()
         """``_late_capture`` tasks in progress (the loop keeps only weak references to tasks)."""
+
+    def defer_to(self, consumer: str) -> None:
+        """Ask upstreams that offer it to queue non-streamed calls' captures for ``consumer``, the record
+        producer's id on their capture streams (``gateway/capture_stream.py``)."""
+        self._deferred_headers = {**self._upstream_headers, CAPTURE_HEADER: DEFER_PREFIX + consumer}
 
     async def finish_late_captures(self, timeout_s: float) -> None:
         """At shutdown, before the producer closes: give streams still reading on to their capture frame
@@ -305,7 +324,7 @@ class Proxy:
             lease.release()
         return response
 
-    async def _connect(self, call: _Call, payload: _Payload) -> aiohttp.ClientResponse | Response:
+    async def _connect(self, call: _Call, payload: _Payload, stream: bool) -> aiohttp.ClientResponse | Response:
         """Send to the least-busy upstream; on a failure before any response byte, try another."""
         assert self.session is not None
         model = call.lease.engine_model
@@ -319,8 +338,11 @@ class Proxy:
             session = self.fresh_session if hung_up and self.fresh_session is not None else self.session
             try:
                 data = payload.for_upstream(up)
+                call.deferred = (call.engine_capture and up.deferred_capture and not stream
+                                 and self._deferred_headers is not None)
                 resp = await session.post(up.url + call.endpoint.route, data=data, timeout=self._timeout,
-                                          headers=self._capture_headers if call.engine_capture
+                                          headers=self._deferred_headers if call.deferred  # type: ignore[arg-type]
+                                          else self._capture_headers if call.engine_capture
                                           else self._upstream_headers)
             except aiohttp.ClientConnectorError as exc:
                 up.in_flight -= 1
@@ -352,7 +374,7 @@ class Proxy:
             call.upstream = None
 
     async def _forward(self, call: _Call, payload: _Payload, stream: bool) -> Response:
-        resp = await self._connect(call, payload)
+        resp = await self._connect(call, payload, stream)
         if isinstance(resp, Response):
             return resp
         if stream and resp.status == 200:
@@ -383,8 +405,13 @@ class Proxy:
         return Response(out.body, 200, headers=call.headers, media_type=content_type)
 
     def _engine_body(self, call: _Call, resp: aiohttp.ClientResponse, raw: bytes, content_type: str) -> Response:
-        """A non-streamed answer of ``streamrl engine``: vLLM's bytes to the client, the capture to the record."""
-        if resp.headers.get(CAPTURE_HEADER) != "1":  # not framed after all (e.g. restarted as a plain vLLM)
+        """A non-streamed answer of ``streamrl engine``: vLLM's bytes to the client, the capture to the record
+        (framed in the answer, or deferred: then the producer joins it with the context sent here)."""
+        said = resp.headers.get(CAPTURE_HEADER)
+        if call.deferred and said != "1":
+            self._emit_deferred(call, raw, said)
+            return Response(raw, 200, headers=call.headers, media_type=content_type)
+        if said != "1":  # not framed after all (e.g. restarted as a plain vLLM)
             self._emit_engine(call, raw, None)
             return Response(raw, 200, headers=call.headers, media_type=content_type)
         try:
@@ -413,6 +440,19 @@ class Proxy:
         else:
             self.producer.offer_deferred(self.topic, functools.partial(encode_engine_records, call.ctx, body, capture,
                                                                        total_s), max(count, 1))
+
+    def _emit_deferred(self, call: _Call, raw: bytes, said: str | None) -> None:
+        """Hand the producer only the call's context, waiting there for the capture the answer names: the event
+        loop moves vLLM's bytes as with logging off. An answer that names none is counted invalid there."""
+        named = parse_deferred_header(said) if said is not None else None
+        if named is None:
+            self._emit_engine(call, raw, None)
+            return
+        token, (count, prompt, completion) = named
+        total_s = self._count_call(call, (prompt, completion))
+        if total_s is not None:
+            self.producer.offer_parts(self.topic, encode_engine_parts, (engine_parts(call.ctx, total_s),),
+                                      max(count, 1), wait_for=wait_key(call.ctx.upstream, token))
 
     def _log_fallback(self, reason: str) -> None:
         """The first body that the byte-level strip could not take is logged (e.g. another vLLM version's

@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 class Upstream:
     """One vLLM server as the gateway sees it."""
 
-    __slots__ = ("adapters", "base_models", "failed_checks", "healthy", "in_flight", "last_check", "last_error",
-                 "model_cards", "models", "token_capture", "url")
+    __slots__ = ("adapters", "base_models", "deferred_capture", "failed_checks", "healthy", "in_flight", "last_check",
+                 "last_error", "model_cards", "models", "token_capture", "url")
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -47,6 +47,8 @@ class Upstream:
         self.token_capture: bool | None = None
         """Whether it hands over tokens as arrays (``streamrl engine``) or only in its JSON (a plain vLLM);
         asked each time it comes into rotation, ``None`` until then."""
+        self.deferred_capture = False
+        """It queues non-streamed calls' captures for the record producer's stream (probe: ``deferred``)."""
 
     def serves(self, model: str) -> bool:
         return model in self.adapters or model in self.models
@@ -54,15 +56,18 @@ class Upstream:
     def state(self) -> dict[str, Any]:
         return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
                 "models": self.base_models, "adapters": sorted(self.adapters), "last_error": self.last_error,
-                "token_capture": None if self.token_capture is None else "engine" if self.token_capture else "json"}
+                "token_capture": None if self.token_capture is None else "json" if not self.token_capture
+                else "engine, deferred" if self.deferred_capture else "engine"}
 
 
 class UpstreamPool:
     def __init__(self, urls: tuple[str, ...], *, interval_s: float = 1.0, timeout_s: float = 2.0,
-                 eject_after: int = 2, token_capture: bool = True) -> None:
+                 eject_after: int = 2, token_capture: bool = True, deferred_capture: bool = True) -> None:
         self.upstreams = [Upstream(u) for u in urls]
         self.token_capture = token_capture
         """Ask each upstream whether it offers the engine's token capture (off: always the JSON path)."""
+        self.deferred_capture = deferred_capture
+        """Use deferred capture where an upstream offers it (``GatewayConfig.deferred_capture``)."""
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.eject_after = eject_after
@@ -148,10 +153,12 @@ class UpstreamPool:
                     raise RuntimeError(f"/v1/models returned {r.status}")
                 cards = orjson.loads(await r.read())["data"]
             if not was_healthy:
-                capture = False
+                capture = deferred = False
                 if self.token_capture:
                     async with self._session.get(f"{up.url}{PROBE_PATH}", timeout=timeout) as r:
-                        capture = r.status == 200 and orjson.loads(await r.read()).get("format") == FORMAT_VERSION
+                        probe = orjson.loads(await r.read()) if r.status == 200 else {}
+                        capture = probe.get("format") == FORMAT_VERSION
+                        deferred = capture and self.deferred_capture and probe.get("deferred") is True
         except Exception as exc:
             up.failed_checks += 1
             error = f"{type(exc).__name__}: {exc}"
@@ -172,9 +179,10 @@ class UpstreamPool:
         up.last_error = ""
         if not was_healthy:
             up.adapters &= up.models  # it may have restarted and lost what the gateway loaded
-            up.token_capture = capture
+            up.token_capture, up.deferred_capture = capture, deferred
             log.info("upstream %s in rotation (models %s; tokens %s)", up.url, up.base_models,
-                     "as arrays from the engine" if capture else "from its JSON (plain vLLM path)")
+                     "as arrays from the engine" + (", deferred" if deferred else "") if capture
+                     else "from its JSON (plain vLLM path)")
             up.healthy = True
             for callback in self.on_recovered:
                 callback(up)

@@ -25,10 +25,23 @@ Capture payload (little-endian)::
                                        N x int32 sampled token ids, N x float32 sampling logprobs
 
 8 bytes per sampled token plus 4 per prompt token once per prompt: no JSON, no base64.
+
+**Deferred capture** (non-streamed answers; the probe says ``"deferred": true``). A gateway that logs through
+a record-producer process of its own need not carry the capture (and a copy of the body) through its event
+loop at all: it asks with ``X-Streamrl-Capture: defer=<consumer>`` (``consumer``: its producer process's id,
+``[A-Za-z0-9_-]``, at most 64 characters). The engine then answers exactly as vLLM does (same headers, same
+body, unframed) plus ``X-Streamrl-Capture: deferred <token> <choices> <prompt tokens> <completion tokens>``
+(``none`` instead when it has no capture to give), and queues a ``D`` frame for the consumer, which reads
+them on a long-lived ``GET /streamrl/capture/stream?consumer=<consumer>`` (one reader per consumer; a new one
+replaces the old). ``D`` payload: u16 token length, the token (ASCII), u32 body length, vLLM's body, the
+capture payload. While nothing is queued the stream sends an empty ``H`` frame every few seconds, so that a
+reader sees a dead connection. A streamed answer, or an engine with several API server processes (the
+stream could reach another process than the answer), is framed as above and says ``1``.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 
@@ -41,6 +54,14 @@ CAPTURE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions
 
 BODY = b"B"
 CAPTURE = b"C"
+DEFERRED = b"D"
+HEARTBEAT = b"H"
+STREAM_PATH = "/streamrl/capture/stream"
+DEFER_PREFIX = "defer="
+DEFERRED_ANSWER = "deferred"
+NO_CAPTURE = "none"
+_CONSUMER = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_U16 = struct.Struct("<H")
 _FRAME = struct.Struct("<cI")
 _U32 = struct.Struct("<I")
 _CHOICE = struct.Struct("<III")
@@ -120,7 +141,7 @@ def _decode_capture(buf: memoryview) -> list[ChoiceTokens]:
     return out
 
 
-def _split(buf: bytes | bytearray) -> tuple[list[tuple[bytes, bytes]], int]:
+def _split(buf: bytes | bytearray, kinds: tuple[bytes, ...] = (BODY, CAPTURE)) -> tuple[list[tuple[bytes, bytes]], int]:
     """The whole frames at the start of ``buf`` (each payload copied once) and where the rest begins."""
     view = memoryview(buf)
     frames = []
@@ -128,7 +149,7 @@ def _split(buf: bytes | bytearray) -> tuple[list[tuple[bytes, bytes]], int]:
     try:
         while size - pos >= _FRAME.size:
             kind, length = _FRAME.unpack_from(buf, pos)
-            if kind not in (BODY, CAPTURE):
+            if kind not in kinds:
                 raise WireError(f"unknown frame kind {kind!r}")
             end = pos + _FRAME.size + length
             if end > size:
@@ -141,17 +162,19 @@ def _split(buf: bytes | bytearray) -> tuple[list[tuple[bytes, bytes]], int]:
 
 
 class FrameSplitter:
-    """Cuts a framed body, fed in whatever chunks the connection delivers, into (kind, payload) frames."""
+    """Cuts a framed body, fed in whatever chunks the connection delivers, into (kind, payload) frames:
+    an answer's ``B`` and ``C`` frames, or (``stream=True``) a capture stream's ``D`` and ``H`` frames."""
 
-    __slots__ = ("_buffer",)
+    __slots__ = ("_buffer", "_kinds")
 
-    def __init__(self) -> None:
+    def __init__(self, stream: bool = False) -> None:
         self._buffer = bytearray()
+        self._kinds = (DEFERRED, HEARTBEAT) if stream else (BODY, CAPTURE)
 
     def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
         buf = self._buffer
         buf += data
-        frames, pos = _split(buf)
+        frames, pos = _split(buf, self._kinds)
         if pos:
             del buf[:pos]
         return frames
@@ -200,3 +223,45 @@ def capture_counts(payload: bytes) -> tuple[int, int, int]:
     if pos != len(payload):
         raise WireError("capture lengths do not add up")
     return n_choices, prompt, completion
+
+
+def valid_consumer(consumer: str) -> bool:
+    return _CONSUMER.fullmatch(consumer) is not None
+
+
+def deferred_header(token: str, counts: tuple[int, int, int]) -> str:
+    """The answer's ``X-Streamrl-Capture`` value for a capture queued under ``token``."""
+    return f"{DEFERRED_ANSWER} {token} {counts[0]} {counts[1]} {counts[2]}"
+
+
+def parse_deferred_header(value: str) -> tuple[str, tuple[int, int, int]] | None:
+    """(token, (choices, prompt tokens, completion tokens)) of a ``deferred`` answer's header; ``None`` for
+    ``none`` or anything malformed (the gateway counts the call invalid)."""
+    parts = value.split(" ")
+    if len(parts) != 5 or parts[0] != DEFERRED_ANSWER:
+        return None
+    try:
+        counts = (int(parts[2]), int(parts[3]), int(parts[4]))
+    except ValueError:
+        return None
+    return parts[1], counts
+
+
+def deferred_frame(token: str, body: bytes, capture: bytes) -> bytes:
+    """A ``D`` frame: the token, vLLM's body and the capture payload."""
+    t = token.encode("ascii")
+    return frame(DEFERRED, b"".join((_U16.pack(len(t)), t, _U32.pack(len(body)), body, capture)))
+
+
+def decode_deferred(payload: bytes) -> tuple[str, bytes, bytes]:
+    """(token, body, capture payload) of a ``D`` frame's payload; ``WireError`` if malformed."""
+    try:
+        (n,) = _U16.unpack_from(payload, 0)
+        token = payload[2:2 + n].decode("ascii")
+        (size,) = _U32.unpack_from(payload, 2 + n)
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise WireError(f"malformed deferred frame: {exc}") from None
+    start = 6 + n
+    if len(token) != n or start + size > len(payload):
+        raise WireError("deferred frame cut off")
+    return token, payload[start:start + size], payload[start + size:]

@@ -32,6 +32,7 @@ import collections
 import contextvars
 import itertools
 import logging
+import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -43,11 +44,19 @@ from streamrl.engine_wire import (
     CAPTURE,
     CAPTURE_HEADER,
     CAPTURE_PATHS,
+    DEFER_PREFIX,
     FORMAT_VERSION,
+    NO_CAPTURE,
     PROBE_PATH,
+    STREAM_PATH,
+    WireError,
+    capture_counts,
+    deferred_header,
     encode_capture,
     frame,
+    valid_consumer,
 )
+from streamrl.vllm_capture_outbox import Outboxes, new_token
 from streamrl.vllm_capture_scheduler import MARK, STEP_KEY, TESTED_VERSIONS, version_ok
 
 log = logging.getLogger("vllm.streamrl_capture")
@@ -59,7 +68,7 @@ ANOMALIES: collections.Counter[str] = collections.Counter()
 ``no_choice`` (no request of the call reached the output processor in its context) or ``cut_off`` (the
 answer ended before its last body), or ``client_gone`` (the gateway hung up first, e.g. killed: not a
 fault); sent with ``unfinished`` choices; ``not_encoded``; ``not_in_step``: an output whose request the
-step's column does not list): served to the gateway's probe (``GET /streamrl/capture``) so that a soak or a test can
+step's column does not list; ``deferred_dropped``: a deferred capture its consumer never read): served to the gateway's probe (``GET /streamrl/capture``) so that a soak or a test can
 ask, whatever the logging set-up."""
 
 
@@ -69,6 +78,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _HEADER_KEY = CAPTURE_HEADER.lower().encode()
+_CONTENT_TYPE = b"content-type"
+OUTBOXES = Outboxes(ANOMALIES)
+"""Deferred captures waiting for their consumers' streams (``streamrl/vllm_capture_outbox.py``)."""
 _DONE = b"data: [DONE]\n\n"
 _CURRENT: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("streamrl_capture", default=None)
 """The capture of the HTTP request being served; read where vLLM adds the request's engine requests."""
@@ -267,23 +279,32 @@ def install(engine_client: Any) -> _OutputProcessorHooks | str:
 
 
 class CaptureMiddleware:
-    """Pure ASGI middleware (vLLM's ``--middleware``): the probe, and framed responses for marked requests."""
+    """Pure ASGI middleware (vLLM's ``--middleware``): the probe, the deferred captures' stream, and framed or
+    deferred answers for marked requests."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
         self._hooks: _OutputProcessorHooks | str | None = None
+        self.defers = False
+        """Deferred capture is offered: this is vLLM's only API server process (a consumer's stream would
+        otherwise reach one process while its answers come from others)."""
+        self.api_keys: list[str] = []
+        """vLLM's API keys (``--api-key``, ``VLLM_API_KEY``): the capture stream asks for one too."""
 
     def hooks(self, scope: Scope) -> _OutputProcessorHooks | str:
         """Installed on the first request that needs them (the engine client exists by then)."""
         if self._hooks is None:
-            engine_client = getattr(scope["app"].state, "engine_client", None)
+            state = scope["app"].state
+            engine_client = getattr(state, "engine_client", None)
             if engine_client is None:
                 return "no engine client yet"  # asked again on the next request
             self._hooks = install(engine_client)
             if isinstance(self._hooks, str):
                 log.warning("streamrl token capture off: %s", self._hooks)
             else:
-                log.info("streamrl token capture on (format %d)", FORMAT_VERSION)
+                self.defers, self.api_keys = _server_settings(state)
+                log.info("streamrl token capture on (format %d; deferred captures %s)", FORMAT_VERSION,
+                         "offered" if self.defers else "not offered: several API server processes")
         return self._hooks
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -293,14 +314,22 @@ class CaptureMiddleware:
         if path == PROBE_PATH:
             return await self._probe(scope, send)
         endpoint = CAPTURE_PATHS.get(path)
-        if endpoint is None or not any(k == _HEADER_KEY for k, _ in scope["headers"]):
+        if endpoint is None:
+            if path == STREAM_PATH and not isinstance(self.hooks(scope), str) and self.defers:
+                return await OUTBOXES.serve_stream(scope, receive, send, self.api_keys)
+            return await self.app(scope, receive, send)
+        asked = next((v for k, v in scope["headers"] if k == _HEADER_KEY), None)
+        if asked is None:
             return await self.app(scope, receive, send)
         hooks = self.hooks(scope)
         if isinstance(hooks, str):
             return await self.app(scope, receive, send)
         capture = _Capture(endpoint)
         token = _CURRENT.set(capture)
-        framed_send = _FramedSend(send, capture)
+        consumer = asked[len(DEFER_PREFIX):].decode("latin-1") if asked.startswith(DEFER_PREFIX.encode()) else ""
+        wrapped: _FramedSend | _DeferredSend = (_DeferredSend(send, capture, consumer)
+                                                if self.defers and valid_consumer(consumer)
+                                                else _FramedSend(send, capture))
         gone = False
 
         async def watched_receive() -> Message:
@@ -310,11 +339,11 @@ class CaptureMiddleware:
             return message
 
         try:
-            await self.app(scope, watched_receive, framed_send)
+            await self.app(scope, watched_receive, wrapped)
         finally:
             _CURRENT.reset(token)
             hooks.forget(capture)
-            if framed_send.framed and not framed_send.sent:
+            if wrapped.framed and not wrapped.sent:
                 if gone:  # the gateway hung up (e.g. it was killed): nobody is left to record the call
                     ANOMALIES["client_gone"] += 1
                 else:  # the gateway counts the call invalid
@@ -330,13 +359,26 @@ class CaptureMiddleware:
         if isinstance(hooks, str):
             status, body = 404, {"error": {"message": f"token capture off: {hooks}", "code": 404}}
         else:
-            status, body = 200, {"format": FORMAT_VERSION, "vllm": vllm.__version__,
+            status, body = 200, {"format": FORMAT_VERSION, "vllm": vllm.__version__, "deferred": self.defers,
                                  "logprob_steps": {"column": hooks.column_steps, "arrays": hooks.array_steps},
-                                 "anomalies": dict(ANOMALIES)}
+                                 "outboxes": OUTBOXES.state(), "anomalies": dict(ANOMALIES)}
         raw = orjson.dumps(body)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
         await send({"type": "http.response.body", "body": raw})
+
+
+def _server_settings(state: Any) -> tuple[bool, list[str]]:
+    """(whether this is vLLM's only API server process, its API keys), from the app state vLLM 0.26 and 0.32
+    keep (``vllm_config``, ``args``)."""
+    parallel = getattr(getattr(state, "vllm_config", None), "parallel_config", None)
+    count = getattr(parallel, "_api_process_count", None)
+    args = getattr(state, "args", None)
+    keys = getattr(args, "api_key", None)
+    if isinstance(keys, str):
+        keys = [keys]
+    keys = [k for k in (keys or [os.environ.get("VLLM_API_KEY", "")]) if k]
+    return count == 1, keys
 
 
 _unfinished_noted = False
@@ -395,3 +437,70 @@ class _FramedSend:
         if body:
             parts.append(frame(BODY, body))
         await self.send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
+
+
+class _DeferredSend:
+    """Wraps ``send`` for a ``defer=`` request: a non-streamed 200 answer goes out as vLLM made it, plus the
+    header naming its capture, which goes (with a copy of the body, where the record's text comes from) to the
+    consumer's outbox before the answer's first byte; a streamed answer is framed as ``_FramedSend`` does."""
+
+    __slots__ = ("capture", "chunks", "consumer", "framed", "framing", "send", "sent", "start")
+
+    def __init__(self, send: Send, capture: _Capture, consumer: str) -> None:
+        self.send, self.capture, self.consumer = send, capture, consumer
+        self.framed = self.sent = False
+        self.start: Message | None = None
+        """vLLM's ``http.response.start``, held until the body is complete (the header names the capture)."""
+        self.chunks: list[bytes] = []
+        self.framing: _FramedSend | None = None
+
+    async def __call__(self, message: Message) -> None:
+        if self.framing is not None:
+            await self.framing(message)
+            self.framed, self.sent = self.framing.framed, self.framing.sent
+            return
+        kind = message["type"]
+        if kind == "http.response.start":
+            if message["status"] != 200:
+                return await self.send(message)
+            content_type = next((v for k, v in message.get("headers", ()) if k.lower() == _CONTENT_TYPE), b"")
+            if content_type.startswith(b"text/event-stream"):
+                self.framing = _FramedSend(self.send, self.capture)
+                return await self(message)
+            self.framed = True
+            self.start = message
+            return
+        if kind != "http.response.body" or self.start is None:
+            return await self.send(message)
+        self.chunks.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        body = b"".join(self.chunks)
+        self.chunks.clear()
+        start, self.start = self.start, None
+        value = self._queue(body)
+        self.sent = True
+        await self.send({**start, "headers": [*start.get("headers", ()), (_HEADER_KEY, value.encode())]})
+        await self.send({"type": "http.response.body", "body": body})
+
+    def _queue(self, body: bytes) -> str:
+        """The capture into the consumer's outbox; the header value that names it (``none``: the gateway
+        counts the call invalid)."""
+        capture = self.capture
+        if not capture.choices:
+            ANOMALIES["no_choice"] += 1
+            return NO_CAPTURE
+        if not capture.complete():
+            ANOMALIES["unfinished"] += 1
+            _note_unfinished(capture)
+        try:
+            payload = capture.encode()
+            counts = capture_counts(payload)
+        except (ValueError, WireError) as exc:
+            ANOMALIES["not_encoded"] += 1
+            log.warning("streamrl capture not sent: %s", exc)
+            return NO_CAPTURE
+        token = new_token()
+        if not OUTBOXES.put(self.consumer, token, body, payload):
+            return NO_CAPTURE
+        return deferred_header(token, counts)

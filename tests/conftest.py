@@ -86,22 +86,26 @@ def topics(broker: EmbeddedBroker, request: pytest.FixtureRequest) -> Topics:
     return module_topics
 
 
-def start_gateway(broker: EmbeddedBroker, engine: Engine, token_capture: bool) -> GatewayServer:
+def start_gateway(broker: EmbeddedBroker, engine: Engine, token_capture: bool,
+                  deferred_capture: bool = True) -> GatewayServer:
     """A gateway in front of ``engine`` logging to the session broker's topics (no policy following: other
-    tests publish versions there), checked to take tokens the way ``token_capture`` says."""
+    tests publish versions there), checked to take tokens the way ``token_capture`` and ``deferred_capture``
+    say."""
     config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers,
                            port=free_port(), topic_prefix=broker.topics.prefix, max_body_bytes=64 << 10,
-                           health_interval_s=0.5, follow_policy=False, token_capture=token_capture)
+                           health_interval_s=0.5, follow_policy=False, token_capture=token_capture,
+                           deferred_capture=deferred_capture)
     gw = GatewayServer(config).start()
     path = httpx.get(f"{gw.url}/health").json()["upstreams"][0]["token_capture"]
-    assert path == ("engine" if token_capture else "json")
+    assert path == ("json" if not token_capture else "engine, deferred" if deferred_capture else "engine")
     return gw
 
 
-@pytest.fixture(scope="module")
-def engine_gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
-    """Tokens from the engine's capture frames (``streamrl engine``'s own path)."""
-    gw = start_gateway(broker, engine, token_capture=True)
+@pytest.fixture(scope="module", params=["deferred", "framed"])
+def engine_gateway(broker: EmbeddedBroker, engine: Engine, request: pytest.FixtureRequest) -> Iterator[GatewayServer]:
+    """Tokens from the engine's capture (``streamrl engine``'s own path): non-streamed calls' captures on the
+    engine's capture stream to the producer (deferred), or framed in the answer, as streamed calls' always are."""
+    gw = start_gateway(broker, engine, token_capture=True, deferred_capture=request.param == "deferred")
     yield gw
     gw.stop()
 

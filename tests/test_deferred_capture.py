@@ -1,0 +1,237 @@
+"""Deferred capture (``streamrl/engine_wire.py``, "Deferred capture"): the wire format, the engine's outboxes and
+stream against the real vLLM CPU server, the producer's join (``gateway/capture_stream.py``), and the waiting
+records of ``LogProducer`` in a process and a thread. The records' contents through the whole path are
+checked by ``test_engine_capture.py``, whose gateway runs both deferred and framed."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from kafka_reader import TopicReader
+
+from streamrl.broker.delivery import INVALID, NCOUNTS
+from streamrl.broker.embedded import EmbeddedBroker
+from streamrl.broker.log_producer import LogProducer, Waiting, WaiterSpec, builder_name, decode_item, parts_frame
+from streamrl.broker.schema import RewardRecord, encode
+from streamrl.broker.topics import Topics, create_topics
+from streamrl.engine import Engine
+from streamrl.engine_wire import (
+    CAPTURE_HEADER,
+    DEFERRED,
+    HEARTBEAT,
+    PROBE_PATH,
+    STREAM_PATH,
+    FrameSplitter,
+    WireError,
+    capture_counts,
+    decode_capture,
+    decode_deferred,
+    deferred_frame,
+    deferred_header,
+    frame,
+    parse_deferred_header,
+)
+from streamrl.gateway.capture_stream import DeferredCaptures, wait_key
+from streamrl.vllm_capture_outbox import MAX_QUEUED_BYTES, ORPHAN_AFTER_S, Outbox, _authorised
+
+# -- the wire format ----------------------------------------------------------------------------------------
+
+
+def test_deferred_frames_and_headers_round_trip() -> None:
+    body, capture = b'{"choices": []}', bytes(range(40))
+    data = deferred_frame("ab12-7", body, capture) + frame(HEARTBEAT, b"")
+    splitter = FrameSplitter(stream=True)
+    frames = [f for i in range(0, len(data), 5) for f in splitter.feed(data[i:i + 5])]  # any chunking
+    assert [k for k, _ in frames] == [DEFERRED, HEARTBEAT] and splitter.pending == 0
+    assert decode_deferred(frames[0][1]) == ("ab12-7", body, capture)
+    assert parse_deferred_header(deferred_header("ab12-7", (2, 30, 41))) == ("ab12-7", (2, 30, 41))
+    for bad in ("none", "deferred ab12-7 2 30", "deferred ab12-7 2 x 41", "1"):
+        assert parse_deferred_header(bad) is None
+    with pytest.raises(WireError):
+        decode_deferred(frames[0][1][:8])  # cut inside the body
+    with pytest.raises(WireError, match="kind"):
+        FrameSplitter(stream=True).feed(frame(b"B", b"x"))  # an answer's frame is not a stream's
+
+
+# -- the engine's outbox ------------------------------------------------------------------------------------
+
+
+def test_outbox_is_bounded_and_forgets_what_no_reader_took() -> None:
+    anomalies: collections.Counter[str] = collections.Counter()
+    box = Outbox()
+    assert box.put(b"x" * 100, anomalies) and not box.put(b"y" * MAX_QUEUED_BYTES, anomalies)
+    assert anomalies["deferred_dropped"] == 1 and box.take() == b"x" * 100 and not box.frames
+    box.put(b"a", anomalies)
+    box.reader_seen -= ORPHAN_AFTER_S + 1  # its reader went away long ago: the gateway is gone
+    assert box.put(b"b", anomalies) and box.take() == b"b" and anomalies["deferred_dropped"] == 2
+
+
+def test_stream_needs_the_engines_api_key_when_it_has_one() -> None:
+    scope = {"headers": [(b"authorization", b"Bearer s3cret")]}
+    assert _authorised(scope, ["other", "s3cret"])
+    assert not _authorised(scope, ["other"]) and not _authorised({"headers": []}, ["s3cret"])
+
+
+def _stream_frames(engine: Engine, consumer: str, until: int, timeout_s: float = 30) -> list[tuple[bytes, bytes]]:
+    """The first ``until`` ``D`` frames of the consumer's stream (heartbeats skipped)."""
+    got: list[tuple[bytes, bytes]] = []
+    splitter = FrameSplitter(stream=True)
+    with httpx.stream("GET", f"{engine.url}{STREAM_PATH}", params={"consumer": consumer}, timeout=timeout_s) as r:
+        assert r.status_code == 200
+        for chunk in r.iter_raw():
+            got += [f for f in splitter.feed(chunk) if f[0] == DEFERRED]
+            if len(got) >= until:
+                return got
+    raise AssertionError(f"the stream ended after {len(got)} frames")
+
+
+def test_engine_answers_plain_and_queues_the_capture_for_its_consumer(engine: Engine, base_model: str) -> None:
+    """The real vLLM server: a ``defer=`` request's answer is vLLM's own body (unframed) naming a token; the
+    consumer's stream (opened after the answer: the outbox kept it) carries that token, the same body and a
+    capture whose counts are the header's; a request that is streamed is framed instead."""
+    assert httpx.get(f"{engine.url}{PROBE_PATH}").json()["deferred"] is True
+    consumer = f"test-{os.urandom(4).hex()}"
+    body = {"model": base_model, "prompt": "one, two", "max_tokens": 12, "n": 2, "seed": 5}
+    r = httpx.post(f"{engine.url}/v1/completions", json=body, headers={CAPTURE_HEADER: f"defer={consumer}"},
+                   timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2  # plain JSON: not framed
+    token, counts = parse_deferred_header(r.headers[CAPTURE_HEADER])
+    [(_, payload)] = _stream_frames(engine, consumer, until=1)
+    got_token, got_body, capture = decode_deferred(payload)
+    assert (got_token, got_body) == (token, r.content)
+    assert capture_counts(capture) == counts and counts[0] == 2
+    tokens = decode_capture(capture)
+    assert [len(t.token_ids) for t in tokens] == [r.json()["usage"]["completion_tokens"] // 2] * 2 or \
+        sum(len(t.token_ids) for t in tokens) == r.json()["usage"]["completion_tokens"]
+    streamed = httpx.post(f"{engine.url}/v1/completions", json=body | {"stream": True},
+                          headers={CAPTURE_HEADER: f"defer={consumer}"}, timeout=60)
+    assert streamed.headers[CAPTURE_HEADER] == "1"  # framed: its capture comes in the answer
+    bad = httpx.get(f"{engine.url}{STREAM_PATH}", params={"consumer": "no spaces"}, timeout=10)
+    assert bad.status_code == 400
+
+
+def test_a_newer_stream_of_the_same_consumer_replaces_the_older(engine: Engine) -> None:
+    consumer = f"test-{os.urandom(4).hex()}"
+    ended = threading.Event()
+
+    def first() -> None:
+        with httpx.stream("GET", f"{engine.url}{STREAM_PATH}", params={"consumer": consumer}, timeout=30) as r:
+            for _ in r.iter_raw():
+                pass
+        ended.set()
+
+    t = threading.Thread(target=first, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{engine.url}{PROBE_PATH}").json()["outboxes"]["readers"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with httpx.stream("GET", f"{engine.url}{STREAM_PATH}", params={"consumer": consumer}, timeout=30) as r:
+        next(r.iter_raw())  # the second is connected and sent its first bytes (a heartbeat)
+        assert ended.wait(10)
+
+
+# -- the producer's join ------------------------------------------------------------------------------------
+
+
+def _records(context: bytes, body: bytes, capture: bytes) -> list[tuple[bytes | None, bytes]]:
+    """A builder of a waiting record: what it was handed, and the side input it waited for."""
+    return [(context, body + b"|" + capture)]
+
+
+class _NoStream:
+    def stop(self) -> None:
+        pass
+
+
+def _join(wait_s: float = 30.0) -> tuple[DeferredCaptures, list[Any], list[int]]:
+    delivered: list[Any] = []
+    counts = [0] * NCOUNTS
+    dc = DeferredCaptures(delivered.append, counts, "c1", {}, wait_s)
+    dc.readers["http://up"] = _NoStream()  # type: ignore[assignment]  # the join alone: no stream to read
+    return dc, delivered, counts
+
+
+def test_contexts_and_captures_join_in_either_order() -> None:
+    dc, delivered, counts = _join()
+    try:
+        dc.offer(Waiting("t", _records, (b"ctx-1",), 2, wait_key("http://up", "a-1")))
+        dc.arrive("http://up", "a-1", b"body-1", b"cap-1")  # the capture second
+        dc.arrive("http://up", "a-2", b"body-2", b"cap-2")  # the capture first
+        dc.offer(Waiting("t", _records, (b"ctx-2",), 1, wait_key("http://up", "a-2")))
+        built = [(topic, count, build()) for topic, _, build, count in delivered]
+        assert built == [("t", 2, [(b"ctx-1", b"body-1|cap-1")]), ("t", 1, [(b"ctx-2", b"body-2|cap-2")])]
+        assert not dc.waiting and not dc.arrived and counts[INVALID] == 0
+    finally:
+        dc.close()
+
+
+def test_a_context_without_its_capture_is_counted_invalid_and_a_lone_capture_forgotten() -> None:
+    dc, delivered, counts = _join(wait_s=5.0)
+    try:
+        dc.offer(Waiting("t", _records, (b"ctx",), 3, wait_key("http://up", "lost-1")))
+        dc.arrive("http://up", "orphan-1", b"b", b"c")
+        dc.expire(time.monotonic() + 1)  # before the deadline: both still wait
+        assert len(dc.waiting) == len(dc.arrived) == 1
+        dc.expire(time.monotonic() + 6)
+        assert (counts[INVALID], dc.timed_out, dc.orphans, delivered) == (3, 1, 1, [])
+    finally:
+        dc.close()
+
+
+# -- LogProducer's waiting records --------------------------------------------------------------------------
+
+
+def _reward_parts(tag: bytes, side: bytes) -> list[tuple[bytes | None, bytes]]:
+    return [(tag, encode(RewardRecord(trajectory_id=tag.decode(), reward=float(len(side)))))]
+
+
+class _Instant:
+    """A waiter whose side input is there at once: ``side`` for every key but ``never``."""
+
+    def __init__(self, deliver: Any, counts: Any, side: bytes) -> None:
+        self.deliver, self.counts, self.side = deliver, counts, side
+
+    def offer(self, w: Waiting) -> None:
+        if w.key == b"never":
+            self.counts[INVALID] += w.count
+        else:
+            self.deliver((w.topic, None, functools.partial(w.build, *w.parts, self.side), w.count))
+
+    def close(self) -> None:
+        pass
+
+
+def instant_waiter(deliver: Any, counts: Any, side: bytes) -> _Instant:
+    return _Instant(deliver, counts, side)
+
+
+def test_waiting_frames_decode_with_their_key() -> None:
+    data = b"".join(parts_frame("t.rewards", builder_name(_reward_parts), (b"tag",), 1, wait_for=b"up tok"))
+    assert decode_item(data) == Waiting("t.rewards", _reward_parts, (b"tag",), 1, b"up tok")
+
+
+@pytest.mark.parametrize("process", [True, False], ids=["process", "thread"])
+def test_records_waiting_for_a_side_input_are_built_by_the_waiter(broker: EmbeddedBroker, process: bool) -> None:
+    topics = Topics("log-producer-waiting")
+    create_topics(broker.bootstrap_servers, topics, partitions=1)
+    reader = TopicReader(broker.bootstrap_servers, topics.rewards)
+    tag = os.urandom(4).hex()
+    spec = WaiterSpec(f"{__name__}:instant_waiter", (b"xyz",))
+    producer = LogProducer(broker.bootstrap_servers, process=process, waiter=spec)
+    try:
+        for i in range(5):
+            assert producer.offer_parts(topics.rewards, _reward_parts, (f"{tag}-{i}".encode(),), 1, wait_for=b"k")
+        assert producer.offer_parts(topics.rewards, _reward_parts, (b"lost",), 2, wait_for=b"never")
+    finally:
+        producer.close()
+    assert (producer.stats.delivered, producer.stats.invalid) == (5, 2)
+    got = reader.wait_for(lambda r: isinstance(r, RewardRecord) and r.trajectory_id.startswith(tag), count=5)
+    assert sorted(r.reward for r in got) == [3.0] * 5  # built with the waiter's side input
