@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import http.client
 import logging
 import socket
@@ -38,6 +39,13 @@ def deferred_captures(deliver: Callable[[Item], None], counts: Any, consumer: st
                       wait_s: float) -> DeferredCaptures:
     """The ``WaiterSpec`` factory (``LogProducer(waiter=...)``)."""
     return DeferredCaptures(deliver, counts, consumer, headers, wait_s)
+
+
+def consumer_for(consumer: str, upstream: str) -> str:
+    """The consumer name this gateway's producer uses with one upstream: one outbox, and one stream, per
+    upstream URL, so that two URLs reaching the same engine (a relay, an alias) never share an outbox (their
+    streams would take it from each other, and the captures of one would arrive on the other's)."""
+    return f"{consumer}-{hashlib.sha256(upstream.encode()).hexdigest()[:10]}"
 
 
 def wait_key(upstream: str, token: str) -> bytes:
@@ -151,7 +159,8 @@ class _StreamReader:
         kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
         conn = kind(url.hostname or "localhost", url.port, timeout=READ_TIMEOUT_S)
         try:
-            conn.request("GET", f"{url.path.rstrip('/')}{STREAM_PATH}?consumer={self.owner.consumer}",
+            consumer = consumer_for(self.owner.consumer, self.upstream)
+            conn.request("GET", f"{url.path.rstrip('/')}{STREAM_PATH}?consumer={consumer}",
                          headers=self.owner.headers)
             self.sock = conn.sock
             resp = conn.getresponse()

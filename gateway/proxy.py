@@ -48,7 +48,7 @@ from .capture import (
     engine_parts,
     usage_tokens,
 )
-from .capture_stream import wait_key
+from .capture_stream import consumer_for, wait_key
 from .config import GatewayConfig
 from .dashboard import Dashboard
 from .metrics import GatewayMetrics
@@ -256,8 +256,10 @@ class Proxy:
                                               sock_read=config.upstream_timeout_s)
         self._upstream_headers = {"Content-Type": JSON, **config.extra_headers}
         self._capture_headers = {**self._upstream_headers, CAPTURE_HEADER: "1"}
-        self._deferred_headers: dict[str, str] | None = None
-        """With ``defer_to``: the capture header asking for deferred capture."""
+        self._consumer: str | None = None
+        """With ``defer_to``: the record producer's name on the upstreams' capture streams."""
+        self._deferred_headers: dict[str, dict[str, str]] = {}
+        """Per upstream URL: the headers asking it for deferred capture (``capture_stream.consumer_for``)."""
         self._fallback_logged = False
         self.dashboard: Dashboard | None = None
         """Told which version served each logged call of the policy name (``dashboard.py``)."""
@@ -267,7 +269,16 @@ class Proxy:
     def defer_to(self, consumer: str) -> None:
         """Ask upstreams that offer it to queue non-streamed calls' captures for ``consumer``, the record
         producer's id on their capture streams (``gateway/capture_stream.py``)."""
-        self._deferred_headers = {**self._upstream_headers, CAPTURE_HEADER: DEFER_PREFIX + consumer}
+        self._consumer = consumer
+
+    def _deferring(self, up: Upstream) -> dict[str, str]:
+        headers = self._deferred_headers.get(up.url)
+        if headers is None:
+            assert self._consumer is not None
+            consumer = consumer_for(self._consumer, up.url)
+            headers = self._deferred_headers[up.url] = {**self._upstream_headers,
+                                                         CAPTURE_HEADER: DEFER_PREFIX + consumer}
+        return headers
 
     async def finish_late_captures(self, timeout_s: float) -> None:
         """At shutdown, before the producer closes: give streams still reading on to their capture frame
@@ -339,9 +350,9 @@ class Proxy:
             try:
                 data = payload.for_upstream(up)
                 call.deferred = (call.engine_capture and up.deferred_capture and not stream
-                                 and self._deferred_headers is not None)
+                                 and self._consumer is not None)
                 resp = await session.post(up.url + call.endpoint.route, data=data, timeout=self._timeout,
-                                          headers=self._deferred_headers if call.deferred  # type: ignore[arg-type]
+                                          headers=self._deferring(up) if call.deferred
                                           else self._capture_headers if call.engine_capture
                                           else self._upstream_headers)
             except aiohttp.ClientConnectorError as exc:

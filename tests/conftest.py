@@ -101,11 +101,12 @@ def start_gateway(broker: EmbeddedBroker, engine: Engine, token_capture: bool,
     return gw
 
 
-@pytest.fixture(scope="module", params=["deferred", "framed"])
-def engine_gateway(broker: EmbeddedBroker, engine: Engine, request: pytest.FixtureRequest) -> Iterator[GatewayServer]:
+@pytest.fixture(scope="module")
+def engine_gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
     """Tokens from the engine's capture (``streamrl engine``'s own path): non-streamed calls' captures on the
-    engine's capture stream to the producer (deferred), or framed in the answer, as streamed calls' always are."""
-    gw = start_gateway(broker, engine, token_capture=True, deferred_capture=request.param == "deferred")
+    engine's capture stream to the producer (deferred), streamed calls' framed in the answer
+    (``test_engine_capture.py`` runs its tests with every call framed too)."""
+    gw = start_gateway(broker, engine, token_capture=True)
     yield gw
     gw.stop()
 

@@ -18,7 +18,14 @@ from kafka_reader import TopicReader
 
 from streamrl.broker.delivery import INVALID, NCOUNTS
 from streamrl.broker.embedded import EmbeddedBroker
-from streamrl.broker.log_producer import LogProducer, Waiting, WaiterSpec, builder_name, decode_item, parts_frame
+from streamrl.broker.log_producer import (
+    LogProducer,
+    WaiterSpec,
+    Waiting,
+    builder_name,
+    decode_item,
+    parts_frame,
+)
 from streamrl.broker.schema import RewardRecord, encode
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine import Engine
@@ -108,8 +115,7 @@ def test_engine_answers_plain_and_queues_the_capture_for_its_consumer(engine: En
     assert (got_token, got_body) == (token, r.content)
     assert capture_counts(capture) == counts and counts[0] == 2
     tokens = decode_capture(capture)
-    assert [len(t.token_ids) for t in tokens] == [r.json()["usage"]["completion_tokens"] // 2] * 2 or \
-        sum(len(t.token_ids) for t in tokens) == r.json()["usage"]["completion_tokens"]
+    assert sum(len(t.token_ids) for t in tokens) == r.json()["usage"]["completion_tokens"] == counts[2]
     streamed = httpx.post(f"{engine.url}/v1/completions", json=body | {"stream": True},
                           headers={CAPTURE_HEADER: f"defer={consumer}"}, timeout=60)
     assert streamed.headers[CAPTURE_HEADER] == "1"  # framed: its capture comes in the answer
@@ -235,3 +241,14 @@ def test_records_waiting_for_a_side_input_are_built_by_the_waiter(broker: Embedd
     assert (producer.stats.delivered, producer.stats.invalid) == (5, 2)
     got = reader.wait_for(lambda r: isinstance(r, RewardRecord) and r.trajectory_id.startswith(tag), count=5)
     assert sorted(r.reward for r in got) == [3.0] * 5  # built with the waiter's side input
+
+
+def test_each_upstream_url_has_its_own_outbox_name() -> None:
+    """Two URLs reaching one engine (a relay, an alias) must not share an outbox: their streams would take it
+    from each other (``test_gateway_upstreams.py``'s relayed upstream is such a pair)."""
+    from streamrl.engine_wire import valid_consumer
+    from streamrl.gateway.capture_stream import consumer_for
+
+    a, b = consumer_for("0123456789abcdef", "http://127.0.0.1:8000"), consumer_for("0123456789abcdef", "http://h:1")
+    assert a != b and valid_consumer(a) and valid_consumer(b)
+    assert a == consumer_for("0123456789abcdef", "http://127.0.0.1:8000")

@@ -12,6 +12,7 @@ import numpy as np
 import orjson
 import pytest
 import torch
+from conftest import start_gateway
 from test_gateway import client, direct, of_request
 
 from streamrl.broker.schema import CompletionRecord
@@ -39,6 +40,16 @@ from streamrl.gateway.capture import (
 )
 from streamrl.vllm_capture import _CURRENT, _Capture, _OutputProcessorHooks
 from streamrl.vllm_capture_scheduler import TESTED_VERSIONS, version_ok
+
+
+@pytest.fixture(scope="module", params=["deferred", "framed"])
+def engine_gateway(broker, engine: Engine, request: pytest.FixtureRequest):
+    """This module's tests through both of the engine's paths: non-streamed calls' captures on the engine's
+    capture stream (deferred, the default), or framed in the answer (``--no-deferred-capture``)."""
+    gw = start_gateway(broker, engine, token_capture=True, deferred_capture=request.param == "deferred")
+    yield gw
+    gw.stop()
+
 
 # -- the wire format on its own ------------------------------------------------------------------------
 

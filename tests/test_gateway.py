@@ -330,7 +330,7 @@ def test_two_upstreams_one_stopped(broker, engine, tiny_model, base_model, compl
                                follow_policy=False)
         with GatewayServer(config) as gw:
             health = httpx.get(f"{gw.url}/health").json()
-            assert [u["token_capture"] for u in health["upstreams"]] == ["json", "engine"]  # found at start-up
+            assert [u["token_capture"] for u in health["upstreams"]] == ["json", "engine, deferred"]  # found at start-up
             oai = client(gw)
             ids = []
             for _ in range(4):
