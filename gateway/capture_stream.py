@@ -66,7 +66,7 @@ class DeferredCaptures:
         self.arrived: dict[bytes, tuple[bytes, bytes, float]] = {}
         """Captures (body, capture) whose context has not come yet, with their deadlines."""
         self.readers: dict[str, _StreamReader] = {}
-        self.timed_out = self.orphans = self.joined = 0
+        self.timed_out = self.orphans = 0
         self.closing = threading.Event()
         threading.Thread(target=self._sweep, name="streamrl-capture-sweep", daemon=True).start()
 
@@ -91,7 +91,6 @@ class DeferredCaptures:
         self._complete(entry[0], body, capture)
 
     def _complete(self, waiting: Waiting, body: bytes, capture: bytes) -> None:
-        self.joined += 1
         self.deliver((waiting.topic, None, functools.partial(waiting.build, *waiting.parts, body, capture),
                       waiting.count))
 

@@ -92,9 +92,17 @@ class Outboxes:
     def put(self, consumer: str, token: str, body: bytes, capture: bytes) -> bool:
         box = self.boxes.get(consumer)
         if box is None:
+            self._forget_idle()
             box = self.boxes[consumer] = Outbox()
         self.queued += 1
         return box.put(deferred_frame(token, body, capture), self.anomalies)
+
+    def _forget_idle(self) -> None:
+        """Drop the outboxes of consumers long gone (every restart of a gateway is a new consumer)."""
+        now = time.monotonic()
+        for name in [n for n, b in self.boxes.items()
+                     if b.reader is None and not b.frames and now - b.reader_seen > ORPHAN_AFTER_S]:
+            del self.boxes[name]
 
     def state(self) -> dict[str, Any]:
         return {"queued": self.queued, "consumers": len(self.boxes),

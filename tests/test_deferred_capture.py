@@ -252,3 +252,13 @@ def test_each_upstream_url_has_its_own_outbox_name() -> None:
     a, b = consumer_for("0123456789abcdef", "http://127.0.0.1:8000"), consumer_for("0123456789abcdef", "http://h:1")
     assert a != b and valid_consumer(a) and valid_consumer(b)
     assert a == consumer_for("0123456789abcdef", "http://127.0.0.1:8000")
+
+
+def test_outboxes_of_consumers_long_gone_are_forgotten() -> None:
+    from streamrl.vllm_capture_outbox import Outboxes
+
+    boxes = Outboxes(collections.Counter())
+    assert boxes.put("old", "t-1", b"b", b"c")
+    boxes.boxes["old"].take()  # read by its stream, which then went away long ago
+    boxes.boxes["old"].reader_seen -= ORPHAN_AFTER_S + 1
+    assert boxes.put("new", "t-2", b"b", b"c") and set(boxes.boxes) == {"new"}
