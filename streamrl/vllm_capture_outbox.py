@@ -98,11 +98,11 @@ class Outboxes:
         return box.put(deferred_frame(token, body, capture), self.anomalies)
 
     def _forget_idle(self) -> None:
-        """Drop the outboxes of consumers long gone (every restart of a gateway is a new consumer)."""
+        """Drop the outboxes of consumers long gone, with what they held (counted): every restart of a gateway
+        is a new consumer, and the old one's captures would otherwise stay here."""
         now = time.monotonic()
-        for name in [n for n, b in self.boxes.items()
-                     if b.reader is None and not b.frames and now - b.reader_seen > ORPHAN_AFTER_S]:
-            del self.boxes[name]
+        for name in [n for n, b in self.boxes.items() if b.reader is None and now - b.reader_seen > ORPHAN_AFTER_S]:
+            self.anomalies["deferred_dropped"] += len(self.boxes.pop(name).frames)
 
     def state(self) -> dict[str, Any]:
         return {"queued": self.queued, "consumers": len(self.boxes),

@@ -257,8 +257,11 @@ def test_each_upstream_url_has_its_own_outbox_name() -> None:
 def test_outboxes_of_consumers_long_gone_are_forgotten() -> None:
     from streamrl.vllm_capture_outbox import Outboxes
 
-    boxes = Outboxes(collections.Counter())
-    assert boxes.put("old", "t-1", b"b", b"c")
-    boxes.boxes["old"].take()  # read by its stream, which then went away long ago
-    boxes.boxes["old"].reader_seen -= ORPHAN_AFTER_S + 1
-    assert boxes.put("new", "t-2", b"b", b"c") and set(boxes.boxes) == {"new"}
+    anomalies: collections.Counter[str] = collections.Counter()
+    boxes = Outboxes(anomalies)
+    assert boxes.put("read", "t-1", b"b", b"c") and boxes.put("unread", "t-2", b"b", b"c")
+    boxes.boxes["read"].take()  # read by its stream, which then went away long ago
+    for box in boxes.boxes.values():
+        box.reader_seen -= ORPHAN_AFTER_S + 1
+    assert boxes.put("new", "t-3", b"b", b"c") and set(boxes.boxes) == {"new"}
+    assert anomalies["deferred_dropped"] == 1  # what the gone consumer never read
