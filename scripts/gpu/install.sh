@@ -2,11 +2,22 @@
 # On the GPU machine, in the repository root: join the pieces made by stage.sh (copied into STASH),
 # install them beside the image's torch into SITE, and lay out the streamrl package from this checkout
 # (the top-level folders gateway/, broker/, ... mapped under the streamrl namespace) into SITE too.
+# A STASH holding only gateway-wheels.tar (stage.sh's gateway/ folder: one carry) installs the gateway's
+# Python packages alone, without vLLM: enough for bench/gateway_bench.py and gateway_scaling.py.
 #   usage: scripts/gpu/install.sh STASH SITE     then: export PYTHONPATH=SITE PATH=SITE/bin:$PATH
 set -euo pipefail
 stash=${1:?STASH}; site=${2:?SITE}
 repo=$(cd "$(dirname "$0")/../.." && pwd)
-if [ ! -d "$site/vllm" ]; then
+gateway_only=0
+if ! compgen -G "$stash/piece.*" > /dev/null && [ -f "$stash/gateway-wheels.tar" ]; then
+  gateway_only=1
+  if [ ! -d "$site/fastapi" ]; then
+    work=$(mktemp -d)
+    tar xf "$stash/gateway-wheels.tar" -C "$work"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$work"/*.whl
+    rm -rf "$work"
+  fi
+elif [ ! -d "$site/vllm" ]; then
   work=$(mktemp -d)
   cat "$stash"/piece.* | tar xf - -C "$work"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$work"/*.whl
@@ -21,4 +32,8 @@ for part in gateway broker trainer producers judge; do ln -s "$repo/$part" "$sit
 printf '#!/bin/sh\nexec python3 -m streamrl.cli "$@"\n' > "$site/bin/streamrl"; chmod +x "$site/bin/streamrl"
 # (checked from / : in the repository root, its streamrl/ folder would shadow the laid-out package;
 # run streamrl from outside the checkout for the same reason)
-cd / && PYTHONPATH=$site python3 -c "import vllm, torch, kafka, streamrl.broker.schema; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
+if [ "$gateway_only" = 1 ]; then
+  cd / && PYTHONPATH=$site python3 -c "import kafka, streamrl.gateway.app, streamrl.broker.embedded; print('gateway only')"
+else
+  cd / && PYTHONPATH=$site python3 -c "import vllm, torch, kafka, streamrl.broker.schema; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
+fi
