@@ -5,6 +5,7 @@ rise, with no request failing and nothing left running afterwards."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -16,8 +17,8 @@ TARGET = 0.8
 """The run stops once the last 6 groups (48 trajectories) of trained versions average this."""
 MARGIN = 0.25
 """The last 3 versions' mean reward must exceed the first 3 versions' by this much (they start near 0.4);
-2 and 2 when fewer than 6 versions served (the gateway serves only the newest of versions published in
-quick succession, so a run that learns fast may serve 5: the windows must not overlap)."""
+fewer a side when fewer than 6 versions served (the gateway serves only the newest of versions published
+in quick succession, so a run that learns fast may serve 3: the windows must not overlap)."""
 
 
 def _leftovers(marker: str) -> list[str]:
@@ -45,7 +46,12 @@ def test_reward_rises_through_streamrl_up(tmp_path: Path) -> None:
     served = sorted(versions)
     print("reward per version:", {v: round(versions[v]["mean"], 3) for v in served})
     assert result["failed"] == 0, "every request and reward post of the demo must succeed"
-    assert len([v for v in served if v >= 1]) >= 3, f"at least 3 trained versions must serve; got {served}"
+    # the gateway serves only the newest of versions published in quick succession, and a fast run reaches the
+    # target on few of them (one CI run: v1, v2 and v3 published within 0.4 s, v2 served no group, target met
+    # on v3): at least 3 trained versions hot-swapped in, at least 2 of them serving the demo's traffic
+    swapped = {int(v) for v in re.findall(r"now served by \S+@v(\d+)", text)}
+    assert len(swapped) >= 3, f"at least 3 trained versions must be hot-swapped in; got {sorted(swapped)}"
+    assert len([v for v in served if v >= 1]) >= 2, f"at least 2 trained versions must serve; got {served}"
     k = min(3, len(served) // 2)  # the first and last versions, never overlapping: a fast run may serve few
     first, last = served[:k], served[-k:]
     before, after = _mean(result["versions"], first), _mean(result["versions"], last)
