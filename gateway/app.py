@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from streamrl.broker.delivery import FAILED, NCOUNTS, Delivery
-from streamrl.broker.log_producer import LogProducer, ProducerStats, WaiterSpec
+from streamrl.broker.log_producer import LogProducer, ProducerStats, WaiterSpec, builder_name
 from streamrl.broker.topics import Topics
 
 from .auth import AuthMiddleware, check_bind, has_scope, load_keys, request_key
@@ -98,7 +98,7 @@ class Gateway:
             waiter = None
             if c.token_capture and c.deferred_capture:  # the producer reads the engines' capture streams
                 consumer = os.urandom(8).hex()
-                waiter = WaiterSpec(f"{deferred_captures.__module__}:{deferred_captures.__qualname__}",
+                waiter = WaiterSpec(builder_name(deferred_captures),
                                     (consumer, dict(c.extra_headers), c.deferred_capture_wait_s))
                 self.proxy.defer_to(consumer)
             self.producer = LogProducer(c.bootstrap_servers, max_buffered=c.max_buffered_records,

@@ -49,7 +49,6 @@ from streamrl.engine_wire import (
     NO_CAPTURE,
     PROBE_PATH,
     STREAM_PATH,
-    WireError,
     capture_counts,
     deferred_header,
     encode_capture,
@@ -398,6 +397,22 @@ def _note_unfinished(capture: _Capture) -> None:
                     "further ones are logged at debug level", detail)
 
 
+def _encoded(capture: _Capture) -> bytes | None:
+    """The capture payload of an answer that is ending, or None (counted) when it cannot be encoded: the
+    gateway then records nothing for the call and counts it. vLLM ends an answer once every choice's last
+    output went through the output processor, so the capture holds every token sent, whether or not each
+    choice was seen to finish (``_Choice.done``); ``encode`` checks each choice's tokens against its logprobs."""
+    if not capture.complete():
+        ANOMALIES["unfinished"] += 1
+        _note_unfinished(capture)
+    try:
+        return capture.encode()
+    except ValueError as exc:
+        ANOMALIES["not_encoded"] += 1
+        log.warning("streamrl capture not sent: %s", exc)
+        return None
+
+
 class _FramedSend:
     """Wraps ``send``: a 200 answer's bytes go out in ``B`` frames, the capture in a ``C`` frame before the end."""
 
@@ -422,18 +437,10 @@ class _FramedSend:
         more = message.get("more_body", False)
         parts = []
         if not self.sent and (not more or body.endswith(_DONE)) and self.capture.choices:
-            # vLLM ends the response once every choice's last output went through the output processor,
-            # so the capture holds every token streamed, whether or not each choice was seen to finish
-            # (``_Choice.done``); encode() checks each choice's tokens against its logprobs
             self.sent = True
-            if not self.capture.complete():
-                ANOMALIES["unfinished"] += 1
-                _note_unfinished(self.capture)
-            try:
-                parts.append(frame(CAPTURE, self.capture.encode()))
-            except ValueError as exc:  # the gateway records nothing for this call and counts it
-                ANOMALIES["not_encoded"] += 1
-                log.warning("streamrl capture not sent: %s", exc)
+            payload = _encoded(self.capture)
+            if payload is not None:
+                parts.append(frame(CAPTURE, payload))
         if body:
             parts.append(frame(BODY, body))
         await self.send({"type": "http.response.body", "body": b"".join(parts), "more_body": more})
@@ -486,21 +493,13 @@ class _DeferredSend:
     def _queue(self, body: bytes) -> str:
         """The capture into the consumer's outbox; the header value that names it (``none``: the gateway
         counts the call invalid)."""
-        capture = self.capture
-        if not capture.choices:
+        if not self.capture.choices:
             ANOMALIES["no_choice"] += 1
             return NO_CAPTURE
-        if not capture.complete():
-            ANOMALIES["unfinished"] += 1
-            _note_unfinished(capture)
-        try:
-            payload = capture.encode()
-            counts = capture_counts(payload)
-        except (ValueError, WireError) as exc:
-            ANOMALIES["not_encoded"] += 1
-            log.warning("streamrl capture not sent: %s", exc)
+        payload = _encoded(self.capture)
+        if payload is None:
             return NO_CAPTURE
         token = new_token()
         if not OUTBOXES.put(self.consumer, token, body, payload):
             return NO_CAPTURE
-        return deferred_header(token, counts)
+        return deferred_header(token, capture_counts(payload))

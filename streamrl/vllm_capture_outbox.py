@@ -89,13 +89,17 @@ class Outboxes:
         self.queued = 0
         """Captures queued since start (``deferred`` answers sent)."""
 
-    def put(self, consumer: str, token: str, body: bytes, capture: bytes) -> bool:
+    def box(self, consumer: str) -> Outbox:
+        """The consumer's outbox, made on its first capture or stream (forgetting those of consumers gone)."""
         box = self.boxes.get(consumer)
         if box is None:
             self._forget_idle()
             box = self.boxes[consumer] = Outbox()
+        return box
+
+    def put(self, consumer: str, token: str, body: bytes, capture: bytes) -> bool:
         self.queued += 1
-        return box.put(deferred_frame(token, body, capture), self.anomalies)
+        return self.box(consumer).put(deferred_frame(token, body, capture), self.anomalies)
 
     def _forget_idle(self) -> None:
         """Drop the outboxes of consumers long gone, with what they held (counted): every restart of a gateway
@@ -118,9 +122,7 @@ class Outboxes:
         consumer = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("consumer", [""])[0]
         if not valid_consumer(consumer):
             return await _answer(send, 400, b'{"error":"consumer: 1 to 64 of A-Z a-z 0-9 _ -"}')
-        box = self.boxes.get(consumer)
-        if box is None:
-            box = self.boxes[consumer] = Outbox()
+        box = self.box(consumer)
         claim = object()
         box.reader = claim
         await send({"type": "http.response.start", "status": 200,
