@@ -19,9 +19,13 @@ this load generator. Modes, all in the same run:
 
 For each mode: an open-loop run at a fixed rate (latency p50/p99 measured from each request's scheduled
 start, so a stall is not hidden) and a closed-loop run at fixed concurrency (highest sustained req/s).
-Added latency = percentile through the gateway minus the same percentile direct.
+Added latency = percentile through the gateway minus the same percentile direct. After this full pass,
+``--rounds`` more rounds of every mode, interleaved, repeat both runs: on/off throughput and added latency are
+then taken round by round (a host's speed drifts between phases, and one stall of it decides a phase's p99).
+``--gateway-cpus`` gives the gateway process CPUs of its own (everything else runs on the others).
 
     .venv/bin/python bench/gateway_bench.py [--rate 500] [--seconds 10] [--concurrency 32] [--stream-rate 20]
+        [--rounds 2] [--gateway-cpus 0-1]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -481,6 +486,18 @@ def children(pid: int) -> list[int]:
     return out
 
 
+PINNED: tuple[set[int], set[int]] | None = None
+"""With ``--gateway-cpus``: the gateway process's CPUs, and everything else's (its record-producer process,
+the stub, the broker, this load generator)."""
+
+
+def pin_away(pid: int, cpus: set[int]) -> None:
+    """Move every thread of ``pid`` (a thread's affinity is its own once it has started) onto ``cpus``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(task.name), cpus)
+
+
 def gateway_cmd(stub_url: str, port: int, bootstrap: str, mode: str) -> list[str]:
     cmd = [sys.executable, "-m", "streamrl.cli", "--log-level", "WARNING", "gateway", "--upstream", stub_url,
            "--bootstrap-servers", bootstrap, "--port", str(port), "--topic-prefix", "bench"]
@@ -612,11 +629,14 @@ def print_table(results: dict[str, object]) -> None:
             "producer_process_run_delay_s", "cpu_pressure_some_s", "cgroup_throttled_s")))
     row("records waited (pipe full): open / closed loop",
         lambda e: f"{e['latency']['records_waited']} / {e['throughput']['records_waited']}")
-    rounds, summary = results["throughput_rounds"], results["summary"]
-    print(f"\nclosed loop, {summary['throughput_rounds']} rounds (the first in the table above, the rest "
-          "interleaved), req/s:")
-    for mode, rps in rounds.items():
-        print(f"  {mode:13s} " + " / ".join(f"{x:,.0f}" for x in rps) + f"  (median {np.median(rps):,.0f})")
+    rounds, summary = results["rounds"], results["summary"]
+    print(f"\n{summary['rounds']} rounds (the first is the table above, the rest interleaved):")
+    for mode, got in rounds.items():
+        line = " / ".join(f"{x:.2f}" for x in got["p99_ms"])
+        if mode != "direct":
+            line += (f"  (added p99 median {summary[mode]['added_p99_ms_median']:.2f} ms);  req/s "
+                     + " / ".join(f"{x:,.0f}" for x in got["rps"]) + f"  (median {np.median(got['rps']):,.0f})")
+        print(f"  {mode:13s} p99 ms " + line)
     print("  on / off per round: " + " / ".join(f"{x:.2f}" for x in summary["on_over_off_throughput_per_round"])
           + f"  (median {summary['on_over_off_throughput_median']:.2f})")
 
@@ -676,11 +696,15 @@ def gateway_for(mode: str, stub_url: str, port: int, bootstrap: str, pages: int,
                 procs: list[subprocess.Popen]) -> Iterator[tuple[subprocess.Popen, subprocess.Popen | None]]:
     """The gateway of ``mode`` on ``port`` (in ``procs`` while it runs, so a failure still stops it), healthy,
     and for ``on-dashboard`` the child process of open dashboard pages; both stopped on leaving."""
-    gw = _spawn(gateway_cmd(stub_url, port, bootstrap, mode), f"gateway-{mode}")
+    pin = [] if PINNED is None else ["taskset", "-c", ",".join(map(str, sorted(PINNED[0])))]
+    gw = _spawn([*pin, *gateway_cmd(stub_url, port, bootstrap, mode)], f"gateway-{mode}")
     procs.append(gw)
     poller = None
     try:
         _wait_http(f"http://127.0.0.1:{port}/health")
+        if PINNED is not None:  # the record producer (started before /health answers) off the gateway's CPUs
+            for child in children(gw.pid):
+                pin_away(child, PINNED[1])
         if mode == "on-dashboard":
             poller = subprocess.Popen([sys.executable, __file__, "--poll-dashboard", f"http://127.0.0.1:{port}",
                                        "--dashboard-pages", str(pages)], stdout=subprocess.PIPE, text=True)
@@ -693,19 +717,50 @@ def gateway_for(mode: str, stub_url: str, port: int, bootstrap: str, pages: int,
         procs.remove(gw)
 
 
-def throughput_rounds(modes: list[str], rounds: int, stub_url: str, port: int, bootstrap: str, concurrency: int,
-                      seconds: float, pages: int, procs: list[subprocess.Popen]) -> dict[str, list[float]]:
-    """Closed-loop req/s of each gateway mode over ``rounds`` more rounds, the modes interleaved (their order
-    reversed every other round): a host's speed drifts between phases by more than logging's cost."""
-    out: dict[str, list[float]] = {m: [] for m in modes}
+def interleaved_rounds(modes: list[str], rounds: int, stub_url: str, port: int, bootstrap: str,
+                       args: argparse.Namespace, procs: list[subprocess.Popen]) -> dict[str, dict[str, list[float]]]:
+    """``rounds`` more rounds of every mode, interleaved (their order reversed every other round): per mode
+    and round the open-loop p50 / p99 at ``args.rate`` (``direct`` too, the round's baseline) and the
+    closed-loop req/s (gateway modes). A host's speed drifts between phases by more than logging's cost, and
+    one stall of the host decides a phase's p99: so ratios and added latency are taken per round."""
+    out: dict[str, dict[str, list[float]]] = {m: collections.defaultdict(list) for m in modes}
     for r in range(rounds):
         for mode in (modes if r % 2 else modes[::-1]):
-            with gateway_for(mode, stub_url, port, bootstrap, pages, procs):
-                url = f"http://127.0.0.1:{port}/v1/chat/completions"
-                out[mode].append(asyncio.run(closed_loop(url, concurrency, seconds, REQUEST))["rps"])
-                wait_drained(f"http://127.0.0.1:{port}")
-            print(f"[round {r + 1}] {mode}: {out[mode][-1]:,.0f} req/s", flush=True)
-    return out
+            with contextlib.ExitStack() as running:
+                if mode == "direct":
+                    url, pid = f"{stub_url}/v1/chat/completions", None
+                else:
+                    gw, _ = running.enter_context(gateway_for(mode, stub_url, port, bootstrap, args.dashboard_pages,
+                                                              procs))
+                    url, pid = f"http://127.0.0.1:{port}/v1/chat/completions", gw.pid
+                threads, host0 = (ThreadCpu(pid) if pid else None), host_cpu_counters()
+                lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
+                got = out[mode]
+                got["p50_ms"].append(lat["p50_ms"])
+                got["p99_ms"].append(lat["p99_ms"])
+                got["failures"].append(lat["failures"])
+                got["host_steal_s"].append(counters_delta(host0, host_cpu_counters())["host_steal_s"])
+                if threads is not None:
+                    got["main_thread_run_delay_ms"].append(
+                        threads.result(lat["requests"])["main_thread_run_delay_s"] * 1000)
+                    wait_drained(f"http://127.0.0.1:{port}")
+                    got["rps"].append(asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))["rps"])
+                    wait_drained(f"http://127.0.0.1:{port}")
+            rps = f", {got['rps'][-1]:,.0f} req/s" if got.get("rps") else ""
+            print(f"[round {r + 1}] {mode}: p50 {got['p50_ms'][-1]:.2f} ms, p99 {got['p99_ms'][-1]:.2f} ms{rps}",
+                  flush=True)
+    return {m: dict(v) for m, v in out.items()}
+
+
+def first_pass_round(entry: dict[str, object]) -> dict[str, list[float]]:
+    """A mode's figures of the full pass, as the first of its rounds."""
+    lat = entry["latency"]
+    got: dict[str, list[float]] = {"p50_ms": [lat["p50_ms"]], "p99_ms": [lat["p99_ms"]],
+                                   "failures": [lat["failures"]], "host_steal_s": [lat["host"]["host_steal_s"]]}
+    if "rps" in entry["throughput"] and "event_loop_lag" in lat:  # a gateway mode
+        got["main_thread_run_delay_ms"] = [lat["threads"]["main_thread_run_delay_s"] * 1000]
+        got["rps"] = [entry["throughput"]["rps"]]
+    return got
 
 
 def main() -> None:
@@ -717,8 +772,11 @@ def main() -> None:
     p.add_argument("--modes", default="direct,off,on,on-framed,on-json,on-dashboard",
                    help="direct, off and on are always run (the summary's baselines)")
     p.add_argument("--dashboard-pages", type=int, default=2, help="open dashboard pages in the on-dashboard mode")
-    p.add_argument("--throughput-rounds", type=int, default=2,
-                   help="more closed-loop rounds of the gateway modes, interleaved, after the full pass")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="more rounds of every mode after the full pass, interleaved: open-loop latency and "
+                        "closed-loop req/s, for per-round ratios and added latency")
+    p.add_argument("--gateway-cpus", help="run the gateway process on these CPUs only (a taskset list, e.g. 0-1), "
+                                          "its record producer, the stub, the broker and the load on the others")
     p.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
     p.add_argument("--poll-dashboard", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -731,12 +789,20 @@ def main() -> None:
         poll_dashboard(args.poll_dashboard, args.dashboard_pages)
         return
     modes = ["direct", "off", "on", *(m for m in ("on-framed", "on-json", "on-dashboard") if m in args.modes.split(","))]
+    if args.gateway_cpus:
+        global PINNED
+        gateway_cpus = cpu_list(args.gateway_cpus)
+        others = set(os.sched_getaffinity(0)) - gateway_cpus
+        if not others or not shutil.which("taskset"):
+            raise SystemExit("--gateway-cpus needs taskset and must leave CPUs for everything else")
+        os.sched_setaffinity(0, others)  # inherited by the stub and the broker spawned below
+        PINNED = gateway_cpus, others
 
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
 
     results: dict[str, object] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
-                                  "rate": args.rate, "seconds": args.seconds}
+                                  "rate": args.rate, "seconds": args.seconds, "gateway_cpus": args.gateway_cpus}
     stub_port, gw_port = free_port(), free_port()
     stub = _spawn([sys.executable, __file__, "--serve-stub", str(stub_port)], "stub")
     broker = EmbeddedBroker(topics=Topics("bench")).start()
@@ -754,11 +820,9 @@ def main() -> None:
                     url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
                 results[mode] = measure_mode(mode, url, gw, pages, stub, args)
                 print(f"[{mode}] {json.dumps(results[mode])}", flush=True)
-        gateway_modes = [m for m in modes if m != "direct"]
-        extra = throughput_rounds(gateway_modes, args.throughput_rounds, stub_url, gw_port, broker.bootstrap_servers,
-                                  args.concurrency, args.seconds, args.dashboard_pages, procs)
-        results["throughput_rounds"] = {m: [results[m]["throughput"]["rps"], *extra[m]]  # type: ignore[index]
-                                        for m in gateway_modes}
+        extra = interleaved_rounds(modes, args.rounds, stub_url, gw_port, broker.bootstrap_servers, args, procs)
+        results["rounds"] = {m: {k: [*v, *extra[m].get(k, [])] for k, v in first_pass_round(results[m]).items()}
+                             for m in modes}
         results["records"] = record_sizes(broker.bootstrap_servers)
     finally:
         for proc in procs:
@@ -794,15 +858,21 @@ def main() -> None:
     summary["direct_max_rps"] = d["throughput"]["rps"]
     summary["direct_large_body_p50_p99_ms"] = (d["large_body_latency"]["p50_ms"], d["large_body_latency"]["p99_ms"])
     summary["on_over_off_throughput"] = on["throughput"]["rps"] / off["throughput"]["rps"]
-    rounds = results["throughput_rounds"]  # type: ignore[index]
-    summary["throughput_rounds"] = len(rounds["off"])
-    summary["rps_median"] = {m: float(np.median(v)) for m, v in rounds.items()}
-    for mode in (m for m in rounds if m not in ("off", "on")):
-        summary[f"{mode}_over_on_throughput_median"] = float(np.median(np.divide(rounds[mode], rounds["on"])))
-    for mode in (m for m in rounds if m not in ("off", "on")):
-        summary[f"{mode}_over_off_throughput_median"] = float(np.median(np.divide(rounds[mode], rounds["off"])))
-    summary["on_over_off_throughput_per_round"] = list(np.divide(rounds["on"], rounds["off"]))
+    rounds = results["rounds"]  # type: ignore[index]
+    rps = {m: v["rps"] for m, v in rounds.items() if m != "direct"}
+    summary["rounds"] = len(rps["off"])
+    summary["rps_median"] = {m: float(np.median(v)) for m, v in rps.items()}
+    for mode in (m for m in rps if m not in ("off", "on")):
+        summary[f"{mode}_over_on_throughput_median"] = float(np.median(np.divide(rps[mode], rps["on"])))
+    for mode in (m for m in rps if m not in ("off", "on")):
+        summary[f"{mode}_over_off_throughput_median"] = float(np.median(np.divide(rps[mode], rps["off"])))
+    summary["on_over_off_throughput_per_round"] = list(np.divide(rps["on"], rps["off"]))
     summary["on_over_off_throughput_median"] = float(np.median(summary["on_over_off_throughput_per_round"]))
+    for mode in rps:  # added latency per round: the mode's percentile minus direct's in the same round
+        for q in ("p50", "p99"):
+            added = list(np.subtract(rounds[mode][f"{q}_ms"], rounds["direct"][f"{q}_ms"]))
+            summary[mode][f"added_{q}_ms_per_round"] = added
+            summary[mode][f"added_{q}_ms_median"] = float(np.median(added))
     if "on-json" in results:
         summary["on_json_over_off_throughput"] = results["on-json"]["throughput"]["rps"] / off["throughput"]["rps"]
     if "on-dashboard" in results:  # the dashboard's cost: on with pages open against on, same run

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -264,8 +265,30 @@ def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gp
         result["kafka_lag_records_at_end"] = produced - consumed
         result["requests_failed"] = sum(v for k, v in gb.items()
                                         if k.startswith("streamrl_gateway_requests_total") and 'status="5' in k)
+    result["publish_to_served"] = publish_to_served(run_dir / "up.log")
     result["gpus"] = gpus.summary()
     return result
+
+
+SERVED = re.compile(rb"now served by \S+ \(was .*\), (\d+) ms after publication")
+
+
+def publish_to_served(up_log: Path) -> dict[str, object]:
+    """Each version's publish -> served time as the gateway logged it (exact; the metric's histogram gives
+    only bucket bounds), and its p50 / p99 / max (ms)."""
+    try:
+        ms = [int(m.group(1)) for m in SERVED.finditer(up_log.read_bytes())]
+    except OSError:
+        ms = []
+    if not ms:
+        return {"versions": 0}
+    ranked = sorted(ms)
+
+    def nearest_rank(q: float) -> int:
+        return ranked[max(0, math.ceil(q * len(ranked)) - 1)]
+
+    return {"versions": len(ms), "p50_ms": nearest_rank(0.5), "p99_ms": nearest_rank(0.99), "max_ms": ranked[-1],
+            "over_500_ms": sum(x > 500 for x in ms), "ms": ms}
 
 
 def step_anatomy(versions: dict) -> dict:
@@ -448,14 +471,16 @@ def _fmt(x: float | None) -> str:
 
 def print_table(results: dict) -> None:
     modes = results["modes"]
-    print("| mode | time to reward (s) | steps | rollout tok/s | trainer tok/s | MFU 4N | publish->routed p50/p99 s "
+    print("| mode | time to reward (s) | steps | rollout tok/s | trainer tok/s | MFU 4N | publish->served p50/p99/max ms "
           "| staleness mean/max | GPU busy | serving / gap per version (s) | s per version | failed |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | --- | ---: | ---: |")
     for mode, r in modes.items():
         gpus = ", ".join(f"gpu{g['gpu']} {g['busy_frac']:.0%}" for g in r.get("gpus", [])) or "-"
+        served = r.get("publish_to_served") or {}
+        served_ms = "/".join(str(served.get(k, "-")) for k in ("p50_ms", "p99_ms", "max_ms"))
         print(f"| {mode} | {r.get('time_to_target_s')} | {r['steps']} | {r.get('rollout_tokens_per_s', 0):.0f} "
               f"| {r.get('trainer_tokens_per_s', 0):.0f} | {r.get('trainer_mfu_4n', 0):.1%} "
-              f"| {r.get('publish_to_route_p50_s')}/{r.get('publish_to_route_p99_s')} "
+              f"| {served_ms} ({served.get('versions', 0)} versions) "
               f"| {r['staleness_mean_per_step']['mean']}/{r['staleness_mean_per_step']['max']} | {gpus} "
               f"| {_fmt(r['step_anatomy']['serving_s_mean'])} / {_fmt(r['step_anatomy']['gap_s_mean'])} "
               f"| {_fmt(r.get('seconds_per_version'))} | {r.get('requests_failed')} |")

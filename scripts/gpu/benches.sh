@@ -5,6 +5,7 @@
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
 #   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
 #   lora-load: VERSIONS (default 24, a third each idle / generating / beside a GPU neighbour), STREAMS (128)
+#   gateway: ROUNDS (default 2) more interleaved rounds; GATEWAY_CPUS (e.g. 0-1) the gateway process's CPUs of its own
 #   gateway-scaling: GATEWAY_CPUS (a taskset list, e.g. 0-7) pins the gateways there and the load elsewhere
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
@@ -78,8 +79,10 @@ for bench in "$@"; do
           --json "$out/lora-load.json" > "$out/lora-load.log" 2>&1
       for f in /root/llb/py-spy-lora-*.txt; do [ -f "$f" ] && gzip -c "$f" > "$out/$(basename "$f").gz"; done
       tail -8 "$out/lora-load.log" ;;
-    gateway) python3 "$repo/bench/gateway_bench.py" --seconds 8 --stream-rate 20 --json "$out/gateway.json" \
-               > "$out/gateway.log" 2>&1; tail -12 "$out/gateway.log" ;;
+    gateway)  # ROUNDS (default 2) interleaved rounds after the full pass; GATEWAY_CPUS pins the gateway process
+      python3 "$repo/bench/gateway_bench.py" --seconds 8 --stream-rate 20 --rounds "${ROUNDS:-2}" \
+          ${GATEWAY_CPUS:+--gateway-cpus "$GATEWAY_CPUS"} --json "$out/gateway${TAG:-}.json" \
+          > "$out/gateway${TAG:-}.log" 2>&1; tail -16 "$out/gateway${TAG:-}.log" ;;
     gateway-scaling)  # #18: 1, 2, 4, 8 gateway processes on one port, logging on, and publish -> served
       python3 "$repo/bench/gateway_scaling.py" --processes 1,2,4,8 --seconds 10 --concurrency 64 --clients 4 \
           --stub-processes 2 --versions 20 --version-interval 0.5 ${GATEWAY_CPUS:+--gateway-cpus "$GATEWAY_CPUS"} \
