@@ -637,6 +637,9 @@ def print_table(results: dict[str, object]) -> None:
             line += (f"  (added p99 median {summary[mode]['added_p99_ms_median']:.2f} ms);  req/s "
                      + " / ".join(f"{x:,.0f}" for x in got["rps"]) + f"  (median {np.median(got['rps']):,.0f})")
         print(f"  {mode:13s} p99 ms " + line)
+    print("  event loop's CPU per request, closed loop (ms): " + "; ".join(
+        f"{m} " + " / ".join(f"{x:.3f}" for x in rounds[m]["main_thread_cpu_ms_per_request"])
+        for m in summary["main_thread_cpu_ms_per_request_median"]))
     print("  on / off per round: " + " / ".join(f"{x:.2f}" for x in summary["on_over_off_throughput_per_round"])
           + f"  (median {summary['on_over_off_throughput_median']:.2f})")
 
@@ -744,7 +747,11 @@ def interleaved_rounds(modes: list[str], rounds: int, stub_url: str, port: int, 
                     got["main_thread_run_delay_ms"].append(
                         threads.result(lat["requests"])["main_thread_run_delay_s"] * 1000)
                     wait_drained(f"http://127.0.0.1:{port}")
-                    got["rps"].append(asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))["rps"])
+                    threads = ThreadCpu(pid)
+                    thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
+                    got["rps"].append(thr["rps"])
+                    got["main_thread_cpu_ms_per_request"].append(
+                        threads.result(thr["requests"])["main_thread_cpu_ms_per_request"])
                     wait_drained(f"http://127.0.0.1:{port}")
             rps = f", {got['rps'][-1]:,.0f} req/s" if got.get("rps") else ""
             print(f"[round {r + 1}] {mode}: p50 {got['p50_ms'][-1]:.2f} ms, p99 {got['p99_ms'][-1]:.2f} ms{rps}",
@@ -760,6 +767,7 @@ def first_pass_round(entry: dict[str, object]) -> dict[str, list[float]]:
     if "rps" in entry["throughput"] and "event_loop_lag" in lat:  # a gateway mode
         got["main_thread_run_delay_ms"] = [lat["threads"]["main_thread_run_delay_s"] * 1000]
         got["rps"] = [entry["throughput"]["rps"]]
+        got["main_thread_cpu_ms_per_request"] = [entry["throughput"]["threads"]["main_thread_cpu_ms_per_request"]]
     return got
 
 
@@ -868,6 +876,8 @@ def main() -> None:
         summary[f"{mode}_over_off_throughput_median"] = float(np.median(np.divide(rps[mode], rps["off"])))
     summary["on_over_off_throughput_per_round"] = list(np.divide(rps["on"], rps["off"]))
     summary["on_over_off_throughput_median"] = float(np.median(summary["on_over_off_throughput_per_round"]))
+    summary["main_thread_cpu_ms_per_request_median"] = {
+        m: float(np.median(rounds[m]["main_thread_cpu_ms_per_request"])) for m in rps}
     for mode in rps:  # added latency per round: the mode's percentile minus direct's in the same round
         for q in ("p50", "p99"):
             added = list(np.subtract(rounds[mode][f"{q}_ms"], rounds["direct"][f"{q}_ms"]))
