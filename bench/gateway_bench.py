@@ -358,6 +358,14 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+def on_cpu_seconds(pid: int, tid: int) -> float:
+    """Time a thread ran on a CPU, to the nanosecond (/proc/PID/task/TID/schedstat, 1st field; the stat file's
+    user + system time is sampled at the scheduler's tick)."""
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+    return 0.0
+
+
 def run_delay_seconds(pid: int, tid: int) -> float:
     """Time a thread spent runnable but waiting for a CPU (/proc/PID/task/TID/schedstat, 2nd field): a
     stall that is the scheduler's, not the GIL's or the code's."""
@@ -374,6 +382,7 @@ class ThreadCpu:
         self.pid = pid
         self.total0, self.threads0 = cpu_seconds(pid), thread_cpu(pid)
         self.delay0 = {tid: run_delay_seconds(pid, tid) for tid in self.threads0}
+        self.main_on_cpu0, self.wall0 = on_cpu_seconds(pid, pid), time.perf_counter()
 
     def result(self, requests: int) -> dict[str, object]:
         total, threads = cpu_seconds(self.pid) - self.total0, thread_cpu(self.pid)
@@ -383,7 +392,10 @@ class ThreadCpu:
         main = per.pop(self.pid, 0.0)
         others = sum(per.values())
         n = max(1, requests)
+        main_on_cpu = on_cpu_seconds(self.pid, self.pid) - self.main_on_cpu0
         return {"main_thread_cpu_s": main, "other_threads_cpu_s": others, "main_thread_run_delay_s": delay,
+                "main_thread_busy": main_on_cpu / (time.perf_counter() - self.wall0),
+                "main_thread_on_cpu_ms_per_request": main_on_cpu * 1000 / n,
                 "other_threads_run_delay_s": sum(delays.values()),
                 "exited_threads_cpu_s": max(0.0, total - main - others),
                 "main_thread_cpu_ms_per_request": main * 1000 / n, "other_threads_cpu_ms_per_request": others * 1000 / n,
@@ -637,8 +649,9 @@ def print_table(results: dict[str, object]) -> None:
             line += (f"  (added p99 median {summary[mode]['added_p99_ms_median']:.2f} ms);  req/s "
                      + " / ".join(f"{x:,.0f}" for x in got["rps"]) + f"  (median {np.median(got['rps']):,.0f})")
         print(f"  {mode:13s} p99 ms " + line)
-    print("  event loop's CPU per request, closed loop (ms): " + "; ".join(
-        f"{m} " + " / ".join(f"{x:.3f}" for x in rounds[m]["main_thread_cpu_ms_per_request"])
+    print("  event loop's CPU per request (ms) and busy share, closed loop: " + "; ".join(
+        f"{m} " + " / ".join(f"{x:.3f} ({b:.0%})" for x, b in zip(rounds[m]["main_thread_cpu_ms_per_request"],
+                                                                 rounds[m]["main_thread_busy"], strict=True))
         for m in summary["main_thread_cpu_ms_per_request_median"]))
     print("  on / off per round: " + " / ".join(f"{x:.2f}" for x in summary["on_over_off_throughput_per_round"])
           + f"  (median {summary['on_over_off_throughput_median']:.2f})")
@@ -750,8 +763,9 @@ def interleaved_rounds(modes: list[str], rounds: int, stub_url: str, port: int, 
                     threads = ThreadCpu(pid)
                     thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
                     got["rps"].append(thr["rps"])
-                    got["main_thread_cpu_ms_per_request"].append(
-                        threads.result(thr["requests"])["main_thread_cpu_ms_per_request"])
+                    loop_cpu = threads.result(thr["requests"])
+                    got["main_thread_cpu_ms_per_request"].append(loop_cpu["main_thread_on_cpu_ms_per_request"])
+                    got["main_thread_busy"].append(loop_cpu["main_thread_busy"])
                     wait_drained(f"http://127.0.0.1:{port}")
             rps = f", {got['rps'][-1]:,.0f} req/s" if got.get("rps") else ""
             print(f"[round {r + 1}] {mode}: p50 {got['p50_ms'][-1]:.2f} ms, p99 {got['p99_ms'][-1]:.2f} ms{rps}",
@@ -767,7 +781,8 @@ def first_pass_round(entry: dict[str, object]) -> dict[str, list[float]]:
     if "rps" in entry["throughput"] and "event_loop_lag" in lat:  # a gateway mode
         got["main_thread_run_delay_ms"] = [lat["threads"]["main_thread_run_delay_s"] * 1000]
         got["rps"] = [entry["throughput"]["rps"]]
-        got["main_thread_cpu_ms_per_request"] = [entry["throughput"]["threads"]["main_thread_cpu_ms_per_request"]]
+        got["main_thread_cpu_ms_per_request"] = [entry["throughput"]["threads"]["main_thread_on_cpu_ms_per_request"]]
+        got["main_thread_busy"] = [entry["throughput"]["threads"]["main_thread_busy"]]
     return got
 
 
