@@ -653,6 +653,10 @@ def print_table(results: dict[str, object]) -> None:
         f"{m} " + " / ".join(f"{x:.3f} ({b:.0%})" for x, b in zip(rounds[m]["main_thread_cpu_ms_per_request"],
                                                                  rounds[m]["main_thread_busy"], strict=True))
         for m in summary["main_thread_cpu_ms_per_request_median"]))
+    print("  stub's / client's loop busy, closed loop, interleaved rounds: " + "; ".join(
+        f"{m} " + " / ".join(f"{a:.0%}, {b:.0%}" for a, b in zip(rounds[m].get("stub_busy", []),
+                                                              rounds[m].get("client_busy", []), strict=True))
+        for m in summary["main_thread_cpu_ms_per_request_median"]))
     print("  on / off per round: " + " / ".join(f"{x:.2f}" for x in summary["on_over_off_throughput_per_round"])
           + f"  (median {summary['on_over_off_throughput_median']:.2f})")
 
@@ -733,12 +737,14 @@ def gateway_for(mode: str, stub_url: str, port: int, bootstrap: str, pages: int,
         procs.remove(gw)
 
 
-def interleaved_rounds(modes: list[str], rounds: int, stub_url: str, port: int, bootstrap: str,
+def interleaved_rounds(modes: list[str], rounds: int, stub: subprocess.Popen, stub_url: str, port: int, bootstrap: str,
                        args: argparse.Namespace, procs: list[subprocess.Popen]) -> dict[str, dict[str, list[float]]]:
     """``rounds`` more rounds of every mode, interleaved (their order reversed every other round): per mode
     and round the open-loop p50 / p99 at ``args.rate`` (``direct`` too, the round's baseline) and the
     closed-loop req/s (gateway modes). A host's speed drifts between phases by more than logging's cost, and
-    one stall of the host decides a phase's p99: so ratios and added latency are taken per round."""
+    one stall of the host decides a phase's p99: so ratios and added latency are taken per round. Beside the
+    gateway's event loop, the busy share of the stub's and this client's loops in the closed loop: which
+    process bounds the req/s."""
     out: dict[str, dict[str, list[float]]] = {m: collections.defaultdict(list) for m in modes}
     for r in range(rounds):
         for mode in (modes if r % 2 else modes[::-1]):
@@ -760,9 +766,11 @@ def interleaved_rounds(modes: list[str], rounds: int, stub_url: str, port: int, 
                     got["main_thread_run_delay_ms"].append(
                         threads.result(lat["requests"])["main_thread_run_delay_s"] * 1000)
                     wait_drained(f"http://127.0.0.1:{port}")
-                    threads = ThreadCpu(pid)
+                    threads, stub_loop, client_loop = ThreadCpu(pid), ThreadCpu(stub.pid), ThreadCpu(os.getpid())
                     thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
                     got["rps"].append(thr["rps"])
+                    got["stub_busy"].append(stub_loop.result(1)["main_thread_busy"])
+                    got["client_busy"].append(client_loop.result(1)["main_thread_busy"])
                     loop_cpu = threads.result(thr["requests"])
                     got["main_thread_cpu_ms_per_request"].append(loop_cpu["main_thread_on_cpu_ms_per_request"])
                     got["main_thread_busy"].append(loop_cpu["main_thread_busy"])
@@ -843,9 +851,11 @@ def main() -> None:
                     url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
                 results[mode] = measure_mode(mode, url, gw, pages, stub, args)
                 print(f"[{mode}] {json.dumps(results[mode])}", flush=True)
-        extra = interleaved_rounds(modes, args.rounds, stub_url, gw_port, broker.bootstrap_servers, args, procs)
-        results["rounds"] = {m: {k: [*v, *extra[m].get(k, [])] for k, v in first_pass_round(results[m]).items()}
-                             for m in modes}
+        extra = interleaved_rounds(modes, args.rounds, stub, stub_url, gw_port, broker.bootstrap_servers, args, procs)
+        results["rounds"] = {}
+        for m in modes:
+            first = first_pass_round(results[m])
+            results["rounds"][m] = {k: [*first.get(k, []), *extra[m].get(k, [])] for k in {**first, **extra[m]}}
         results["records"] = record_sizes(broker.bootstrap_servers)
     finally:
         for proc in procs:
