@@ -15,7 +15,8 @@
 #          gpu-local; the client and the gateway on the other CPUs), TAG (suffix of capture.json / .log)
 #   env:   LR (loop learning rate, default 3e-3; loop-real 5e-4), ENGINES (vLLM replicas, default 1),
 #          MAX_AHEAD (pipeline's steps ahead, default 1; loop-real 2), CONCURRENCY (groups in flight,
-#          default 16), LOOP_SECONDS (per mode, default 150), UNTIL (target reward, default 0.8);
+#          default 16), LOOP_SECONDS (per mode, default 150), UNTIL (target reward, default 0.8), LOOP_MODES
+#          (loop_bench's --modes, default pipeline,sync);
 #          loop-real only: GROUP (group size, 16), GPS (groups per step, 8), MAX_TOKENS (128); its UNTIL
 #          defaults to 2 (out of reach: both modes run LOOP_SECONDS and the held-out curves are compared)
 #   loop-real: SmolLM2-135M-Instruct (its wheel staged in STASH/wheels) on the arithmetic task, one GPU,
@@ -36,15 +37,15 @@ export PYTHONPATH=$site PATH=$site/bin:$PATH PYTORCH_CUDA_ALLOC_CONF=expandable_
 cd /root  # outside the checkout: its streamrl/ folder would shadow the laid-out package
 
 loop() {  # loop NAME ARGS...: bench/loop_bench.py ARGS, pipeline then sync, its JSON, logs and histories in OUT
-  local name=$1 dir=/root/lb-$1
+  local name=$1 dir=/root/lb-$1 modes=${LOOP_MODES:-pipeline,sync}
   shift
   rm -rf "$dir"
   (while sleep 10; do cp "$dir/loop_bench.json" "$out/$name.json" 2>/dev/null; done) & local copier=$!
-  python3 "$repo/bench/loop_bench.py" "$@" --modes pipeline,sync --max-seconds "${LOOP_SECONDS:-150}" \
+  python3 "$repo/bench/loop_bench.py" "$@" --modes "$modes" --max-seconds "${LOOP_SECONDS:-150}" \
       --lora-rank 16 --micro-batch-tokens 16384 --out "$dir" > "$out/$name.log" 2>&1
   kill "$copier"
   cp "$dir/loop_bench.json" "$out/$name.json" 2>/dev/null
-  for m in pipeline sync; do
+  for m in ${modes//,/ }; do
     grep -v 'HTTP/1.1" 200' "$dir/$m/up.log" 2>/dev/null | grep -v '^engine' | tail -300 > "$out/$name-$m.log"
     cp "$dir/$m/history.jsonl" "$out/$name-$m-history.jsonl" 2>/dev/null
   done
