@@ -57,6 +57,11 @@ COMPLETION_TOKENS = 1000
 MODEL = "stub-model"
 
 
+SLOW_MS = 10.0
+"""An open-loop request slower than this counts as slow: when they came (``open_loop``'s ``slow``) tells one
+stall from a slower path."""
+
+
 # -- the stub upstream ------------------------------------------------------------------------------
 
 def _tokens(seed: int) -> tuple[list[int], list[float], list[str]]:
@@ -255,13 +260,20 @@ async def open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict[
                 failures += 1
                 kinds[str(status)] = kinds.get(str(status), 0) + 1
             latencies.append(time.perf_counter() - scheduled)
+            starts.append(scheduled - start)
 
+        starts: list[float] = []
         await asyncio.gather(*(fire(i) for i in range(n)))
         elapsed = time.perf_counter() - start
     lat = np.asarray(latencies) * 1000
+    slow = np.asarray(starts)[lat > SLOW_MS]
     return {"rate": rate, "achieved_rps": n / elapsed, "p50_ms": float(np.percentile(lat, 50)),
             "p90_ms": float(np.percentile(lat, 90)), "p99_ms": float(np.percentile(lat, 99)),
-            "failures": failures, "failure_kinds": kinds, "requests": n}
+            "failures": failures, "failure_kinds": kinds, "requests": n,
+            # one stall makes a burst of slow requests, a slower path spreads them over the phase
+            "slow": {"over_ms": SLOW_MS, "requests": int(slow.size), "max_ms": float(lat.max()),
+                     "first_s": float(slow.min()) if slow.size else None,
+                     "last_s": float(slow.max()) if slow.size else None}}
 
 
 async def closed_loop(url: str, concurrency: int, seconds: float, body: bytes,
@@ -756,13 +768,17 @@ def interleaved_rounds(modes: list[str], rounds: int, stub: subprocess.Popen, st
                                                               procs))
                     url, pid = f"http://127.0.0.1:{port}/v1/chat/completions", gw.pid
                 threads, host0 = (ThreadCpu(pid) if pid else None), host_cpu_counters()
+                gw_url = f"http://127.0.0.1:{port}"
+                lag0 = lag_buckets(gw_url) if pid else {}
                 lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
                 got = out[mode]
                 got["p50_ms"].append(lat["p50_ms"])
                 got["p99_ms"].append(lat["p99_ms"])
                 got["failures"].append(lat["failures"])
                 got["host_steal_s"].append(counters_delta(host0, host_cpu_counters())["host_steal_s"])
+                got["slow"].append(lat["slow"])
                 if threads is not None:
+                    got["event_loop_lag_max_ms"].append(lag_summary(lag0, lag_buckets(gw_url))["max_ms"])
                     got["main_thread_run_delay_ms"].append(
                         threads.result(lat["requests"])["main_thread_run_delay_s"] * 1000)
                     wait_drained(f"http://127.0.0.1:{port}")
@@ -776,8 +792,11 @@ def interleaved_rounds(modes: list[str], rounds: int, stub: subprocess.Popen, st
                     got["main_thread_busy"].append(loop_cpu["main_thread_busy"])
                     wait_drained(f"http://127.0.0.1:{port}")
             rps = f", {got['rps'][-1]:,.0f} req/s" if got.get("rps") else ""
-            print(f"[round {r + 1}] {mode}: p50 {got['p50_ms'][-1]:.2f} ms, p99 {got['p99_ms'][-1]:.2f} ms{rps}",
-                  flush=True)
+            slow = got["slow"][-1]
+            when = f" from {slow['first_s']:.2f} to {slow['last_s']:.2f} s" if slow["requests"] else ""
+            lag = f", loop lag at most {got['event_loop_lag_max_ms'][-1]} ms" if got.get("event_loop_lag_max_ms") else ""
+            print(f"[round {r + 1}] {mode}: p50 {got['p50_ms'][-1]:.2f} ms, p99 {got['p99_ms'][-1]:.2f} ms{rps}; "
+                  f"{slow['requests']} over {SLOW_MS:g} ms{when}{lag}", flush=True)
     return {m: dict(v) for m, v in out.items()}
 
 
@@ -785,9 +804,11 @@ def first_pass_round(entry: dict[str, object]) -> dict[str, list[float]]:
     """A mode's figures of the full pass, as the first of its rounds."""
     lat = entry["latency"]
     got: dict[str, list[float]] = {"p50_ms": [lat["p50_ms"]], "p99_ms": [lat["p99_ms"]],
-                                   "failures": [lat["failures"]], "host_steal_s": [lat["host"]["host_steal_s"]]}
+                                   "failures": [lat["failures"]], "host_steal_s": [lat["host"]["host_steal_s"]],
+                                   "slow": [lat["slow"]]}
     if "rps" in entry["throughput"] and "event_loop_lag" in lat:  # a gateway mode
         got["main_thread_run_delay_ms"] = [lat["threads"]["main_thread_run_delay_s"] * 1000]
+        got["event_loop_lag_max_ms"] = [lat["event_loop_lag"]["max_ms"]]
         got["rps"] = [entry["throughput"]["rps"]]
         got["main_thread_cpu_ms_per_request"] = [entry["throughput"]["threads"]["main_thread_on_cpu_ms_per_request"]]
         got["main_thread_busy"] = [entry["throughput"]["threads"]["main_thread_busy"]]
