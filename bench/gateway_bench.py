@@ -469,16 +469,20 @@ def processes_run_delay_s(pids: list[int]) -> float:
 LAG_METRIC = "streamrl_gateway_event_loop_lag_seconds"
 
 
-def lag_buckets(gateway_url: str) -> dict[float, float]:
-    """Cumulative counts of the gateway's event-loop lag histogram, by upper bound (seconds)."""
+GC_METRIC = "streamrl_gateway_gc_pause_seconds"
+
+
+def lag_buckets(gateway_url: str, metric: str = LAG_METRIC) -> dict[float, float]:
+    """Cumulative counts of the gateway's event-loop lag histogram (or, with ``GC_METRIC``, of its collections'
+    pauses, all generations together), by upper bound (seconds)."""
     import httpx
 
-    out = {}
+    out: dict[float, float] = collections.defaultdict(float)
     for line in httpx.get(f"{gateway_url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(LAG_METRIC + '_bucket{le="'):
-            le, value = line[len(LAG_METRIC) + 12:].split('"} ')
-            out[float(le)] = float(value)
-    return out
+        if line.startswith(metric + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float(le)] += float(line.rsplit(" ", 1)[1])
+    return dict(out)
 
 
 def lag_summary(before: dict[float, float], after: dict[float, float]) -> dict[str, object]:
@@ -769,7 +773,7 @@ def interleaved_rounds(modes: list[str], rounds: int, stub: subprocess.Popen, st
                     url, pid = f"http://127.0.0.1:{port}/v1/chat/completions", gw.pid
                 threads, host0 = (ThreadCpu(pid) if pid else None), host_cpu_counters()
                 gw_url = f"http://127.0.0.1:{port}"
-                lag0 = lag_buckets(gw_url) if pid else {}
+                lag0, gc0 = (lag_buckets(gw_url), lag_buckets(gw_url, GC_METRIC)) if pid else ({}, {})
                 lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
                 got = out[mode]
                 got["p50_ms"].append(lat["p50_ms"])
@@ -779,6 +783,9 @@ def interleaved_rounds(modes: list[str], rounds: int, stub: subprocess.Popen, st
                 got["slow"].append(lat["slow"])
                 if threads is not None:
                     got["event_loop_lag_max_ms"].append(lag_summary(lag0, lag_buckets(gw_url))["max_ms"])
+                    pauses = lag_summary(gc0, lag_buckets(gw_url, GC_METRIC))
+                    got["gc_pause_max_ms"].append(pauses["max_ms"])
+                    got["gc_collections"].append(pauses["samples"])
                     got["main_thread_run_delay_ms"].append(
                         threads.result(lat["requests"])["main_thread_run_delay_s"] * 1000)
                     wait_drained(f"http://127.0.0.1:{port}")
@@ -794,7 +801,8 @@ def interleaved_rounds(modes: list[str], rounds: int, stub: subprocess.Popen, st
             rps = f", {got['rps'][-1]:,.0f} req/s" if got.get("rps") else ""
             slow = got["slow"][-1]
             when = f" from {slow['first_s']:.2f} to {slow['last_s']:.2f} s" if slow["requests"] else ""
-            lag = f", loop lag at most {got['event_loop_lag_max_ms'][-1]} ms" if got.get("event_loop_lag_max_ms") else ""
+            lag = (f", loop lag at most {got['event_loop_lag_max_ms'][-1]} ms, {got['gc_collections'][-1]} "
+                   f"collections of at most {got['gc_pause_max_ms'][-1]} ms") if got.get("event_loop_lag_max_ms") else ""
             print(f"[round {r + 1}] {mode}: p50 {got['p50_ms'][-1]:.2f} ms, p99 {got['p99_ms'][-1]:.2f} ms{rps}; "
                   f"{slow['requests']} over {SLOW_MS:g} ms{when}{lag}", flush=True)
     return {m: dict(v) for m, v in out.items()}

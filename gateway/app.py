@@ -34,7 +34,7 @@ from .coordination import Coordination, default_gateway_id
 from .dashboard import Dashboard
 from .dashboard_routes import add_dashboard_routes
 from .hotswap import PolicyFollower
-from .loop_lag import LoopLagMonitor
+from .loop_lag import CollectionPauses, LoopLagMonitor
 from .metrics import GatewayMetrics
 from .openapi import openapi_document
 from .policy import PolicyRouter
@@ -74,6 +74,8 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self.fresh_session: aiohttp.ClientSession | None = None
         self.loop_lag = LoopLagMonitor(self.metrics.loop_lag.observe)
+        self.gc_pauses = CollectionPauses()
+        self.metrics.watch_collections(self.gc_pauses)
         self.metrics.watch(self.pool, lambda: self.producer.stats if self.producer else None,
                            lambda: self.producer.buffered if self.producer else 0, lambda: self.router.version,
                            self.reward_stats)
@@ -86,6 +88,7 @@ class Gateway:
     async def start(self) -> None:
         c = self.config
         self.loop_lag.start()
+        self.gc_pauses.install()
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=c.upstream_keepalive_s,
                                          ttl_dns_cache=None)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
@@ -124,6 +127,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self.loop_lag.stop()
+        self.gc_pauses.uninstall()
         if self.dashboard is not None:
             await self.dashboard.stop()
         if self.follower is not None:

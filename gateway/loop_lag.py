@@ -12,6 +12,8 @@ Cost: one timer callback and one histogram observation per interval (docs/gatewa
 from __future__ import annotations
 
 import asyncio
+import bisect
+import gc
 import time
 from collections.abc import Callable
 
@@ -54,3 +56,45 @@ class LoopLagMonitor:
         self.samples += 1
         self.observe(lag)
         self._schedule(now)
+
+
+class CollectionPauses:
+    """How long each garbage collection of this process took, by generation: a collection holds the GIL,
+    so the event loop waits it out whichever thread set it off, and the lag monitor alone cannot say that a
+    stall was one. ``install()`` adds a ``gc.callbacks`` entry; the callback only counts into plain lists
+    (no lock: a collection may start inside any code, a metrics lock held by the same thread included), and
+    ``buckets()`` hands the counts to a collector at scrape time."""
+
+    def __init__(self, bounds: tuple[float, ...] = LAG_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [[0] * (len(bounds) + 1) for _ in range(3)]
+        """Per generation, collections per bucket (the last: over every bound)."""
+        self.sums = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def install(self) -> None:
+        if self._on_collection not in gc.callbacks:
+            gc.callbacks.append(self._on_collection)
+
+    def uninstall(self) -> None:
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        if not self._started:  # installed during a collection
+            return
+        took = time.perf_counter() - self._started
+        generation = info["generation"]
+        self.counts[generation][bisect.bisect_left(self.bounds, took)] += 1
+        self.sums[generation] += took
+
+    def buckets(self, generation: int) -> tuple[list[tuple[str, float]], float]:
+        """Cumulative ``(le, count)`` pairs as Prometheus writes them, and the sum of seconds."""
+        out, total = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts[generation], strict=True):
+            total += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(total)))
+        return out, self.sums[generation]

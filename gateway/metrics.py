@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from streamrl.broker.log_producer import ProducerStats
 
-from .loop_lag import LAG_BUCKETS
+from .loop_lag import LAG_BUCKETS, CollectionPauses
 from .upstreams import UpstreamPool
 
 SWAP_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 5,
@@ -20,6 +20,22 @@ graphs (LoRA load ~1.4 s): buckets fine enough for both."""
 REJECT_REASONS = ("sha256", "outside_root", "publisher", "malformed")
 """Why a policy record was refused (``hotswap.py``)."""
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _CollectionCollector(Collector):
+    """The process's garbage-collection pauses by generation (``loop_lag.CollectionPauses``)."""
+
+    def __init__(self, pauses: CollectionPauses) -> None:
+        self.pauses = pauses
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily("streamrl_gateway_gc_pause_seconds", "how long each garbage collection of "
+                                       "the gateway process held the GIL (the event loop waits it out)",
+                                       labels=["generation"])
+        for generation in range(3):
+            buckets, total = self.pauses.buckets(generation)
+            family.add_metric([str(generation)], buckets, total)
+        yield family
 
 
 class _StateCollector(Collector):
@@ -134,6 +150,9 @@ class GatewayMetrics:
     def watch(self, pool: UpstreamPool, stats: Callable[[], ProducerStats | None], buffered: Callable[[], int],
               policy_version: Callable[[], int], reward_stats: Callable[[], ProducerStats | None]) -> None:
         self.registry.register(_StateCollector(pool, stats, buffered, policy_version, reward_stats))
+
+    def watch_collections(self, pauses: CollectionPauses) -> None:
+        self.registry.register(_CollectionCollector(pauses))
 
     def observe(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route, str(status)).inc()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import httpx
@@ -10,7 +11,7 @@ import uvloop
 
 from streamrl.broker.embedded import free_port
 from streamrl.gateway.config import GatewayConfig
-from streamrl.gateway.loop_lag import LoopLagMonitor
+from streamrl.gateway.loop_lag import CollectionPauses, LoopLagMonitor
 from streamrl.gateway.server import GatewayServer
 
 STALL_S = 0.08
@@ -63,3 +64,36 @@ def test_gateway_exports_the_lag_of_its_loop() -> None:
     assert "0.0005" in buckets and "0.1" in buckets, buckets
     assert buckets["+Inf"] - buckets["0.05"] >= 1, buckets  # at least one sample later than 50 ms
     assert buckets["+Inf"] >= 2, buckets
+
+
+GC_METRIC = "streamrl_gateway_gc_pause_seconds"
+
+
+def test_a_collection_is_timed_by_generation() -> None:
+    pauses = CollectionPauses()
+    pauses.install()
+    try:
+        garbage = [[i] for i in range(200_000)]  # something for the full collection to walk
+        gc.collect(2)
+        del garbage
+    finally:
+        pauses.uninstall()
+    buckets, seconds = pauses.buckets(2)
+    assert buckets[-1] == ("+Inf", float(sum(pauses.counts[2])))
+    assert sum(pauses.counts[2]) >= 1 and seconds > 0
+    assert [count for _, count in buckets] == sorted(count for _, count in buckets)  # cumulative
+    calls = len(gc.callbacks)
+    gc.collect(2)
+    assert len(gc.callbacks) == calls and sum(pauses.counts[2]) == buckets[-1][1]  # uninstalled: not counted
+
+
+def test_gateway_exports_its_collections() -> None:
+    config = GatewayConfig(upstreams=(f"http://127.0.0.1:{free_port()}",), bootstrap_servers=None, port=free_port())
+    with GatewayServer(config) as gw:
+        before = gw.gateway.gc_pauses.counts[2][:]
+        gc.collect(2)  # the gateway runs in this process: its callback times this collection
+        text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    full = {line.split('le="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(GC_METRIC + '_bucket{generation="2"')}
+    assert full["+Inf"] >= sum(before) + 1, full
+    assert f'{GC_METRIC}_sum{{generation="0"}}' in text
