@@ -3,9 +3,11 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
+#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
 #   lora-load: VERSIONS (default 24, a third each idle / generating / beside a GPU neighbour), STREAMS (128)
 #   gateway: ROUNDS (default 2) more interleaved rounds; GATEWAY_CPUS (e.g. 0-1) the gateway process's CPUs of its own
+#   gateway-isolated: bench/cpu_siblings.py finds the vCPUs sharing CPU 0's physical core, then the gateway bench
+#          (direct, off, on, on-framed; ROUNDS, default 3) with the gateway process on that core alone
 #   gateway-scaling: GATEWAY_CPUS (a taskset list, e.g. 0-7) pins the gateways there and the load elsewhere
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
@@ -84,6 +86,14 @@ for bench in "$@"; do
       python3 "$repo/bench/gateway_bench.py" --seconds 8 --stream-rate 20 --rounds "${ROUNDS:-2}" \
           ${GATEWAY_CPUS:+--gateway-cpus "$GATEWAY_CPUS"} --json "$out/gateway${TAG:-}.json" \
           > "$out/gateway${TAG:-}.log" 2>&1; tail -16 "$out/gateway${TAG:-}.log" ;;
+    gateway-isolated)  # the vCPUs that share CPU 0's physical core, then the gateway bench with that core its own
+      python3 "$repo/bench/cpu_siblings.py" --cpu 0 --json "$out/cpu-siblings.json" > "$out/cpu-siblings.log" 2>&1
+      core=$(python3 -c "import json, sys; print(','.join(map(str, [0, *json.load(open(sys.argv[1]))['siblings']])))" \
+             "$out/cpu-siblings.json")
+      tail -1 "$out/cpu-siblings.log"
+      python3 "$repo/bench/gateway_bench.py" --seconds 6 --stream-rate 0 --modes direct,off,on,on-framed \
+          --rounds "${ROUNDS:-3}" --gateway-cpus "$core" --json "$out/gateway-isolated.json" \
+          > "$out/gateway-isolated.log" 2>&1; tail -16 "$out/gateway-isolated.log" ;;
     gateway-scaling)  # #18: 1, 2, 4, 8 gateway processes on one port, logging on, and publish -> served
       python3 "$repo/bench/gateway_scaling.py" --processes 1,2,4,8 --seconds 10 --concurrency 64 --clients 4 \
           --stub-processes 2 --versions 20 --version-interval 0.5 ${GATEWAY_CPUS:+--gateway-cpus "$GATEWAY_CPUS"} \
