@@ -753,58 +753,72 @@ def gateway_for(mode: str, stub_url: str, port: int, bootstrap: str, pages: int,
         procs.remove(gw)
 
 
+def open_phase(url: str, gateway_url: str, pid: int | None, args: argparse.Namespace) -> dict[str, object]:
+    """One open-loop phase of a round: latency, its slow requests, the host's steal and, through a gateway
+    (``pid``), the event loop's largest lag, the collections in the phase and the loop's wait for a CPU."""
+    threads, host0 = (ThreadCpu(pid) if pid else None), host_cpu_counters()
+    lag0, gc0 = (lag_buckets(gateway_url), lag_buckets(gateway_url, GC_METRIC)) if pid else ({}, {})
+    lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
+    row: dict[str, object] = {k: lat[k] for k in ("p50_ms", "p99_ms", "failures", "slow")}
+    row["host_steal_s"] = counters_delta(host0, host_cpu_counters())["host_steal_s"]
+    if threads is not None:
+        pauses = lag_summary(gc0, lag_buckets(gateway_url, GC_METRIC))
+        row.update(event_loop_lag_max_ms=lag_summary(lag0, lag_buckets(gateway_url))["max_ms"],
+                   gc_pause_max_ms=pauses["max_ms"], gc_collections=pauses["samples"],
+                   main_thread_run_delay_ms=threads.result(lat["requests"])["main_thread_run_delay_s"] * 1000)
+    return row
+
+
+def closed_phase(url: str, pid: int, stub_pid: int, args: argparse.Namespace) -> dict[str, object]:
+    """One closed-loop phase of a round through a gateway: req/s, the event loop's time on a CPU per call and
+    busy share, and the stub's and this client's loops' busy share (which process bounds the req/s)."""
+    threads, stub_loop, client_loop = ThreadCpu(pid), ThreadCpu(stub_pid), ThreadCpu(os.getpid())
+    thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
+    loop_cpu = threads.result(thr["requests"])
+    return {"rps": thr["rps"], "main_thread_cpu_ms_per_request": loop_cpu["main_thread_on_cpu_ms_per_request"],
+            "main_thread_busy": loop_cpu["main_thread_busy"], "stub_busy": stub_loop.result(1)["main_thread_busy"],
+            "client_busy": client_loop.result(1)["main_thread_busy"]}
+
+
+def round_line(mode: str, got: dict[str, list]) -> str:
+    """A round's figures of ``mode`` (the last of each list) as the bench prints them."""
+    slow = got["slow"][-1]
+    line = f"{mode}: p50 {got['p50_ms'][-1]:.2f} ms, p99 {got['p99_ms'][-1]:.2f} ms"
+    if got.get("rps"):
+        line += f", {got['rps'][-1]:,.0f} req/s"
+    line += f"; {slow['requests']} over {SLOW_MS:g} ms"
+    if slow["requests"]:
+        line += f" from {slow['first_s']:.2f} to {slow['last_s']:.2f} s"
+    if got.get("gc_collections"):
+        line += (f", loop lag at most {got['event_loop_lag_max_ms'][-1]} ms, {got['gc_collections'][-1]} "
+                 f"collections of at most {got['gc_pause_max_ms'][-1]} ms")
+    return line
+
+
 def interleaved_rounds(modes: list[str], rounds: int, stub: subprocess.Popen, stub_url: str, port: int, bootstrap: str,
-                       args: argparse.Namespace, procs: list[subprocess.Popen]) -> dict[str, dict[str, list[float]]]:
-    """``rounds`` more rounds of every mode, interleaved (their order reversed every other round): per mode
-    and round the open-loop p50 / p99 at ``args.rate`` (``direct`` too, the round's baseline) and the
-    closed-loop req/s (gateway modes). A host's speed drifts between phases by more than logging's cost, and
-    one stall of the host decides a phase's p99: so ratios and added latency are taken per round. Beside the
-    gateway's event loop, the busy share of the stub's and this client's loops in the closed loop: which
-    process bounds the req/s."""
-    out: dict[str, dict[str, list[float]]] = {m: collections.defaultdict(list) for m in modes}
+                       args: argparse.Namespace, procs: list[subprocess.Popen]) -> dict[str, dict[str, list]]:
+    """``rounds`` more rounds of every mode, interleaved (their order reversed every other round): each mode's
+    open-loop phase (``direct`` too, the round's baseline) and, through a gateway, its closed-loop phase. A
+    host's speed drifts between phases by more than logging's cost, and one stall of the host decides a phase's
+    p99: so ratios and added latency are taken per round."""
+    out: dict[str, dict[str, list]] = {m: collections.defaultdict(list) for m in modes}
+    gateway_url = f"http://127.0.0.1:{port}"
     for r in range(rounds):
         for mode in (modes if r % 2 else modes[::-1]):
             with contextlib.ExitStack() as running:
                 if mode == "direct":
-                    url, pid = f"{stub_url}/v1/chat/completions", None
+                    row = open_phase(f"{stub_url}/v1/chat/completions", gateway_url, None, args)
                 else:
                     gw, _ = running.enter_context(gateway_for(mode, stub_url, port, bootstrap, args.dashboard_pages,
                                                               procs))
-                    url, pid = f"http://127.0.0.1:{port}/v1/chat/completions", gw.pid
-                threads, host0 = (ThreadCpu(pid) if pid else None), host_cpu_counters()
-                gw_url = f"http://127.0.0.1:{port}"
-                lag0, gc0 = (lag_buckets(gw_url), lag_buckets(gw_url, GC_METRIC)) if pid else ({}, {})
-                lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
-                got = out[mode]
-                got["p50_ms"].append(lat["p50_ms"])
-                got["p99_ms"].append(lat["p99_ms"])
-                got["failures"].append(lat["failures"])
-                got["host_steal_s"].append(counters_delta(host0, host_cpu_counters())["host_steal_s"])
-                got["slow"].append(lat["slow"])
-                if threads is not None:
-                    got["event_loop_lag_max_ms"].append(lag_summary(lag0, lag_buckets(gw_url))["max_ms"])
-                    pauses = lag_summary(gc0, lag_buckets(gw_url, GC_METRIC))
-                    got["gc_pause_max_ms"].append(pauses["max_ms"])
-                    got["gc_collections"].append(pauses["samples"])
-                    got["main_thread_run_delay_ms"].append(
-                        threads.result(lat["requests"])["main_thread_run_delay_s"] * 1000)
-                    wait_drained(f"http://127.0.0.1:{port}")
-                    threads, stub_loop, client_loop = ThreadCpu(pid), ThreadCpu(stub.pid), ThreadCpu(os.getpid())
-                    thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
-                    got["rps"].append(thr["rps"])
-                    got["stub_busy"].append(stub_loop.result(1)["main_thread_busy"])
-                    got["client_busy"].append(client_loop.result(1)["main_thread_busy"])
-                    loop_cpu = threads.result(thr["requests"])
-                    got["main_thread_cpu_ms_per_request"].append(loop_cpu["main_thread_on_cpu_ms_per_request"])
-                    got["main_thread_busy"].append(loop_cpu["main_thread_busy"])
-                    wait_drained(f"http://127.0.0.1:{port}")
-            rps = f", {got['rps'][-1]:,.0f} req/s" if got.get("rps") else ""
-            slow = got["slow"][-1]
-            when = f" from {slow['first_s']:.2f} to {slow['last_s']:.2f} s" if slow["requests"] else ""
-            lag = (f", loop lag at most {got['event_loop_lag_max_ms'][-1]} ms, {got['gc_collections'][-1]} "
-                   f"collections of at most {got['gc_pause_max_ms'][-1]} ms") if got.get("event_loop_lag_max_ms") else ""
-            print(f"[round {r + 1}] {mode}: p50 {got['p50_ms'][-1]:.2f} ms, p99 {got['p99_ms'][-1]:.2f} ms{rps}; "
-                  f"{slow['requests']} over {SLOW_MS:g} ms{when}{lag}", flush=True)
+                    url = f"{gateway_url}/v1/chat/completions"
+                    row = open_phase(url, gateway_url, gw.pid, args)
+                    wait_drained(gateway_url)
+                    row.update(closed_phase(url, gw.pid, stub.pid, args))
+                    wait_drained(gateway_url)
+            for key, value in row.items():
+                out[mode][key].append(value)
+            print(f"[round {r + 1}] {round_line(mode, out[mode])}", flush=True)
     return {m: dict(v) for m, v in out.items()}
 
 
