@@ -520,7 +520,7 @@ def main() -> int:
     args = p.parse_args()
 
     import httpx
-    from gateway_bench import _stop, _wait_http, children, cpu_list, lag_buckets, lag_summary
+    from gateway_bench import _stop, _wait_http, children, cpu_list, histogram_buckets, histogram_summary
 
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
@@ -592,7 +592,7 @@ def main() -> int:
                 if profile and mode.startswith("gateway"):
                     gateway = gateways["gateway" if mode == "gateway-stream" else mode][0]
                     profilers.append(start_py_spy(gateway.pid, args, f"{mode}-gateway"))
-                lag_before = lag_buckets(url) if mode.startswith("gateway") else None
+                lag_before = histogram_buckets(url) if mode.startswith("gateway") else None
                 processes = {"api_server": [engine.proc.pid], "engine_core": [core] if core else []}
                 if mode.startswith("gateway"):
                     gateway_pid = gateways["gateway" if mode == "gateway-stream" else mode][0].pid
@@ -609,7 +609,7 @@ def main() -> int:
                     if not r["_core_total"]:
                         r["core_py_spy"] = spy
                 if lag_before is not None:  # the gateway's own event loop: how late its 5 ms timer ran
-                    r["gateway_event_loop_lag"] = lag_summary(lag_before, lag_buckets(url))
+                    r["gateway_event_loop_lag"] = histogram_summary(lag_before, histogram_buckets(url))
                 captures = r.pop("_captures")
                 if captures:
                     try:  # a check that fails must not cost the run its figures

@@ -472,9 +472,9 @@ LAG_METRIC = "streamrl_gateway_event_loop_lag_seconds"
 GC_METRIC = "streamrl_gateway_gc_pause_seconds"
 
 
-def lag_buckets(gateway_url: str, metric: str = LAG_METRIC) -> dict[float, float]:
-    """Cumulative counts of the gateway's event-loop lag histogram (or, with ``GC_METRIC``, of its collections'
-    pauses, all generations together), by upper bound (seconds)."""
+def histogram_buckets(gateway_url: str, metric: str = LAG_METRIC) -> dict[float, float]:
+    """Cumulative counts of one of the gateway's histograms by upper bound (seconds), its labels summed: the
+    event loop's lag, or (``GC_METRIC``) its collections' pauses, all generations together."""
     import httpx
 
     out: dict[float, float] = collections.defaultdict(float)
@@ -485,8 +485,8 @@ def lag_buckets(gateway_url: str, metric: str = LAG_METRIC) -> dict[float, float
     return dict(out)
 
 
-def lag_summary(before: dict[float, float], after: dict[float, float]) -> dict[str, object]:
-    """Samples and the p50 / p99 / max lag of one phase, each as the upper bound of its bucket (ms)."""
+def histogram_summary(before: dict[float, float], after: dict[float, float]) -> dict[str, object]:
+    """Samples and the p50 / p99 / max of one phase (lag or pause), each as the upper bound of its bucket (ms)."""
     cum = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
     total = cum[-1][1] if cum else 0.0
 
@@ -687,13 +687,13 @@ def measure_mode(mode: str, url: str, gw: subprocess.Popen | None, pages: subpro
     # children: the gateway's record-producer process, when logging is on
     threads, host0, helpers = ThreadCpu(pid), host_cpu_counters(), children(pid)
     helper_delay0 = processes_run_delay_s(helpers)
-    lag0, waited0 = (lag_buckets(gw_url), producer_waited(gw_url)) if gw is not None else ({}, 0)
+    lag0, waited0 = (histogram_buckets(gw_url), producer_waited(gw_url)) if gw is not None else ({}, 0)
     lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
     lat["threads"] = threads.result(lat["requests"])
     lat["host"] = counters_delta(host0, host_cpu_counters())
     lat["host"]["producer_process_run_delay_s"] = processes_run_delay_s(helpers) - helper_delay0
     if gw is not None:
-        lat["event_loop_lag"] = lag_summary(lag0, lag_buckets(gw_url))
+        lat["event_loop_lag"] = histogram_summary(lag0, histogram_buckets(gw_url))
         lat["records_waited"] = producer_waited(gw_url) - waited0
         lat["drain_s"] = wait_drained(gw_url)
     print(f"[{mode}] closed loop, concurrency {args.concurrency} ...", flush=True)
@@ -757,13 +757,13 @@ def open_phase(url: str, gateway_url: str, pid: int | None, args: argparse.Names
     """One open-loop phase of a round: latency, its slow requests, the host's steal and, through a gateway
     (``pid``), the event loop's largest lag, the collections in the phase and the loop's wait for a CPU."""
     threads, host0 = (ThreadCpu(pid) if pid else None), host_cpu_counters()
-    lag0, gc0 = (lag_buckets(gateway_url), lag_buckets(gateway_url, GC_METRIC)) if pid else ({}, {})
+    lag0, gc0 = (histogram_buckets(gateway_url), histogram_buckets(gateway_url, GC_METRIC)) if pid else ({}, {})
     lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
     row: dict[str, object] = {k: lat[k] for k in ("p50_ms", "p99_ms", "failures", "slow")}
     row["host_steal_s"] = counters_delta(host0, host_cpu_counters())["host_steal_s"]
     if threads is not None:
-        pauses = lag_summary(gc0, lag_buckets(gateway_url, GC_METRIC))
-        row.update(event_loop_lag_max_ms=lag_summary(lag0, lag_buckets(gateway_url))["max_ms"],
+        pauses = histogram_summary(gc0, histogram_buckets(gateway_url, GC_METRIC))
+        row.update(event_loop_lag_max_ms=histogram_summary(lag0, histogram_buckets(gateway_url))["max_ms"],
                    gc_pause_max_ms=pauses["max_ms"], gc_collections=pauses["samples"],
                    main_thread_run_delay_ms=threads.result(lat["requests"])["main_thread_run_delay_s"] * 1000)
     return row

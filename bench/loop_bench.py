@@ -58,19 +58,6 @@ def scrape(client: httpx.Client, url: str) -> dict[str, float]:
     return out
 
 
-def histogram_quantile(samples: dict[str, float], name: str, q: float) -> float | None:
-    """Upper bound of the bucket holding quantile q of a Prometheus histogram."""
-    buckets = sorted((float(k.split('le="')[1].rstrip('"}')), v) for k, v in samples.items()
-                     if k.startswith(f"{name}_bucket") and 'le="' in k and "+Inf" not in k)
-    total = samples.get(f"{name}_count", 0.0)
-    if not total:
-        return None
-    for le, count in buckets:
-        if count >= q * total:
-            return le
-    return float("inf")
-
-
 def matmul_params(model_dir: Path) -> tuple[float, int, int]:
     """(N matmul weights incl. lm_head, layers, hidden) from the config, for FLOPs per token."""
     c = json.loads((model_dir / "config.json").read_text())
@@ -254,8 +241,6 @@ def summarise(mode: str, run_dir: Path, t_ready: float | None, scrapes: list, gp
         result["rollout_tokens_per_s"] = (gb.get(key, 0) - ga.get(key, 0)) / max(tb - ta, 1e-9)
         prompt = 'streamrl_gateway_tokens_total{kind="prompt"}'
         result["prompt_tokens_per_completion_token"] = gb.get(prompt, 0) / max(gb.get(key, 0), 1)
-        result["publish_to_route_p50_s"] = histogram_quantile(gb, "streamrl_gateway_publish_to_route_seconds", 0.5)
-        result["publish_to_route_p99_s"] = histogram_quantile(gb, "streamrl_gateway_publish_to_route_seconds", 0.99)
         # lag in records: what the gateway produced (completions and rewards) minus every record the
         # trainer has read (accepted, late, duplicate or bad); tansu's end offsets cannot be used
         produced = gb.get('streamrl_gateway_records_total{outcome="produced"}', 0)
