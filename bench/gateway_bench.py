@@ -234,46 +234,66 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes) -> int:
         return r.status
 
 
-async def open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict[str, float]:
-    """Requests started on a fixed schedule; latency counted from the scheduled start."""
-    connector = aiohttp.TCPConnector(limit=0)
+WARM_S = 1.0
+"""Seconds of load at the phase's own rate before its measured part: the client's, the gateway's and the stub's
+connection pools grow to the rate's concurrency and every path has run (a gateway is started per phase, a
+production one runs for hours). What the warm-up itself met is reported beside the phase, not hidden."""
+
+
+async def _paced(session: aiohttp.ClientSession, url: str, body: bytes, rate: float,
+                 seconds: float) -> tuple[list[float], list[float], dict[str, int], float]:
+    """Requests started on a fixed schedule for ``seconds``; each one's latency from its scheduled start (so a
+    late client counts against the latency, never hides it), its scheduled offset, the failures by kind and the
+    achieved rate. One pacer starts each request at its time, rather than thousands of sleeping tasks made up
+    front."""
     latencies: list[float] = []
-    failures = 0
+    starts: list[float] = []
     kinds: dict[str, int] = {}
-    async with aiohttp.ClientSession(connector=connector) as session:
-        for _ in range(20):  # warm connections and code paths
-            await _one(session, url, body)
-        n = int(rate * seconds)
-        start = time.perf_counter() + 0.05
 
-        async def fire(i: int) -> None:
-            nonlocal failures
-            scheduled = start + i / rate
-            delay = scheduled - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            try:
-                status: int | str = await _one(session, url, body)
-            except aiohttp.ClientError as exc:
-                status = type(exc).__name__
-            if status != 200:
-                failures += 1
-                kinds[str(status)] = kinds.get(str(status), 0) + 1
-            latencies.append(time.perf_counter() - scheduled)
-            starts.append(scheduled - start)
+    async def fire(offset: float, scheduled: float) -> None:
+        try:
+            status: int | str = await _one(session, url, body)
+        except aiohttp.ClientError as exc:
+            status = type(exc).__name__
+        if status != 200:
+            kinds[str(status)] = kinds.get(str(status), 0) + 1
+        latencies.append(time.perf_counter() - scheduled)
+        starts.append(offset)
 
-        starts: list[float] = []
-        await asyncio.gather(*(fire(i) for i in range(n)))
-        elapsed = time.perf_counter() - start
+    n = int(rate * seconds)
+    start = time.perf_counter() + 0.01
+    running: set[asyncio.Task[None]] = set()
+    for i in range(n):
+        scheduled = start + i / rate
+        delay = scheduled - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(fire(i / rate, scheduled))
+        running.add(task)
+        task.add_done_callback(running.discard)
+    await asyncio.gather(*running)
+    return latencies, starts, kinds, n / (time.perf_counter() - start)
+
+
+def _slow(latencies_ms: np.ndarray, starts: list[float]) -> dict[str, object]:
+    """The requests over ``SLOW_MS`` and when they were due: one stall makes a burst, a slower path spreads
+    them over the phase."""
+    slow = np.asarray(starts)[latencies_ms > SLOW_MS]
+    return {"over_ms": SLOW_MS, "requests": int(slow.size), "max_ms": float(latencies_ms.max()),
+            "first_s": float(slow.min()) if slow.size else None, "last_s": float(slow.max()) if slow.size else None}
+
+
+async def open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict[str, float]:
+    """Open-loop latency at ``rate`` for ``seconds``, after ``WARM_S`` of the same load."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await _one(session, url, body)
+        warm, warm_starts, _, _ = await _paced(session, url, body, rate, WARM_S)
+        latencies, starts, kinds, achieved = await _paced(session, url, body, rate, seconds)
     lat = np.asarray(latencies) * 1000
-    slow = np.asarray(starts)[lat > SLOW_MS]
-    return {"rate": rate, "achieved_rps": n / elapsed, "p50_ms": float(np.percentile(lat, 50)),
+    return {"rate": rate, "achieved_rps": achieved, "p50_ms": float(np.percentile(lat, 50)),
             "p90_ms": float(np.percentile(lat, 90)), "p99_ms": float(np.percentile(lat, 99)),
-            "failures": failures, "failure_kinds": kinds, "requests": n,
-            # one stall makes a burst of slow requests, a slower path spreads them over the phase
-            "slow": {"over_ms": SLOW_MS, "requests": int(slow.size), "max_ms": float(lat.max()),
-                     "first_s": float(slow.min()) if slow.size else None,
-                     "last_s": float(slow.max()) if slow.size else None}}
+            "failures": sum(kinds.values()), "failure_kinds": kinds, "requests": len(latencies),
+            "slow": _slow(lat, starts), "warm_up": _slow(np.asarray(warm) * 1000, warm_starts)}
 
 
 async def closed_loop(url: str, concurrency: int, seconds: float, body: bytes,
@@ -515,8 +535,13 @@ def children(pid: int) -> list[int]:
 
 
 PINNED: tuple[set[int], set[int]] | None = None
-"""With ``--gateway-cpus``: the gateway process's CPUs, and everything else's (its record-producer process,
-the stub, the broker, this load generator)."""
+"""With ``--gateway-cpus``: the CPUs of the gateway process of a ``-pinned`` mode, and everything else's (its
+record-producer process, the stub, the broker, this load generator). The gateways of the other modes, and
+their producers, may run on every CPU."""
+
+GATEWAY_MODES = ("off", "on", "on-framed", "on-json", "on-dashboard", "off-pinned", "on-pinned")
+"""``<mode>-pinned``: ``<mode>`` with the gateway process on ``--gateway-cpus`` alone and its producer process
+off them, in the same rounds as the unpinned modes: what placement does, on the same host at the same time."""
 
 
 def pin_away(pid: int, cpus: set[int]) -> None:
@@ -530,7 +555,7 @@ def gateway_cmd(stub_url: str, port: int, bootstrap: str, mode: str) -> list[str
     cmd = [sys.executable, "-m", "streamrl.cli", "--log-level", "WARNING", "gateway", "--upstream", stub_url,
            "--bootstrap-servers", bootstrap, "--port", str(port), "--topic-prefix", "bench"]
     return {"off": [*cmd, "--no-logging"], "on": cmd, "on-framed": [*cmd, "--no-deferred-capture"],
-            "on-json": [*cmd, "--no-token-capture"], "on-dashboard": cmd}[mode]
+            "on-json": [*cmd, "--no-token-capture"], "on-dashboard": cmd}[mode.removesuffix("-pinned")]
 
 
 def poll_dashboard(gateway_url: str, pages: int) -> None:
@@ -620,7 +645,7 @@ def vllm_record_sizes(upstream: str, requests: int = 20, max_tokens: int = 256) 
 
 def print_table(results: dict[str, object]) -> None:
     """The figures of docs/benchmarks.md, one row each."""
-    modes = [m for m in ("direct", "off", "on", "on-framed", "on-json", "on-dashboard") if m in results]
+    modes = [m for m in ("direct", *GATEWAY_MODES) if m in results]
 
     def row(name: str, cell: Callable[[dict[str, object]], str]) -> None:
         cells = []
@@ -675,6 +700,10 @@ def print_table(results: dict[str, object]) -> None:
         for m in summary["main_thread_cpu_ms_per_request_median"]))
     print("  on / off per round: " + " / ".join(f"{x:.2f}" for x in summary["on_over_off_throughput_per_round"])
           + f"  (median {summary['on_over_off_throughput_median']:.2f})")
+    if "pinned_on_over_off_throughput_median" in summary:
+        print("  on-pinned / off-pinned per round: " + " / ".join(
+            f"{x:.2f}" for x in summary["pinned_on_over_off_throughput_per_round"])
+            + f"  (median {summary['pinned_on_over_off_throughput_median']:.2f})")
 
 
 def measure_mode(mode: str, url: str, gw: subprocess.Popen | None, pages: subprocess.Popen | None,
@@ -732,13 +761,15 @@ def gateway_for(mode: str, stub_url: str, port: int, bootstrap: str, pages: int,
                 procs: list[subprocess.Popen]) -> Iterator[tuple[subprocess.Popen, subprocess.Popen | None]]:
     """The gateway of ``mode`` on ``port`` (in ``procs`` while it runs, so a failure still stops it), healthy,
     and for ``on-dashboard`` the child process of open dashboard pages; both stopped on leaving."""
-    pin = [] if PINNED is None else ["taskset", "-c", ",".join(map(str, sorted(PINNED[0])))]
+    pinned = mode.endswith("-pinned")
+    pin = [] if PINNED is None else ["taskset", "-c", ",".join(map(str, sorted(
+        PINNED[0] if pinned else PINNED[0] | PINNED[1])))]  # unpinned: every CPU, not this process's
     gw = _spawn([*pin, *gateway_cmd(stub_url, port, bootstrap, mode)], f"gateway-{mode}")
     procs.append(gw)
     poller = None
     try:
         _wait_http(f"http://127.0.0.1:{port}/health")
-        if PINNED is not None:  # the record producer (started before /health answers) off the gateway's CPUs
+        if PINNED is not None and pinned:  # the record producer (started before /health answers) elsewhere
             for child in children(gw.pid):
                 pin_away(child, PINNED[1])
         if mode == "on-dashboard":
@@ -759,7 +790,7 @@ def open_phase(url: str, gateway_url: str, pid: int | None, args: argparse.Names
     threads, host0 = (ThreadCpu(pid) if pid else None), host_cpu_counters()
     lag0, gc0 = (histogram_buckets(gateway_url), histogram_buckets(gateway_url, GC_METRIC)) if pid else ({}, {})
     lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
-    row: dict[str, object] = {k: lat[k] for k in ("p50_ms", "p99_ms", "failures", "slow")}
+    row: dict[str, object] = {k: lat[k] for k in ("p50_ms", "p99_ms", "failures", "slow", "warm_up")}
     row["host_steal_s"] = counters_delta(host0, host_cpu_counters())["host_steal_s"]
     if threads is not None:
         pauses = histogram_summary(gc0, histogram_buckets(gateway_url, GC_METRIC))
@@ -789,9 +820,12 @@ def round_line(mode: str, got: dict[str, list]) -> str:
     line += f"; {slow['requests']} over {SLOW_MS:g} ms"
     if slow["requests"]:
         line += f" from {slow['first_s']:.2f} to {slow['last_s']:.2f} s"
+    warm = got["warm_up"][-1]
+    line += f" (warm-up: {warm['requests']}, at most {warm['max_ms']:.1f} ms)"
     if got.get("gc_collections"):
-        line += (f", loop lag at most {got['event_loop_lag_max_ms'][-1]} ms, {got['gc_collections'][-1]} "
-                 f"collections of at most {got['gc_pause_max_ms'][-1]} ms")
+        line += f", loop lag at most {got['event_loop_lag_max_ms'][-1]} ms, "
+        line += (f"{got['gc_collections'][-1]:g} collections of at most {got['gc_pause_max_ms'][-1]} ms"
+                 if got["gc_collections"][-1] else "no collection")
     return line
 
 
@@ -827,7 +861,7 @@ def first_pass_round(entry: dict[str, object]) -> dict[str, list[float]]:
     lat = entry["latency"]
     got: dict[str, list[float]] = {"p50_ms": [lat["p50_ms"]], "p99_ms": [lat["p99_ms"]],
                                    "failures": [lat["failures"]], "host_steal_s": [lat["host"]["host_steal_s"]],
-                                   "slow": [lat["slow"]]}
+                                   "slow": [lat["slow"]], "warm_up": [lat["warm_up"]]}
     if "rps" in entry["throughput"] and "event_loop_lag" in lat:  # a gateway mode
         got["main_thread_run_delay_ms"] = [lat["threads"]["main_thread_run_delay_s"] * 1000]
         got["event_loop_lag_max_ms"] = [lat["event_loop_lag"]["max_ms"]]
@@ -849,8 +883,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2,
                    help="more rounds of every mode after the full pass, interleaved: open-loop latency and "
                         "closed-loop req/s, for per-round ratios and added latency")
-    p.add_argument("--gateway-cpus", help="run the gateway process on these CPUs only (a taskset list, e.g. 0-1), "
-                                          "its record producer, the stub, the broker and the load on the others")
+    p.add_argument("--gateway-cpus", help="the -pinned modes' gateway process on these CPUs only (a taskset list, "
+                                          "e.g. 0-1), its record producer, the stub, the broker and the load on "
+                                          "the others")
     p.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
     p.add_argument("--poll-dashboard", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -862,7 +897,9 @@ def main() -> None:
     if args.poll_dashboard:
         poll_dashboard(args.poll_dashboard, args.dashboard_pages)
         return
-    modes = ["direct", "off", "on", *(m for m in ("on-framed", "on-json", "on-dashboard") if m in args.modes.split(","))]
+    modes = ["direct", "off", "on", *(m for m in GATEWAY_MODES[2:] if m in args.modes.split(","))]
+    if any(m.endswith("-pinned") for m in modes) != bool(args.gateway_cpus):
+        raise SystemExit("the -pinned modes and --gateway-cpus go together")
     if args.gateway_cpus:
         global PINNED
         gateway_cpus = cpu_list(args.gateway_cpus)
@@ -944,6 +981,10 @@ def main() -> None:
         summary[f"{mode}_over_off_throughput_median"] = float(np.median(np.divide(rps[mode], rps["off"])))
     summary["on_over_off_throughput_per_round"] = list(np.divide(rps["on"], rps["off"]))
     summary["on_over_off_throughput_median"] = float(np.median(summary["on_over_off_throughput_per_round"]))
+    if "on-pinned" in rps and "off-pinned" in rps:
+        summary["pinned_on_over_off_throughput_per_round"] = list(np.divide(rps["on-pinned"], rps["off-pinned"]))
+        summary["pinned_on_over_off_throughput_median"] = float(
+            np.median(summary["pinned_on_over_off_throughput_per_round"]))
     summary["main_thread_cpu_ms_per_request_median"] = {
         m: float(np.median(rounds[m]["main_thread_cpu_ms_per_request"])) for m in rps}
     for mode in rps:  # added latency per round: the mode's percentile minus direct's in the same round

@@ -5,9 +5,11 @@
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
 #   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
 #   lora-load: VERSIONS (default 24, a third each idle / generating / beside a GPU neighbour), STREAMS (128)
-#   gateway: ROUNDS (default 2) more interleaved rounds; GATEWAY_CPUS (e.g. 0-1) the gateway process's CPUs of its own
-#   gateway-isolated: bench/cpu_siblings.py finds the vCPUs sharing CPU 0's physical core, then the gateway bench
-#          (direct, off, on, on-framed; ROUNDS, default 3) with the gateway process on that core alone
+#   gateway: ROUNDS (default 2) more interleaved rounds; GATEWAY_CPUS (e.g. 0-1) adds off and on with the gateway
+#          process on those CPUs alone (off-pinned, on-pinned) to the same rounds
+#   gateway-isolated: bench/cpu_siblings.py finds the vCPUs that slow CPU 0 (GATEWAY_CPUS given: those instead),
+#          then the gateway bench (direct, off, on, and off / on with the gateway on those CPUs alone; ROUNDS,
+#          default 3), every placement in the same interleaved rounds
 #   gateway-scaling: GATEWAY_CPUS (a taskset list, e.g. 0-7) pins the gateways there and the load elsewhere
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
@@ -84,14 +86,18 @@ for bench in "$@"; do
       tail -8 "$out/lora-load.log" ;;
     gateway)  # ROUNDS (default 2) interleaved rounds after the full pass; GATEWAY_CPUS pins the gateway process
       python3 "$repo/bench/gateway_bench.py" --seconds 8 --stream-rate 20 --rounds "${ROUNDS:-2}" \
-          ${GATEWAY_CPUS:+--gateway-cpus "$GATEWAY_CPUS"} --json "$out/gateway${TAG:-}.json" \
+          ${GATEWAY_CPUS:+--gateway-cpus "$GATEWAY_CPUS" --modes direct,off,on,on-framed,on-json,on-dashboard,off-pinned,on-pinned} \
+          --json "$out/gateway${TAG:-}.json" \
           > "$out/gateway${TAG:-}.log" 2>&1; tail -16 "$out/gateway${TAG:-}.log" ;;
-    gateway-isolated)  # the vCPUs that share CPU 0's physical core, then the gateway bench with that core its own
-      python3 "$repo/bench/cpu_siblings.py" --cpu 0 --json "$out/cpu-siblings.json" > "$out/cpu-siblings.log" 2>&1
-      core=$(python3 -c "import json, sys; print(','.join(map(str, [0, *json.load(open(sys.argv[1]))['siblings']])))" \
-             "$out/cpu-siblings.json")
-      tail -1 "$out/cpu-siblings.log"
-      python3 "$repo/bench/gateway_bench.py" --seconds 6 --stream-rate 0 --modes direct,off,on,on-framed \
+    gateway-isolated)  # the vCPUs that share CPU 0's physical core, then the gateway bench, with that core its own too
+      core=${GATEWAY_CPUS:-}
+      if [ -z "$core" ]; then
+        python3 "$repo/bench/cpu_siblings.py" --cpu 0 --json "$out/cpu-siblings.json" > "$out/cpu-siblings.log" 2>&1
+        core=$(python3 -c "import json, sys; print(','.join(map(str, [0, *json.load(open(sys.argv[1]))['siblings']])))" \
+               "$out/cpu-siblings.json")
+        tail -1 "$out/cpu-siblings.log"
+      fi
+      python3 "$repo/bench/gateway_bench.py" --seconds 6 --stream-rate 0 --modes direct,off,on,off-pinned,on-pinned \
           --rounds "${ROUNDS:-3}" --gateway-cpus "$core" --json "$out/gateway-isolated.json" \
           > "$out/gateway-isolated.log" 2>&1; tail -16 "$out/gateway-isolated.log" ;;
     gateway-scaling)  # #18: 1, 2, 4, 8 gateway processes on one port, logging on, and publish -> served
