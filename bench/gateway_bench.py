@@ -283,11 +283,15 @@ def _slow(latencies_ms: np.ndarray, starts: list[float]) -> dict[str, object]:
             "first_s": float(slow.min()) if slow.size else None, "last_s": float(slow.max()) if slow.size else None}
 
 
-async def open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict[str, float]:
-    """Open-loop latency at ``rate`` for ``seconds``, after ``WARM_S`` of the same load."""
+async def open_loop(url: str, rate: float, seconds: float, body: bytes,
+                    warmed: Callable[[], None] | None = None) -> dict[str, float]:
+    """Open-loop latency at ``rate`` for ``seconds``, after ``WARM_S`` of the same load (``warmed`` is called
+    between the two, nothing in flight)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await _one(session, url, body)
         warm, warm_starts, _, _ = await _paced(session, url, body, rate, WARM_S)
+        if warmed is not None:
+            warmed()
         latencies, starts, kinds, achieved = await _paced(session, url, body, rate, seconds)
     lat = np.asarray(latencies) * 1000
     return {"rate": rate, "achieved_rps": achieved, "p50_ms": float(np.percentile(lat, 50)),
@@ -788,13 +792,22 @@ def open_phase(url: str, gateway_url: str, pid: int | None, args: argparse.Names
     """One open-loop phase of a round: latency, its slow requests, the host's steal and, through a gateway
     (``pid``), the event loop's largest lag, the collections in the phase and the loop's wait for a CPU."""
     threads, host0 = (ThreadCpu(pid) if pid else None), host_cpu_counters()
-    lag0, gc0 = (histogram_buckets(gateway_url), histogram_buckets(gateway_url, GC_METRIC)) if pid else ({}, {})
-    lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST))
+    lags = [histogram_buckets(gateway_url)] if pid else []
+
+    def warmed() -> None:  # the lag histogram and the thread counters from here on, the warm-up's apart
+        nonlocal threads, gc0
+        if pid:
+            lags.append(histogram_buckets(gateway_url))
+            threads, gc0 = ThreadCpu(pid), histogram_buckets(gateway_url, GC_METRIC)
+
+    gc0 = {}
+    lat = asyncio.run(open_loop(url, args.rate, args.seconds, REQUEST, warmed))
     row: dict[str, object] = {k: lat[k] for k in ("p50_ms", "p99_ms", "failures", "slow", "warm_up")}
     row["host_steal_s"] = counters_delta(host0, host_cpu_counters())["host_steal_s"]
     if threads is not None:
         pauses = histogram_summary(gc0, histogram_buckets(gateway_url, GC_METRIC))
-        row.update(event_loop_lag_max_ms=histogram_summary(lag0, histogram_buckets(gateway_url))["max_ms"],
+        row["warm_up"] = {**lat["warm_up"], "event_loop_lag_max_ms": histogram_summary(*lags)["max_ms"]}
+        row.update(event_loop_lag_max_ms=histogram_summary(lags[-1], histogram_buckets(gateway_url))["max_ms"],
                    gc_pause_max_ms=pauses["max_ms"], gc_collections=pauses["samples"],
                    main_thread_run_delay_ms=threads.result(lat["requests"])["main_thread_run_delay_s"] * 1000)
     return row
@@ -821,7 +834,8 @@ def round_line(mode: str, got: dict[str, list]) -> str:
     if slow["requests"]:
         line += f" from {slow['first_s']:.2f} to {slow['last_s']:.2f} s"
     warm = got["warm_up"][-1]
-    line += f" (warm-up: {warm['requests']}, at most {warm['max_ms']:.1f} ms)"
+    line += f" (warm-up: {warm['requests']}, at most {warm['max_ms']:.1f} ms"
+    line += f", loop lag at most {warm['event_loop_lag_max_ms']} ms)" if "event_loop_lag_max_ms" in warm else ")"
     if got.get("gc_collections"):
         line += f", loop lag at most {got['event_loop_lag_max_ms'][-1]} ms, "
         line += (f"{got['gc_collections'][-1]:g} collections of at most {got['gc_pause_max_ms'][-1]} ms"
