@@ -464,6 +464,41 @@ def host_cpu_counters() -> dict[str, float]:
     return out
 
 
+def interrupt_counters(cpus: set[int] | None = None) -> dict[str, float]:
+    """What interrupts took from ``cpus`` (all when None): seconds in hard and soft interrupt handlers
+    (``/proc/stat``), inter-processor interrupts (rescheduling and function-call IPIs: a wake-up of a thread on
+    another CPU; in a virtual machine each costs exits on both vCPUs) and network receive softirqs (loopback
+    traffic is delivered in them). A process's busy neighbours that compute do not interrupt it; ones that talk
+    over sockets and pipes, wake threads and allocate may, on whichever CPU the handler runs."""
+    out = dict.fromkeys(("irq_s", "softirq_s", "ipis", "net_rx"), 0.0)
+
+    def mine(cpu: int) -> bool:
+        return cpus is None or cpu in cpus
+
+    tick = os.sysconf("SC_CLK_TCK")
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu" and mine(int(name[3:])):
+                out["irq_s"] += int(fields[5]) / tick
+                out["softirq_s"] += int(fields[6]) / tick
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        lines = Path("/proc/interrupts").read_text().splitlines()
+        columns = [int(c[3:]) for c in lines[0].split()]
+        for line in lines[1:]:
+            name, *fields = line.split()
+            if name in ("RES:", "CAL:"):
+                out["ipis"] += sum(int(v) for c, v in zip(columns, fields, strict=False) if mine(c))
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        lines = Path("/proc/softirqs").read_text().splitlines()
+        columns = [int(c[3:]) for c in lines[0].split()]
+        for line in lines[1:]:
+            name, *fields = line.split()
+            if name == "NET_RX:":
+                out["net_rx"] += sum(int(v) for c, v in zip(columns, fields, strict=False) if mine(c))
+    return out
+
+
 def cpu_list(text: str) -> set[int]:
     """``0-3,8`` -> {0, 1, 2, 3, 8} (the kernel's and taskset's list format; sysfs ends it with a newline,
     and an empty list is no CPUs)."""
@@ -702,6 +737,14 @@ def print_table(results: dict[str, object]) -> None:
         f"{m} " + " / ".join(f"{a:.0%}, {b:.0%}" for a, b in zip(rounds[m].get("stub_busy", []),
                                                               rounds[m].get("client_busy", []), strict=True))
         for m in summary["main_thread_cpu_ms_per_request_median"]))
+    print("  interrupts per call, closed loop (all CPUs: irq + softirq us, IPIs, NET_RX; on the gateway's CPUs when "
+          "pinned: us, IPIs): " + "; ".join(
+              f"{m} " + " / ".join(
+                  f"{a:.0f}, {b:.2f}, {c:.2f}" + (f" ({d:.0f}, {e:.2f})" if m.endswith("-pinned") else "")
+                  for a, b, c, d, e in zip(*(rounds[m].get(k, []) for k in (
+                      "interrupt_us_per_request", "ipis_per_request", "net_rx_per_request",
+                      "gateway_cpus_interrupt_us_per_request", "gateway_cpus_ipis_per_request")), strict=True))
+              for m in summary["main_thread_cpu_ms_per_request_median"]))
     print("  on / off per round: " + " / ".join(f"{x:.2f}" for x in summary["on_over_off_throughput_per_round"])
           + f"  (median {summary['on_over_off_throughput_median']:.2f})")
     if "pinned_on_over_off_throughput_median" in summary:
@@ -817,11 +860,20 @@ def closed_phase(url: str, pid: int, stub_pid: int, args: argparse.Namespace) ->
     """One closed-loop phase of a round through a gateway: req/s, the event loop's time on a CPU per call and
     busy share, and the stub's and this client's loops' busy share (which process bounds the req/s)."""
     threads, stub_loop, client_loop = ThreadCpu(pid), ThreadCpu(stub_pid), ThreadCpu(os.getpid())
+    gateway_cpus = os.sched_getaffinity(pid)
+    irq0, irq_gw0 = interrupt_counters(), interrupt_counters(gateway_cpus)
     thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
+    irq, irq_gw = counters_delta(irq0, interrupt_counters()), counters_delta(irq_gw0, interrupt_counters(gateway_cpus))
     loop_cpu = threads.result(thr["requests"])
+    n = max(thr["requests"], 1)
     return {"rps": thr["rps"], "main_thread_cpu_ms_per_request": loop_cpu["main_thread_on_cpu_ms_per_request"],
             "main_thread_busy": loop_cpu["main_thread_busy"], "stub_busy": stub_loop.result(1)["main_thread_busy"],
-            "client_busy": client_loop.result(1)["main_thread_busy"]}
+            "client_busy": client_loop.result(1)["main_thread_busy"],
+            # per call, on every CPU and on the CPUs the gateway process may use (all of them unless pinned)
+            "interrupt_us_per_request": (irq["irq_s"] + irq["softirq_s"]) * 1e6 / n,
+            "ipis_per_request": irq["ipis"] / n, "net_rx_per_request": irq["net_rx"] / n,
+            "gateway_cpus_interrupt_us_per_request": (irq_gw["irq_s"] + irq_gw["softirq_s"]) * 1e6 / n,
+            "gateway_cpus_ipis_per_request": irq_gw["ipis"] / n}
 
 
 def round_line(mode: str, got: dict[str, list]) -> str:
