@@ -16,13 +16,19 @@ this load generator. Modes, all in the same run:
            them, records to Kafka; the path of a plain vLLM upstream) -> stub
   on-dashboard  as ``on``, with ``--dashboard-pages`` dashboard pages open: a child process long-polls
            ``/dashboard/data`` exactly as the page's script does (the dashboard's cost to the gateway)
+  off-pinned, on-pinned  (with ``--gateway-cpus``) ``off`` and ``on`` with the gateway process on those CPUs
+           alone and everything else on the others
+  off-compute, off-memory  ``off`` with ``NEIGHBOURS`` processes busy beside it for the phase: a Python loop
+           in its own caches, or streaming 64 MB arrays through memory (does logging's cost come from busy
+           CPUs as such, or from traffic through what the cores share?)
 
 For each mode: an open-loop run at a fixed rate (latency p50/p99 measured from each request's scheduled
 start, so a stall is not hidden) and a closed-loop run at fixed concurrency (highest sustained req/s).
 Added latency = percentile through the gateway minus the same percentile direct. After this full pass,
 ``--rounds`` more rounds of every mode, interleaved, repeat both runs: on/off throughput and added latency are
 then taken round by round (a host's speed drifts between phases, and one stall of it decides a phase's p99).
-``--gateway-cpus`` gives the gateway process CPUs of its own (everything else runs on the others).
+``--gateway-cpus`` gives the ``-pinned`` modes' gateway process CPUs of its own (everything else runs on the
+others).
 
     .venv/bin/python bench/gateway_bench.py [--rate 500] [--seconds 10] [--concurrency 32] [--stream-rate 20]
         [--rounds 2] [--gateway-cpus 0-1]
@@ -35,6 +41,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -578,7 +585,8 @@ PINNED: tuple[set[int], set[int]] | None = None
 record-producer process, the stub, the broker, this load generator). The gateways of the other modes, and
 their producers, may run on every CPU."""
 
-GATEWAY_MODES = ("off", "on", "on-framed", "on-json", "on-dashboard", "off-pinned", "on-pinned")
+GATEWAY_MODES = ("off", "on", "on-framed", "on-json", "on-dashboard", "off-pinned", "on-pinned", "off-compute",
+                 "off-memory")
 """``<mode>-pinned``: ``<mode>`` with the gateway process on ``--gateway-cpus`` alone and its producer process
 off them, in the same rounds as the unpinned modes: what placement does, on the same host at the same time."""
 
@@ -593,8 +601,30 @@ def pin_away(pid: int, cpus: set[int]) -> None:
 def gateway_cmd(stub_url: str, port: int, bootstrap: str, mode: str) -> list[str]:
     cmd = [sys.executable, "-m", "streamrl.cli", "--log-level", "WARNING", "gateway", "--upstream", stub_url,
            "--bootstrap-servers", bootstrap, "--port", str(port), "--topic-prefix", "bench"]
+    base = mode.removesuffix("-pinned").removesuffix("-compute").removesuffix("-memory")
     return {"off": [*cmd, "--no-logging"], "on": cmd, "on-framed": [*cmd, "--no-deferred-capture"],
-            "on-json": [*cmd, "--no-token-capture"], "on-dashboard": cmd}[mode.removesuffix("-pinned")]
+            "on-json": [*cmd, "--no-token-capture"], "on-dashboard": cmd}[base]
+
+
+NEIGHBOURS = 2
+"""Busy processes beside the gateway in the ``off-compute`` and ``off-memory`` modes: about what logging runs
+beside it (the producer process near a core at saturation, the broker, a busier stub)."""
+
+
+def busy_compute() -> None:
+    """A neighbour that computes in its own caches (a Python loop over a few integers), until killed."""
+    x = 0
+    while True:
+        for i in range(1000):
+            x = (x + i * i) % 1_000_003
+
+
+def busy_memory() -> None:
+    """A neighbour that streams 64 MB through memory (a read and a write of 64 MB arrays), until killed."""
+    a = np.ones(8 << 20)
+    b = np.empty_like(a)
+    while True:
+        np.multiply(a, 1.0001, out=b)
 
 
 def poll_dashboard(gateway_url: str, pages: int) -> None:
@@ -747,6 +777,11 @@ def print_table(results: dict[str, object]) -> None:
               for m in summary["main_thread_cpu_ms_per_request_median"]))
     print("  on / off per round: " + " / ".join(f"{x:.2f}" for x in summary["on_over_off_throughput_per_round"])
           + f"  (median {summary['on_over_off_throughput_median']:.2f})")
+    for mode in ("off-compute", "off-memory"):
+        if mode in rounds:
+            ratios = np.divide(rounds[mode]["rps"], rounds["off"]["rps"])
+            print(f"  {mode} / off per round: " + " / ".join(f"{x:.2f}" for x in ratios)
+                  + f"  (median {np.median(ratios):.2f})")
     if "pinned_on_over_off_throughput_median" in summary:
         print("  on-pinned / off-pinned per round: " + " / ".join(
             f"{x:.2f}" for x in summary["pinned_on_over_off_throughput_per_round"])
@@ -807,23 +842,34 @@ def measure_mode(mode: str, url: str, gw: subprocess.Popen | None, pages: subpro
 def gateway_for(mode: str, stub_url: str, port: int, bootstrap: str, pages: int,
                 procs: list[subprocess.Popen]) -> Iterator[tuple[subprocess.Popen, subprocess.Popen | None]]:
     """The gateway of ``mode`` on ``port`` (in ``procs`` while it runs, so a failure still stops it), healthy,
-    and for ``on-dashboard`` the child process of open dashboard pages; both stopped on leaving."""
+    and for ``on-dashboard`` the child process of open dashboard pages (``off-compute``, ``off-memory``: with its
+    busy neighbours started); all stopped on leaving."""
     pinned = mode.endswith("-pinned")
     pin = [] if PINNED is None else ["taskset", "-c", ",".join(map(str, sorted(
         PINNED[0] if pinned else PINNED[0] | PINNED[1])))]  # unpinned: every CPU, not this process's
     gw = _spawn([*pin, *gateway_cmd(stub_url, port, bootstrap, mode)], f"gateway-{mode}")
     procs.append(gw)
     poller = None
+    neighbours: list[multiprocessing.process.BaseProcess] = []
     try:
         _wait_http(f"http://127.0.0.1:{port}/health")
         if PINNED is not None and pinned:  # the record producer (started before /health answers) elsewhere
             for child in children(gw.pid):
                 pin_away(child, PINNED[1])
+        if mode in ("off-compute", "off-memory"):
+            ctx = multiprocessing.get_context("spawn")
+            target = busy_compute if mode == "off-compute" else busy_memory
+            neighbours = [ctx.Process(target=target, daemon=True) for _ in range(NEIGHBOURS)]
+            for proc in neighbours:
+                proc.start()
         if mode == "on-dashboard":
             poller = subprocess.Popen([sys.executable, __file__, "--poll-dashboard", f"http://127.0.0.1:{port}",
                                        "--dashboard-pages", str(pages)], stdout=subprocess.PIPE, text=True)
         yield gw, poller
     finally:
+        for proc in neighbours:
+            proc.kill()
+            proc.join()
         if poller is not None and poller.poll() is None:
             poller.kill()
             poller.wait()
