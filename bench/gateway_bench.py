@@ -18,6 +18,8 @@ this load generator. Modes, all in the same run:
            ``/dashboard/data`` exactly as the page's script does (the dashboard's cost to the gateway)
   off-pinned, on-pinned  (with ``--gateway-cpus``) ``off`` and ``on`` with the gateway process on those CPUs
            alone and everything else on the others
+  on-nofollow  ``on`` with ``--no-follow-policy``: no policy follower and no coordination, so none of the
+           gateway process's own Kafka clients (two consumers and a producer, whose threads take its GIL)
   off-compute, off-memory  ``off`` with ``NEIGHBOURS`` processes busy beside it for the phase: a Python loop
            in its own caches, or streaming 64 MB arrays through memory (does logging's cost come from busy
            CPUs as such, or from traffic through what the cores share?)
@@ -586,7 +588,7 @@ record-producer process, the stub, the broker, this load generator). The gateway
 their producers, may run on every CPU."""
 
 GATEWAY_MODES = ("off", "on", "on-framed", "on-json", "on-dashboard", "off-pinned", "on-pinned", "off-compute",
-                 "off-memory")
+                 "off-memory", "on-nofollow")
 """``<mode>-pinned``: ``<mode>`` with the gateway process on ``--gateway-cpus`` alone and its producer process
 off them, in the same rounds as the unpinned modes: what placement does, on the same host at the same time."""
 
@@ -603,7 +605,8 @@ def gateway_cmd(stub_url: str, port: int, bootstrap: str, mode: str) -> list[str
            "--bootstrap-servers", bootstrap, "--port", str(port), "--topic-prefix", "bench"]
     base = mode.removesuffix("-pinned").removesuffix("-compute").removesuffix("-memory")
     return {"off": [*cmd, "--no-logging"], "on": cmd, "on-framed": [*cmd, "--no-deferred-capture"],
-            "on-json": [*cmd, "--no-token-capture"], "on-dashboard": cmd}[base]
+            "on-json": [*cmd, "--no-token-capture"], "on-dashboard": cmd,
+            "on-nofollow": [*cmd, "--no-follow-policy"]}[base]
 
 
 NEIGHBOURS = 2

@@ -11,7 +11,8 @@
 #          then the gateway bench (direct, off, on, and off / on with the gateway on those CPUs alone; ROUNDS,
 #          default 3), every placement in the same interleaved rounds
 #   gateway-neighbours: the gateway bench's direct, off, on, off-compute and off-memory (logging off beside two busy
-#          processes that compute, or stream 64 MB through memory; ROUNDS, default 3)
+#          processes that compute, or stream 64 MB through memory) and on-nofollow (logging on without the gateway's
+#          own Kafka readers); ROUNDS, default 3
 #   gateway-scaling: GATEWAY_CPUS (a taskset list, e.g. 0-7) pins the gateways there and the load elsewhere
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
@@ -103,7 +104,7 @@ for bench in "$@"; do
           --rounds "${ROUNDS:-3}" --gateway-cpus "$core" --json "$out/gateway-isolated.json" \
           > "$out/gateway-isolated.log" 2>&1; tail -16 "$out/gateway-isolated.log" ;;
     gateway-neighbours)  # does logging's cost come from busy CPUs, or from traffic through what the cores share?
-      python3 "$repo/bench/gateway_bench.py" --seconds 6 --stream-rate 0 --modes direct,off,on,off-compute,off-memory \
+      python3 "$repo/bench/gateway_bench.py" --seconds 6 --stream-rate 0 --modes direct,off,on,off-compute,off-memory,on-nofollow \
           --rounds "${ROUNDS:-3}" --json "$out/gateway-neighbours.json" \
           > "$out/gateway-neighbours.log" 2>&1; tail -18 "$out/gateway-neighbours.log" ;;
     gateway-scaling)  # #18: 1, 2, 4, 8 gateway processes on one port, logging on, and publish -> served
