@@ -24,9 +24,11 @@ import time
 from pathlib import Path
 
 
-def spin(cpu: int, seconds: float, counter: mp.Value | None) -> None:  # type: ignore[valid-type]
-    """Pure-interpreter work (the gateway's kind) on ``cpu`` for ``seconds``; iterations into ``counter``."""
-    os.sched_setaffinity(0, {cpu})
+def spin(cpu: int | None, seconds: float, counter: mp.Value | None) -> None:  # type: ignore[valid-type]
+    """Pure-interpreter work (the gateway's kind) on ``cpu`` (None: anywhere) for ``seconds``; iterations into
+    ``counter``. Its working set stays in the core's own caches (gateway_bench's ``off-compute`` neighbours)."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     end, n, x = time.perf_counter() + seconds, 0, 0
     while time.perf_counter() < end:
         for i in range(1000):

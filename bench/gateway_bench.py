@@ -43,6 +43,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -473,39 +474,42 @@ def host_cpu_counters() -> dict[str, float]:
     return out
 
 
-def interrupt_counters(cpus: set[int] | None = None) -> dict[str, float]:
-    """What interrupts took from ``cpus`` (all when None): seconds in hard and soft interrupt handlers
-    (``/proc/stat``), inter-processor interrupts (rescheduling and function-call IPIs: a wake-up of a thread on
-    another CPU; in a virtual machine each costs exits on both vCPUs) and network receive softirqs (loopback
-    traffic is delivered in them). A process's busy neighbours that compute do not interrupt it; ones that talk
-    over sockets and pipes, wake threads and allocate may, on whichever CPU the handler runs."""
-    out = dict.fromkeys(("irq_s", "softirq_s", "ipis", "net_rx"), 0.0)
+INTERRUPT_KINDS = ("irq_s", "softirq_s", "ipis", "net_rx")
 
-    def mine(cpu: int) -> bool:
-        return cpus is None or cpu in cpus
 
+def interrupt_counters() -> dict[int, dict[str, float]]:
+    """Per CPU, what interrupts took from it: seconds in hard and soft interrupt handlers (``/proc/stat``),
+    inter-processor interrupts (rescheduling and function-call IPIs: a wake-up of a thread on another CPU; in a
+    virtual machine each costs exits on both vCPUs) and network receive softirqs (loopback traffic is delivered
+    in them). Busy neighbours that compute do not interrupt a process; ones that talk over sockets and pipes,
+    wake threads and allocate may, on whichever CPU the handler runs. ``interrupts_on`` sums CPUs."""
+    out: dict[int, dict[str, float]] = collections.defaultdict(lambda: dict.fromkeys(INTERRUPT_KINDS, 0.0))
     tick = os.sysconf("SC_CLK_TCK")
     with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/stat").read_text().splitlines():
             name, *fields = line.split()
-            if name.startswith("cpu") and name != "cpu" and mine(int(name[3:])):
-                out["irq_s"] += int(fields[5]) / tick
-                out["softirq_s"] += int(fields[6]) / tick
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        lines = Path("/proc/interrupts").read_text().splitlines()
-        columns = [int(c[3:]) for c in lines[0].split()]
-        for line in lines[1:]:
-            name, *fields = line.split()
-            if name in ("RES:", "CAL:"):
-                out["ipis"] += sum(int(v) for c, v in zip(columns, fields, strict=False) if mine(c))
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        lines = Path("/proc/softirqs").read_text().splitlines()
-        columns = [int(c[3:]) for c in lines[0].split()]
-        for line in lines[1:]:
-            name, *fields = line.split()
-            if name == "NET_RX:":
-                out["net_rx"] += sum(int(v) for c, v in zip(columns, fields, strict=False) if mine(c))
-    return out
+            if name.startswith("cpu") and name != "cpu":
+                out[int(name[3:])]["irq_s"] = int(fields[5]) / tick
+                out[int(name[3:])]["softirq_s"] = int(fields[6]) / tick
+    # both files: a header of CPU columns, then one row of counts per kind
+    for path, rows, kind in ((Path("/proc/interrupts"), ("RES:", "CAL:"), "ipis"),
+                             (Path("/proc/softirqs"), ("NET_RX:",), "net_rx")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            lines = path.read_text().splitlines()
+            columns = [int(c[3:]) for c in lines[0].split()]
+            for line in lines[1:]:
+                name, *fields = line.split()
+                if name in rows:
+                    for cpu, value in zip(columns, fields, strict=False):
+                        out[cpu][kind] += int(value)
+    return dict(out)
+
+
+def interrupts_on(before: dict[int, dict[str, float]], after: dict[int, dict[str, float]],
+                  cpus: set[int] | None = None) -> dict[str, float]:
+    """What ``interrupt_counters`` grew by between two readings, summed over ``cpus`` (every CPU when None)."""
+    return {kind: sum(after[c][kind] - before[c][kind] for c in after if c in before and (cpus is None or c in cpus))
+            for kind in INTERRUPT_KINDS}
 
 
 def cpu_list(text: str) -> set[int]:
@@ -614,14 +618,6 @@ NEIGHBOURS = 2
 beside it (the producer process near a core at saturation, the broker, a busier stub)."""
 
 
-def busy_compute() -> None:
-    """A neighbour that computes in its own caches (a Python loop over a few integers), until killed."""
-    x = 0
-    while True:
-        for i in range(1000):
-            x = (x + i * i) % 1_000_003
-
-
 def busy_memory() -> None:
     """A neighbour that streams 64 MB through memory (a read and a write of 64 MB arrays), until killed."""
     a = np.ones(8 << 20)
@@ -715,6 +711,11 @@ def vllm_record_sizes(upstream: str, requests: int = 20, max_tokens: int = 256) 
         return record_sizes(broker.bootstrap_servers, "sizes.completions", compress=True)
 
 
+RATIOS = (("on", "off"), ("on-pinned", "off-pinned"), ("on-nofollow", "off"), ("off-compute", "off"),
+          ("off-memory", "off"))
+"""The closed-loop req/s ratios printed per round: logging's cost, placed alike, and what the variants do."""
+
+
 def print_table(results: dict[str, object]) -> None:
     """The figures of docs/benchmarks.md, one row each."""
     modes = [m for m in ("direct", *GATEWAY_MODES) if m in results]
@@ -778,17 +779,11 @@ def print_table(results: dict[str, object]) -> None:
                       "interrupt_us_per_request", "ipis_per_request", "net_rx_per_request",
                       "gateway_cpus_interrupt_us_per_request", "gateway_cpus_ipis_per_request")), strict=True))
               for m in summary["main_thread_cpu_ms_per_request_median"]))
-    print("  on / off per round: " + " / ".join(f"{x:.2f}" for x in summary["on_over_off_throughput_per_round"])
-          + f"  (median {summary['on_over_off_throughput_median']:.2f})")
-    for mode in ("off-compute", "off-memory"):
-        if mode in rounds:
-            ratios = np.divide(rounds[mode]["rps"], rounds["off"]["rps"])
-            print(f"  {mode} / off per round: " + " / ".join(f"{x:.2f}" for x in ratios)
+    for mode, baseline in RATIOS:
+        if mode in rounds and baseline in rounds:
+            ratios = np.divide(rounds[mode]["rps"], rounds[baseline]["rps"])
+            print(f"  {mode} / {baseline} per round: " + " / ".join(f"{x:.2f}" for x in ratios)
                   + f"  (median {np.median(ratios):.2f})")
-    if "pinned_on_over_off_throughput_median" in summary:
-        print("  on-pinned / off-pinned per round: " + " / ".join(
-            f"{x:.2f}" for x in summary["pinned_on_over_off_throughput_per_round"])
-            + f"  (median {summary['pinned_on_over_off_throughput_median']:.2f})")
 
 
 def measure_mode(mode: str, url: str, gw: subprocess.Popen | None, pages: subprocess.Popen | None,
@@ -860,9 +855,11 @@ def gateway_for(mode: str, stub_url: str, port: int, bootstrap: str, pages: int,
             for child in children(gw.pid):
                 pin_away(child, PINNED[1])
         if mode in ("off-compute", "off-memory"):
+            from cpu_siblings import spin  # the siblings probe's loop: computes in its own caches
+
             ctx = multiprocessing.get_context("spawn")
-            target = busy_compute if mode == "off-compute" else busy_memory
-            neighbours = [ctx.Process(target=target, daemon=True) for _ in range(NEIGHBOURS)]
+            target, work = (spin, (None, math.inf, None)) if mode == "off-compute" else (busy_memory, ())
+            neighbours = [ctx.Process(target=target, args=work, daemon=True) for _ in range(NEIGHBOURS)]
             for proc in neighbours:
                 proc.start()
         if mode == "on-dashboard":
@@ -909,10 +906,10 @@ def closed_phase(url: str, pid: int, stub_pid: int, args: argparse.Namespace) ->
     """One closed-loop phase of a round through a gateway: req/s, the event loop's time on a CPU per call and
     busy share, and the stub's and this client's loops' busy share (which process bounds the req/s)."""
     threads, stub_loop, client_loop = ThreadCpu(pid), ThreadCpu(stub_pid), ThreadCpu(os.getpid())
-    gateway_cpus = os.sched_getaffinity(pid)
-    irq0, irq_gw0 = interrupt_counters(), interrupt_counters(gateway_cpus)
+    irq0 = interrupt_counters()
     thr = asyncio.run(closed_loop(url, args.concurrency, args.seconds, REQUEST))
-    irq, irq_gw = counters_delta(irq0, interrupt_counters()), counters_delta(irq_gw0, interrupt_counters(gateway_cpus))
+    irq1 = interrupt_counters()
+    irq, irq_gw = interrupts_on(irq0, irq1), interrupts_on(irq0, irq1, os.sched_getaffinity(pid))
     loop_cpu = threads.result(thr["requests"])
     n = max(thr["requests"], 1)
     return {"rps": thr["rps"], "main_thread_cpu_ms_per_request": loop_cpu["main_thread_on_cpu_ms_per_request"],
