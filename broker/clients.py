@@ -8,11 +8,9 @@ that must never wait for Kafka.
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer
 from kafka.admin import KafkaAdminClient
 
 from .security import KafkaSecurity
@@ -43,7 +41,7 @@ FETCH_MAX_WAIT_MS = 100
 """How long the broker may hold a fetch that finds nothing new. Kafka's default (500 ms) is no cost
 with Kafka, whose long poll answers when a record arrives; the embedded broker answers it late
 instead, so a shorter wait keeps finished groups and new policy versions prompt, and not much shorter,
-since each wake-up of kafka-python's threads takes a server's GIL (measured: docs/gateway.md, "How it
+since each wake-up of kafka-python's threads takes their process's GIL (measured: docs/gateway.md, "How it
 keeps overhead low"; docs/trainer.md)."""
 
 
@@ -70,24 +68,6 @@ def make_consumer(bootstrap_servers: str, *, group_id: str | None, security: Kaf
     own offsets (the trainer), which also avoids the group-join wait of ``subscribe()``."""
     return KafkaConsumer(**consumer_kwargs(bootstrap_servers, group_id=group_id, security=security,
                                            client_id=client_id, auto_offset_reset=auto_offset_reset, **extra))
-
-
-def partition_reader(bootstrap_servers: str, topic: str, *, security: KafkaSecurity, client_id: str,
-                     stop: threading.Event, what: str, retry_s: float = 1.0) -> tuple[KafkaConsumer, TopicPartition] | None:
-    """A group-less consumer assigned to ``topic``'s partition 0, made again every ``retry_s`` until Kafka
-    answers; None once ``stop`` is set. For a server's background thread, which must start while Kafka is
-    down and catch up when it answers (``what`` names the thread in the warnings)."""
-    while not stop.is_set():
-        try:
-            consumer = make_consumer(bootstrap_servers, group_id=None, security=security, client_id=client_id)
-        except Exception as exc:
-            logging.getLogger(__name__).warning("%s cannot reach Kafka (%s); retrying", what, exc)
-            stop.wait(retry_s)
-            continue
-        tp = TopicPartition(topic, 0)
-        consumer.assign([tp])
-        return consumer, tp
-    return None
 
 
 def admin_kwargs(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTEXT,

@@ -25,6 +25,7 @@ from starlette.responses import Response
 
 from streamrl.broker.delivery import FAILED, NCOUNTS, Delivery
 from streamrl.broker.log_producer import LogProducer, ProducerStats, WaiterSpec, builder_name
+from streamrl.broker.tail_process import TailProcess
 from streamrl.broker.topics import Topics
 
 from .auth import AuthMiddleware, check_bind, has_scope, load_keys, request_key
@@ -71,6 +72,8 @@ class Gateway:
         self.proxy = Proxy(config, self.pool, self.router, None, self.metrics, self.topics.completions,
                            auth_on=bool(self.keys))
         self.follower: PolicyFollower | None = None
+        self.tails: TailProcess | None = None
+        """Reads the policy and coordination topics, writes this gateway's state (none with logging off)."""
         self.session: aiohttp.ClientSession | None = None
         self.fresh_session: aiohttp.ClientSession | None = None
         self.loop_lag = LoopLagMonitor(self.metrics.loop_lag.observe)
@@ -117,7 +120,10 @@ class Gateway:
         if self.dashboard is not None:
             self.dashboard.start()
         if c.bootstrap_servers is not None and c.follow_policy:
-            coordination = Coordination(c, self.topics, self.gateway_id, self.started_at)
+            self.tails = TailProcess(c.bootstrap_servers, security=c.kafka,
+                                     client_id=f"streamrl-gateway-{self.gateway_id}")
+            await self.tails.start()
+            coordination = Coordination(c, self.topics, self.tails, self.gateway_id, self.started_at)
             self.follower = PolicyFollower(c, self.pool, self.router, self.session, self.topics.policy,
                                            self.metrics, coordination, self.dashboard)
             await self.follower.start(c.policy_catch_up_s)
@@ -132,6 +138,8 @@ class Gateway:
             await self.dashboard.stop()
         if self.follower is not None:
             await self.follower.stop()
+        if self.tails is not None:
+            await self.tails.stop()
         await self.pool.stop()
         await self.proxy.finish_late_captures(min(self.config.upstream_timeout_s, 10.0))
         for session in (self.session, self.fresh_session):

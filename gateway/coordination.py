@@ -21,13 +21,12 @@ import asyncio
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from streamrl.broker.clients import FETCH_MAX_WAIT_MS, make_producer, partition_reader
 from streamrl.broker.schema import GatewayState, RecordError, decode, encode
+from streamrl.broker.tail_process import KafkaUnavailable, Records, Tail, TailProcess
 from streamrl.broker.topics import Topics, create_gateways_topic
 
 from .config import GatewayConfig
@@ -49,11 +48,13 @@ class Seen:
 
 
 class Coordination:
-    """Reads and writes ``<prefix>.gateways``. ``on_change`` callbacks run on the event loop after each batch
-    of states read; ``applied_offset`` is the last offset whose state the callbacks have seen."""
+    """Reads and writes ``<prefix>.gateways`` through the gateway's ``TailProcess``. ``on_change`` callbacks run
+    on the event loop after each batch of states read; ``applied_offset`` is the last offset whose state the
+    callbacks have seen."""
 
-    def __init__(self, config: GatewayConfig, topics: Topics, gateway_id: str, started_at: float) -> None:
-        self.config, self.topics, self.topic = config, topics, topics.gateways
+    def __init__(self, config: GatewayConfig, topics: Topics, tails: TailProcess, gateway_id: str,
+                 started_at: float) -> None:
+        self.config, self.topics, self.topic, self.tails = config, topics, topics.gateways, tails
         self.gateway_id, self.started_at = gateway_id, started_at
         self.seen: dict[str, Seen] = {}
         """The latest state of each gateway of this policy name, this one's included."""
@@ -64,56 +65,46 @@ class Coordination:
         self.on_change: list[Callable[[], None]] = []
         self._own_offset = -1
         self._own_back = asyncio.Event()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._producer = None
 
     # -- life cycle ----------------------------------------------------------------------------------
     async def start(self, first: GatewayState) -> None:
         """Read the recent log, write ``first``, and return once it has been read back (the view is whole).
         Kafka unreachable: retried every second, for as long as it takes (the caller serves meanwhile)."""
-        self._loop = asyncio.get_running_loop()
-        while self._producer is None:
+        while True:
             try:
                 await asyncio.to_thread(create_gateways_topic, self.config.bootstrap_servers, self.topics,
                                         security=self.config.kafka)
-                self._producer = await asyncio.to_thread(
-                    make_producer, self.config.bootstrap_servers, security=self.config.kafka, acks="all",
-                    linger_ms=0, compression=None, client_id=f"streamrl-gateway-{self.gateway_id}")
+                break
             except Exception as exc:
                 log.warning("coordination cannot reach Kafka (%s); retrying", exc)
                 await asyncio.sleep(1.0)
-        self._thread = threading.Thread(target=self._consume, name="gateway-coordination", daemon=True)
-        self._thread.start()
-        offset = await self.write(first)
+        self.tails.subscribe(Tail(self.topic, since_s=time.time() - 2 * self.config.gateway_ttl_s), self._read)
+        while True:
+            try:
+                offset = await self.write(first)
+                break
+            except (KafkaUnavailable, TimeoutError) as exc:
+                log.warning("coordination cannot write its state yet (%s); retrying", exc)
+                await asyncio.sleep(1.0)
         if self.applied_offset >= offset:  # read back before the ack came
             self._own_back.set()
         await self._own_back.wait()
         self.ready = True
 
     async def stop(self, last: GatewayState | None) -> None:
-        """Write ``last`` (a ``leaving`` state, so nobody waits out the TTL for this gateway), then stop."""
-        if last is not None and self._producer is not None:
+        """Write ``last`` (a ``leaving`` state, so nobody waits out the TTL for this gateway)."""
+        if last is not None:
             try:
-                await self.write(last)
+                await self.write(last, timeout_s=5.0)
             except Exception as exc:
                 log.warning("could not write the leaving state: %s", exc)
-        self._stopping.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 5)
-        if self._producer is not None:
-            await asyncio.to_thread(self._producer.close, 5)
 
-    async def write(self, state: GatewayState) -> int:
+    async def write(self, state: GatewayState, timeout_s: float = 30.0) -> int:
         """Send ``state`` and wait for its ack; returns its offset."""
-        if self._producer is None:
-            raise RuntimeError("not connected to Kafka yet")
         state.at = time.time()
-        future = self._producer.send(self.topic, key=self.gateway_id.encode(), value=encode(state))
-        metadata = await asyncio.to_thread(future.get, 30)
-        self._own_offset = max(self._own_offset, metadata.offset)
-        return metadata.offset
+        offset = await self.tails.write(self.topic, self.gateway_id.encode(), encode(state), timeout_s)
+        self._own_offset = max(self._own_offset, offset)
+        return offset
 
     # -- the view ------------------------------------------------------------------------------------
     def live(self, now: float | None = None) -> list[GatewayState]:
@@ -140,42 +131,19 @@ class Coordination:
         return {"gateway_id": self.gateway_id, "leader": self.leader(now),
                 "live": sorted(s.gateway_id for s in self.live(now)), "malformed_states": self.malformed}
 
-    # -- the consumer thread (kafka-python blocks) ---------------------------------------------------
-    def _consume(self) -> None:
-        reader = partition_reader(self.config.bootstrap_servers, self.topic, security=self.config.kafka,  # type: ignore[arg-type]
-                                  client_id=f"streamrl-gateway-coordination-{self.gateway_id}",
-                                  stop=self._stopping, what="coordination")
-        if reader is None:
-            return
-        consumer, tp = reader
-        since_ms = int((time.time() - 2 * self.config.gateway_ttl_s) * 1000)
-        try:
-            found = consumer.offsets_for_times({tp: since_ms}).get(tp)
-        except Exception:  # a broker without timestamp lookups: read all it keeps
-            found = None
-        if found is None:
-            consumer.seek_to_beginning(tp)
-        else:
-            consumer.seek(tp, found.offset)
-        try:
-            while not self._stopping.is_set():
-                batch = consumer.poll(timeout_ms=FETCH_MAX_WAIT_MS).get(tp, ())
-                if batch:
-                    states = []
-                    for message in batch:
-                        try:
-                            record = decode(message.value)
-                        except RecordError as exc:
-                            self.malformed += 1
-                            log.error("skipping bad gateway state at offset %d: %s", message.offset, exc)
-                            continue
-                        if isinstance(record, GatewayState):
-                            states.append((record, message.offset))
-                    last = batch[-1].offset
-                    assert self._loop is not None
-                    self._loop.call_soon_threadsafe(self._apply, states, last)
-        finally:
-            consumer.close()
+    # -- the log, read by the tail process -----------------------------------------------------------
+    def _read(self, records: Records) -> None:
+        states = []
+        for offset, value in records:
+            try:
+                record = decode(value)
+            except RecordError as exc:
+                self.malformed += 1
+                log.error("skipping bad gateway state at offset %d: %s", offset, exc)
+                continue
+            if isinstance(record, GatewayState):
+                states.append((record, offset))
+        self._apply(states, records[-1][0])
 
     def _apply(self, states: list[tuple[GatewayState, int]], last: int) -> None:
         for state, offset in states:

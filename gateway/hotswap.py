@@ -33,14 +33,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 
 import aiohttp
 import orjson
 
-from streamrl.broker.clients import FETCH_MAX_WAIT_MS, partition_reader
 from streamrl.broker.schema import GatewayState, LoadedVersion, PolicyRecord, RecordError, decode
+from streamrl.broker.tail_process import Records, Tail
 
 from .config import GatewayConfig
 from .coordination import Coordination
@@ -53,7 +52,7 @@ from .upstreams import Upstream, UpstreamPool
 log = logging.getLogger(__name__)
 
 _CAUGHT_UP = object()
-"""Put on the queue by the consumer thread once it has read the topic to its end."""
+"""Put on the queue once the policy topic has been read to its end."""
 _WAKE = object()
 """Put on the queue when this gateway has become the leader: look for a version to load."""
 
@@ -90,9 +89,6 @@ class PolicyFollower:
         self._reconcile_now = asyncio.Event()
         self._loading: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         router.idle_callbacks.append(self._on_idle)
         pool.on_recovered.append(lambda _up: self._reconcile_now.set())
 
@@ -100,9 +96,8 @@ class PolicyFollower:
     async def start(self, catch_up_timeout_s: float = 30.0) -> None:
         """Join the coordination log, then follow the policy topic; return once the newest version the
         leader has loaded (this gateway's own first load, when it leads) is routed, or after the timeout."""
-        self._loop = asyncio.get_running_loop()
         self.coordination.on_change.append(self._on_coordination)
-        joining = self._loop.create_task(self._join())
+        joining = asyncio.get_running_loop().create_task(self._join())
         self._tasks.add(joining)
         joining.add_done_callback(self._tasks.discard)
         started = time.monotonic()
@@ -111,8 +106,7 @@ class PolicyFollower:
             log.warning("coordination topic not read back after %.0fs; serving on (this gateway joins the others "
                         "when Kafka answers)", catch_up_timeout_s)
         catch_up_timeout_s = max(0.0, catch_up_timeout_s - (time.monotonic() - started))
-        self._thread = threading.Thread(target=self._consume, name="policy-follower", daemon=True)
-        self._thread.start()
+        self.coordination.tails.subscribe(Tail(self.topic), self._read, lambda: self._enqueue(_CAUGHT_UP))
         self._spawn(self._run())
         self._spawn(self._reconcile())
         self._spawn(self._heartbeat())
@@ -126,14 +120,11 @@ class PolicyFollower:
         self._on_coordination()
 
     async def stop(self) -> None:
-        self._stopping.set()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 5)
         leaving = self._state()
         leaving.leaving = True
         await self.coordination.stop(leaving if self.coordination.ready else None)
@@ -143,48 +134,25 @@ class PolicyFollower:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # -- the consumer thread (kafka-python blocks) ---------------------------------------------------
-    def _deliver(self, item: object) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._enqueue, item)
-
+    # -- the policy topic, read by the tail process ---------------------------------------------------
     def _enqueue(self, item: object) -> None:
         self._queue.put_nowait(item)
         self._arrived.set()
 
-    def _consume(self) -> None:
-        reader = partition_reader(self.config.bootstrap_servers, self.topic, security=self.config.kafka,  # type: ignore[arg-type]
-                                  client_id="streamrl-gateway-policy", stop=self._stopping, what="policy follower")
-        if reader is None:
-            return
-        consumer, tp = reader
-        consumer.seek_to_beginning(tp)
-        try:
-            end = consumer.end_offsets([tp])[tp]
-        except Exception:
-            end = 0
-        caught_up = False
-        try:
-            while not self._stopping.is_set():
-                batches = consumer.poll(timeout_ms=FETCH_MAX_WAIT_MS)
-                for message in batches.get(tp, ()):
-                    try:
-                        record = decode(message.value)
-                    except RecordError as exc:
-                        self._reject("malformed", f"skipping bad policy record at offset {message.offset}: {exc}")
-                        continue
-                    if isinstance(record, PolicyRecord) and record.name == self.router.name:
-                        try:
-                            check_publisher(record, self.config.trusted_publishers)
-                        except PolicyRejected as exc:
-                            self._reject(exc.reason, f"not serving {record.served_name}: {exc}")
-                            continue
-                        self._deliver(record)
-                if not caught_up and not batches and consumer.position(tp) >= end:
-                    caught_up = True
-                    self._deliver(_CAUGHT_UP)
-        finally:
-            consumer.close()
+    def _read(self, records: Records) -> None:
+        for offset, value in records:
+            try:
+                record = decode(value)
+            except RecordError as exc:
+                self._reject("malformed", f"skipping bad policy record at offset {offset}: {exc}")
+                continue
+            if isinstance(record, PolicyRecord) and record.name == self.router.name:
+                try:
+                    check_publisher(record, self.config.trusted_publishers)
+                except PolicyRejected as exc:
+                    self._reject(exc.reason, f"not serving {record.served_name}: {exc}")
+                    continue
+                self._enqueue(record)
 
     def _reject(self, reason: str, message: str) -> None:
         """Count and log a refused record (once: each record is read once, by the leader's check once)."""
