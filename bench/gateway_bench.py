@@ -30,10 +30,11 @@ Added latency = percentile through the gateway minus the same percentile direct.
 ``--rounds`` more rounds of every mode, interleaved, repeat both runs: on/off throughput and added latency are
 then taken round by round (a host's speed drifts between phases, and one stall of it decides a phase's p99).
 ``--gateway-cpus`` gives the ``-pinned`` modes' gateway process CPUs of its own (everything else runs on the
-others).
+others). ``--pairs`` then starts ``off`` and ``on`` side by side and alternates short closed-loop bursts between
+them, for an on / off ratio taken seconds apart rather than minutes.
 
     .venv/bin/python bench/gateway_bench.py [--rate 500] [--seconds 10] [--concurrency 32] [--stream-rate 20]
-        [--rounds 2] [--gateway-cpus 0-1]
+        [--rounds 2] [--gateway-cpus 0-1] [--pairs 20 --pair-seconds 2]
 """
 
 from __future__ import annotations
@@ -968,6 +969,41 @@ def interleaved_rounds(modes: list[str], rounds: int, stub: subprocess.Popen, st
     return {m: dict(v) for m, v in out.items()}
 
 
+def paired_bursts(pairs: int, seconds: float, stub_url: str, bootstrap: str, args: argparse.Namespace,
+                  procs: list[subprocess.Popen]) -> dict[str, object]:
+    """``off`` and ``on`` gateways up side by side, then ``pairs`` pairs of closed-loop bursts of ``seconds``
+    each, one per gateway, in ABBA order. A host's speed drifts over tens of seconds by more than logging
+    costs (per-round ratios of one run spread 0.56-1.04), so the ratio is taken within each pair, a few
+    seconds apart. The idle gateway costs the other nothing: ``on``'s records are drained after each of its
+    bursts, before ``off``'s starts."""
+    from streamrl.broker.embedded import free_port
+
+    rps: dict[str, list[float]] = {"off": [], "on": []}
+    with contextlib.ExitStack() as running:
+        urls = {}
+        for mode in rps:
+            port = free_port()
+            running.enter_context(gateway_for(mode, stub_url, port, bootstrap, args.dashboard_pages, procs))
+            urls[mode] = f"http://127.0.0.1:{port}"
+        for url in urls.values():  # each warmed at full load once
+            asyncio.run(closed_loop(f"{url}/v1/chat/completions", args.concurrency, WARM_S, REQUEST))
+            wait_drained(url)
+        for i in range(pairs):
+            for mode in (("off", "on") if i % 2 else ("on", "off")):
+                got = asyncio.run(closed_loop(f"{urls[mode]}/v1/chat/completions", args.concurrency, seconds,
+                                              REQUEST))
+                rps[mode].append(got["rps"])
+                wait_drained(urls[mode])
+    ratios = np.divide(rps["on"], rps["off"])
+    out = {"pairs": pairs, "seconds": seconds, "rps": rps, "on_over_off": list(ratios),
+           "on_over_off_median": float(np.median(ratios)),
+           "on_over_off_quartiles": [float(q) for q in np.percentile(ratios, [25, 75])]}
+    print(f"[pairs] on / off, {pairs} pairs of {seconds:g} s bursts: median {out['on_over_off_median']:.2f} "
+          f"(quartiles {out['on_over_off_quartiles'][0]:.2f}-{out['on_over_off_quartiles'][1]:.2f}); req/s off "
+          f"{np.median(rps['off']):,.0f}, on {np.median(rps['on']):,.0f}", flush=True)
+    return out
+
+
 def first_pass_round(entry: dict[str, object]) -> dict[str, list[float]]:
     """A mode's figures of the full pass, as the first of its rounds."""
     lat = entry["latency"]
@@ -995,6 +1031,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2,
                    help="more rounds of every mode after the full pass, interleaved: open-loop latency and "
                         "closed-loop req/s, for per-round ratios and added latency")
+    p.add_argument("--pairs", type=int, default=0,
+                   help="then off and on side by side: this many pairs of closed-loop bursts, on / off per pair")
+    p.add_argument("--pair-seconds", type=float, default=2.0, help="each burst of --pairs")
     p.add_argument("--gateway-cpus", help="the -pinned modes' gateway process on these CPUs only (a taskset list, "
                                           "e.g. 0-1), its record producer, the stub, the broker and the load on "
                                           "the others")
@@ -1048,6 +1087,9 @@ def main() -> None:
         for m in modes:
             first = first_pass_round(results[m])
             results["rounds"][m] = {k: [*first.get(k, []), *extra[m].get(k, [])] for k in {**first, **extra[m]}}
+        if args.pairs:
+            results["paired"] = paired_bursts(args.pairs, args.pair_seconds, stub_url, broker.bootstrap_servers,
+                                              args, procs)
         results["records"] = record_sizes(broker.bootstrap_servers)
     finally:
         for proc in procs:
@@ -1111,6 +1153,9 @@ def main() -> None:
         summary["on_dashboard_over_on_throughput"] = dash["throughput"]["rps"] / on["throughput"]["rps"]
         summary["on_dashboard_minus_on_p50_p99_ms"] = (dash["latency"]["p50_ms"] - on["latency"]["p50_ms"],
                                                        dash["latency"]["p99_ms"] - on["latency"]["p99_ms"])
+    if "paired" in results:
+        summary["paired_on_over_off_median"] = results["paired"]["on_over_off_median"]
+        summary["paired_on_over_off_quartiles"] = results["paired"]["on_over_off_quartiles"]
     results["summary"] = summary
     print(json.dumps(results, indent=2))
     print_table(results)

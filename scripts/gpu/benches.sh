@@ -3,7 +3,7 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-neighbours | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
+#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-neighbours | gateway-paired | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
 #   lora-load: VERSIONS (default 24, a third each idle / generating / beside a GPU neighbour), STREAMS (128)
 #   gateway: ROUNDS (default 2) more interleaved rounds; GATEWAY_CPUS (e.g. 0-1) adds off and on with the gateway
 #          process on those CPUs alone (off-pinned, on-pinned) to the same rounds
@@ -13,6 +13,8 @@
 #   gateway-neighbours: the gateway bench's direct, off, on, off-compute and off-memory (logging off beside two busy
 #          processes that compute, or stream 64 MB through memory) and on-nofollow (logging on without the gateway's
 #          own Kafka readers); ROUNDS, default 3
+#   gateway-paired: the gateway bench's direct, off, on and on-nofollow (ROUNDS, default 2), then off and on side
+#          by side, PAIRS (default 20) pairs of closed-loop bursts of PAIR_SECONDS (default 2): on / off per pair
 #   gateway-scaling: GATEWAY_CPUS (a taskset list, e.g. 0-7) pins the gateways there and the load elsewhere
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
@@ -107,6 +109,10 @@ for bench in "$@"; do
       python3 "$repo/bench/gateway_bench.py" --seconds 6 --stream-rate 0 --modes direct,off,on,off-compute,off-memory,on-nofollow \
           --rounds "${ROUNDS:-3}" --json "$out/gateway-neighbours.json" \
           > "$out/gateway-neighbours.log" 2>&1; tail -18 "$out/gateway-neighbours.log" ;;
+    gateway-paired)  # on / off taken seconds apart: the host's drift between phases is larger than logging's cost
+      python3 "$repo/bench/gateway_bench.py" --seconds 6 --stream-rate 0 --modes direct,off,on,on-nofollow \
+          --rounds "${ROUNDS:-2}" --pairs "${PAIRS:-20}" --pair-seconds "${PAIR_SECONDS:-2}" \
+          --json "$out/gateway-paired.json" > "$out/gateway-paired.log" 2>&1; tail -16 "$out/gateway-paired.log" ;;
     gateway-scaling)  # #18: 1, 2, 4, 8 gateway processes on one port, logging on, and publish -> served
       python3 "$repo/bench/gateway_scaling.py" --processes 1,2,4,8 --seconds 10 --concurrency 64 --clients 4 \
           --stub-processes 2 --versions 20 --version-interval 0.5 ${GATEWAY_CPUS:+--gateway-cpus "$GATEWAY_CPUS"} \
