@@ -969,38 +969,51 @@ def interleaved_rounds(modes: list[str], rounds: int, stub: subprocess.Popen, st
     return {m: dict(v) for m, v in out.items()}
 
 
-def paired_bursts(pairs: int, seconds: float, stub_url: str, bootstrap: str, args: argparse.Namespace,
-                  procs: list[subprocess.Popen]) -> dict[str, object]:
+def paired_bursts(pairs: int, seconds: float, stub: subprocess.Popen, stub_url: str, bootstrap: str,
+                  args: argparse.Namespace, procs: list[subprocess.Popen]) -> dict[str, object]:
     """``off`` and ``on`` gateways up side by side, then ``pairs`` pairs of closed-loop bursts of ``seconds``
     each, one per gateway, in ABBA order. A host's speed drifts over tens of seconds by more than logging
-    costs (per-round ratios of one run spread 0.56-1.04), so the ratio is taken within each pair, a few
+    costs (per-round ratios of one run spread 0.56-1.04), so the ratio is also taken within each pair, a few
     seconds apart. The idle gateway costs the other nothing: ``on``'s records are drained after each of its
-    bursts, before ``off``'s starts."""
+    bursts, before ``off``'s starts. Per burst also the event loop's CPU per call and busy share, and the
+    stub's and this client's loops' busy share."""
     from streamrl.broker.embedded import free_port
 
-    rps: dict[str, list[float]] = {"off": [], "on": []}
+    got: dict[str, dict[str, list[float]]] = {m: collections.defaultdict(list) for m in ("off", "on")}
     with contextlib.ExitStack() as running:
-        urls = {}
-        for mode in rps:
+        gateways = {}
+        for mode in got:
             port = free_port()
-            running.enter_context(gateway_for(mode, stub_url, port, bootstrap, args.dashboard_pages, procs))
-            urls[mode] = f"http://127.0.0.1:{port}"
-        for url in urls.values():  # each warmed at full load once
+            gw, _ = running.enter_context(gateway_for(mode, stub_url, port, bootstrap, args.dashboard_pages, procs))
+            gateways[mode] = (f"http://127.0.0.1:{port}", gw.pid)
+        for url, _ in gateways.values():  # each warmed at full load once
             asyncio.run(closed_loop(f"{url}/v1/chat/completions", args.concurrency, WARM_S, REQUEST))
             wait_drained(url)
         for i in range(pairs):
             for mode in (("off", "on") if i % 2 else ("on", "off")):
-                got = asyncio.run(closed_loop(f"{urls[mode]}/v1/chat/completions", args.concurrency, seconds,
-                                              REQUEST))
-                rps[mode].append(got["rps"])
-                wait_drained(urls[mode])
-    ratios = np.divide(rps["on"], rps["off"])
-    out = {"pairs": pairs, "seconds": seconds, "rps": rps, "on_over_off": list(ratios),
-           "on_over_off_median": float(np.median(ratios)),
-           "on_over_off_quartiles": [float(q) for q in np.percentile(ratios, [25, 75])]}
+                url, pid = gateways[mode]
+                loop, stub_loop, client_loop = ThreadCpu(pid), ThreadCpu(stub.pid), ThreadCpu(os.getpid())
+                burst = asyncio.run(closed_loop(f"{url}/v1/chat/completions", args.concurrency, seconds, REQUEST))
+                cpu = loop.result(burst["requests"])
+                for key, value in (("rps", burst["rps"]), ("busy", cpu["main_thread_busy"]),
+                                   ("cpu_ms_per_request", cpu["main_thread_on_cpu_ms_per_request"]),
+                                   ("stub_busy", stub_loop.result(1)["main_thread_busy"]),
+                                   ("client_busy", client_loop.result(1)["main_thread_busy"])):
+                    got[mode][key].append(value)
+                wait_drained(url)
+    ratios = np.divide(got["on"]["rps"], got["off"]["rps"])
+    out: dict[str, object] = {
+        "pairs": pairs, "seconds": seconds, **{m: dict(v) for m, v in got.items()}, "on_over_off": list(ratios),
+        "on_over_off_median": float(np.median(ratios)),
+        "on_over_off_quartiles": [float(q) for q in np.percentile(ratios, [25, 75])],
+        "cpu_per_request_on_over_off_median": float(np.median(np.divide(got["on"]["cpu_ms_per_request"],
+                                                                        got["off"]["cpu_ms_per_request"])))}
+    medians = {m: {k: float(np.median(v)) for k, v in got[m].items()} for m in got}
     print(f"[pairs] on / off, {pairs} pairs of {seconds:g} s bursts: median {out['on_over_off_median']:.2f} "
-          f"(quartiles {out['on_over_off_quartiles'][0]:.2f}-{out['on_over_off_quartiles'][1]:.2f}); req/s off "
-          f"{np.median(rps['off']):,.0f}, on {np.median(rps['on']):,.0f}", flush=True)
+          f"(quartiles {out['on_over_off_quartiles'][0]:.2f}-{out['on_over_off_quartiles'][1]:.2f}); medians of "
+          + "; ".join(f"{m}: {v['rps']:,.0f} req/s, loop {v['cpu_ms_per_request']:.3f} ms per call, busy "
+                      f"{v['busy']:.0%}, stub / client busy {v['stub_busy']:.0%} / {v['client_busy']:.0%}"
+                      for m, v in medians.items()), flush=True)
     return out
 
 
@@ -1088,8 +1101,8 @@ def main() -> None:
             first = first_pass_round(results[m])
             results["rounds"][m] = {k: [*first.get(k, []), *extra[m].get(k, [])] for k in {**first, **extra[m]}}
         if args.pairs:
-            results["paired"] = paired_bursts(args.pairs, args.pair_seconds, stub_url, broker.bootstrap_servers,
-                                              args, procs)
+            results["paired"] = paired_bursts(args.pairs, args.pair_seconds, stub, stub_url,
+                                              broker.bootstrap_servers, args, procs)
         results["records"] = record_sizes(broker.bootstrap_servers)
     finally:
         for proc in procs:
@@ -1156,6 +1169,7 @@ def main() -> None:
     if "paired" in results:
         summary["paired_on_over_off_median"] = results["paired"]["on_over_off_median"]
         summary["paired_on_over_off_quartiles"] = results["paired"]["on_over_off_quartiles"]
+        summary["paired_cpu_per_request_on_over_off_median"] = results["paired"]["cpu_per_request_on_over_off_median"]
     results["summary"] = summary
     print(json.dumps(results, indent=2))
     print_table(results)
