@@ -301,22 +301,30 @@ class _Child:
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            if (self.consumer is None or self.producer is None) and not self.connect():
+            try:
+                self.step()
+            except Exception:  # a Kafka client's surprise must not end the process: the parent relies on it
+                log.exception("reading the tailed topics failed; going on in %.1fs", self.retry_s)
                 self.stopping.wait(self.retry_s)
-                continue
-            while not self.new_tails.empty():
-                self.add(self.new_tails.get())
-            if not self.reading:
-                self.stopping.wait(0.05)
-                continue
-            batches = self.consumer.poll(timeout_ms=FETCH_MAX_WAIT_MS)
-            for tp, reading in self.reading.items():
-                messages = batches.get(tp)
-                if messages:
-                    self.reply("records", tp.topic, [(m.offset, m.value) for m in messages])
-                elif reading.end is not None and self.consumer.position(tp) >= reading.end:
-                    reading.end = None
-                    self.reply("end", tp.topic)
+
+    def step(self) -> None:
+        if (self.consumer is None or self.producer is None) and not self.connect():
+            self.stopping.wait(self.retry_s)
+            return
+        if not self.reading:  # nothing to read yet: wait for the first tail
+            with contextlib.suppress(queue.Empty):
+                self.add(self.new_tails.get(timeout=0.2))
+            return
+        while not self.new_tails.empty():
+            self.add(self.new_tails.get())
+        batches = self.consumer.poll(timeout_ms=FETCH_MAX_WAIT_MS)
+        for tp, reading in self.reading.items():
+            messages = batches.get(tp)
+            if messages:
+                self.reply("records", tp.topic, [(m.offset, m.value) for m in messages])
+            elif reading.end is not None and self.consumer.position(tp) >= reading.end:
+                reading.end = None
+                self.reply("end", tp.topic)
 
     def close(self) -> None:
         if self.consumer is not None:
