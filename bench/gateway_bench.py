@@ -18,8 +18,9 @@ this load generator. Modes, all in the same run:
            ``/dashboard/data`` exactly as the page's script does (the dashboard's cost to the gateway)
   off-pinned, on-pinned  (with ``--gateway-cpus``) ``off`` and ``on`` with the gateway process on those CPUs
            alone and everything else on the others
-  on-nofollow  ``on`` with ``--no-follow-policy``: no policy follower and no coordination, so none of the
-           gateway process's own Kafka clients (two consumers and a producer, whose threads take its GIL)
+  on-nofollow  ``on`` with ``--no-follow-policy``: no policy follower and no coordination, so no tail process
+           (the gateway's child that reads the policy and coordination topics; before session 21 two consumers
+           and a producer in the gateway's own process, whose threads took its GIL)
   off-compute, off-memory  ``off`` with ``NEIGHBOURS`` processes busy beside it for the phase: a Python loop
            in its own caches, or streaming 64 MB arrays through memory (does logging's cost come from busy
            CPUs as such, or from traffic through what the cores share?)
