@@ -322,8 +322,10 @@ def background_priority() -> bool:
     return True
 
 
-def _child_main(conn: Any, config: SenderConfig, counts: Any, waiter: WaiterSpec | None = None) -> None:
-    """The producer process: receives pickled items until an empty frame, then flushes and exits."""
+def _child_main(conn: Any, config: SenderConfig, counts: Any, waiter: WaiterSpec | None = None,
+                ready: Any = None) -> None:
+    """The producer process: receives pickled items until an empty frame, then flushes and exits. ``ready`` is
+    set once it reads the pipe."""
     # The parent decides when to stop: a Ctrl-C or a SIGTERM sent to the whole process group must not
     # lose what is buffered here. The pipe closing (the parent gone) ends this loop too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -331,6 +333,8 @@ def _child_main(conn: Any, config: SenderConfig, counts: Any, waiter: WaiterSpec
     background_priority()  # before any thread starts: they inherit it
     _collect_rarely()
     sender = _Sender(config, counts, waiter)
+    if ready is not None:
+        ready.set()
     try:
         for data in FrameReader(conn.fileno()):
             try:
@@ -373,8 +377,9 @@ class LogProducer:
             ctx = multiprocessing.get_context("spawn")
             self._counts: Any = ctx.Array("q", NCOUNTS, lock=False)
             reader, writer = ctx.Pipe(duplex=False)
+            self._ready: Any = ctx.Event()
             self._process = ctx.Process(target=_child_main, name="streamrl-log-producer", daemon=True,
-                                        args=(reader, config, self._counts, waiter))
+                                        args=(reader, config, self._counts, waiter, self._ready))
             self._process.start()
             reader.close()
             self._pipe = PipeWriter(writer, max_buffered, max_buffered_bytes)
@@ -383,6 +388,13 @@ class LogProducer:
             self._sender = _Sender(config, self._counts, waiter)
             self._thread = threading.Thread(target=self._run, name="streamrl-log-producer", daemon=True)
             self._thread.start()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until the producer process reads the pipe (its interpreter started, its modules imported: about
+        a second of a CPU), or ``timeout_s``; True if it does. A server that takes load before then shares the
+        host with that start-up: on the H200 host a fresh gateway's first second under load had requests over
+        10 ms (up to 86 ms) that later seconds never had (docs/gateway.md, "How it keeps overhead low")."""
+        return True if self._process is None else self._ready.wait(timeout_s)
 
     @property
     def stats(self) -> ProducerStats:

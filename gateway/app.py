@@ -7,6 +7,7 @@ the policy follower (hot-swap); ``create_app`` wires them and nothing else. With
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -45,6 +46,10 @@ from .upstreams import UpstreamPool
 from .wire import CHAT, COMPLETIONS
 
 log = logging.getLogger(__name__)
+
+PRODUCER_START_S = 30.0
+"""How long a starting gateway waits for its record producer process to read the pipe before it serves: load
+taken while that process still starts (a second of a CPU, importing) made a fresh gateway's first second slow."""
 
 
 class Gateway:
@@ -127,6 +132,9 @@ class Gateway:
             self.follower = PolicyFollower(c, self.pool, self.router, self.session, self.topics.policy,
                                            self.metrics, coordination, self.dashboard)
             await self.follower.start(c.policy_catch_up_s)
+        if self.producer is not None and not await asyncio.to_thread(self.producer.wait_ready, PRODUCER_START_S):
+            log.warning("the record producer process has not started after %.0fs; serving on (records wait in "
+                        "the pipe)", PRODUCER_START_S)
         log.info("gateway %s up: upstreams %s, logging %s, policy name %r, %s", self.gateway_id,
                  list(c.upstreams), "to " + c.bootstrap_servers if c.bootstrap_servers else "off", c.policy_name,
                  f"API keys {', '.join(self.keys.ids)}" if self.keys else "no API keys")

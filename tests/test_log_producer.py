@@ -103,6 +103,22 @@ def test_process_producer_delivers_plain_and_deferred_records(broker: EmbeddedBr
         f"{tag}-built-{i}" for i in range(30)}
 
 
+def test_producer_process_says_when_it_reads_the_pipe(broker: EmbeddedBroker) -> None:
+    """``wait_ready``: not at once (the child still starts its interpreter and imports), then within the bound;
+    a gateway waits for it before it serves (``conftest.start_gateway`` checks that)."""
+    producer = LogProducer(broker.bootstrap_servers, process=True)
+    try:
+        assert not producer.wait_ready(0)
+        assert producer.wait_ready(60)
+    finally:
+        producer.close()
+    threaded = LogProducer(broker.bootstrap_servers)
+    try:
+        assert threaded.wait_ready(0)  # thread mode: its thread is there at once
+    finally:
+        threaded.close()
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="Linux scheduling policies")
 def test_producer_process_threads_run_as_batch(broker: EmbeddedBroker) -> None:
     """Every thread of the producer process (pipe reader, Kafka network and delivery threads) runs under

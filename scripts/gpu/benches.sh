@@ -14,7 +14,8 @@
 #          processes that compute, or stream 64 MB through memory) and on-nofollow (logging on without the gateway's
 #          own Kafka readers); ROUNDS, default 3
 #   gateway-paired: the gateway bench's direct, off, on and on-nofollow (ROUNDS, default 2), then off and on side
-#          by side, PAIRS (default 20) pairs of closed-loop bursts of PAIR_SECONDS (default 2): on / off per pair
+#          by side, PAIRS (default 20) pairs of closed-loop bursts of PAIR_SECONDS (default 2): on / off per pair;
+#          GATEWAY_SECONDS (default 6) per phase
 #   gateway-scaling: GATEWAY_CPUS (a taskset list, e.g. 0-7) pins the gateways there and the load elsewhere
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
@@ -110,7 +111,7 @@ for bench in "$@"; do
           --rounds "${ROUNDS:-3}" --json "$out/gateway-neighbours.json" \
           > "$out/gateway-neighbours.log" 2>&1; tail -18 "$out/gateway-neighbours.log" ;;
     gateway-paired)  # on / off taken seconds apart: the host's drift between phases is larger than logging's cost
-      python3 "$repo/bench/gateway_bench.py" --seconds 6 --stream-rate 0 --modes direct,off,on,on-nofollow \
+      python3 "$repo/bench/gateway_bench.py" --seconds "${GATEWAY_SECONDS:-6}" --stream-rate 0 --modes direct,off,on,on-nofollow \
           --rounds "${ROUNDS:-2}" --pairs "${PAIRS:-20}" --pair-seconds "${PAIR_SECONDS:-2}" \
           --json "$out/gateway-paired.json" > "$out/gateway-paired.log" 2>&1; tail -16 "$out/gateway-paired.log" ;;
     gateway-scaling)  # #18: 1, 2, 4, 8 gateway processes on one port, logging on, and publish -> served
