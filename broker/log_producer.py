@@ -168,6 +168,12 @@ class WaiterSpec:
         return factory(deliver, counts, *self.args)
 
 
+@functools.cache
+def _parts_head(n: int) -> struct.Struct:
+    """``_PARTS_HEAD`` and the lengths of ``n`` parts, packed at once."""
+    return struct.Struct(_PARTS_HEAD.format + f"{n}I")
+
+
 def parts_frame(topic: str, name: str, parts: Sequence[bytes], count: int,
                 wait_for: bytes | None = None) -> tuple[bytes, ...]:
     """The chunks of one frame of parts, to be written as they are (``PipeWriter.put_chunks``)."""
@@ -175,8 +181,8 @@ def parts_frame(topic: str, name: str, parts: Sequence[bytes], count: int,
     kind = _PARTS
     if wait_for is not None:
         kind, parts = _WAITING_PARTS, (*parts, wait_for)
-    head = _PARTS_HEAD.pack(kind, count, len(t), len(n), len(parts))
-    return (head + b"".join(_PART_LEN.pack(len(x)) for x in parts) + t + n, *parts)
+    head = _parts_head(len(parts)).pack(kind, count, len(t), len(n), len(parts), *map(len, parts))
+    return (head + t + n, *parts)
 
 
 def decode_item(data: bytes) -> Item | Waiting:

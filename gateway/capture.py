@@ -9,10 +9,11 @@ body per choice, decoding the token-level parts, building arrays and encoding ha
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgspec
@@ -286,17 +287,25 @@ def sse_chunks(data: bytes) -> Iterator[dict[str, Any]]:
         yield chunk
 
 
+_CONTEXT_FIELDS = tuple(f.name for f in fields(CallContext))
+_context_values = operator.attrgetter(*_CONTEXT_FIELDS)
+"""A call's context as a tuple of its fields' values: orjson writes that in a quarter of the time it takes
+for the dataclass (0.6 against 2.0 us, most of ``engine_parts`` on the event loop). Both ends are the same
+code (the gateway and the record producer it starts), so the order is the class's."""
+
+
 def engine_parts(ctx: CallContext, total_s: float) -> bytes:
-    """The call's context as the first part of ``encode_engine_parts``: JSON, a fraction of a pickle's cost
-    on the event loop."""
-    return orjson.dumps((ctx, total_s))
+    """The call's context as the first part of ``encode_engine_parts``: its fields' values as a JSON array, a
+    fraction of a pickle's cost on the event loop."""
+    return orjson.dumps((_context_values(ctx), total_s))
 
 
 def encode_engine_parts(context: bytes, body: bytes, capture: bytes) -> list[tuple[bytes | None, bytes]]:
     """``encode_engine_records`` of a non-streamed call handed over as byte strings (``LogProducer.offer_parts``):
     the context from ``engine_parts``, vLLM's body and the capture."""
-    fields, total_s = orjson.loads(context)
-    return encode_engine_records(CallContext(**fields), body, capture, total_s)
+    values, total_s = orjson.loads(context)
+    return encode_engine_records(CallContext(**dict(zip(_CONTEXT_FIELDS, values, strict=True))), body, capture,
+                                 total_s)
 
 
 def encode_engine_records(ctx: CallContext, body: bytes | list[tuple[float, bytes]], capture: bytes | None,

@@ -480,8 +480,9 @@ class Proxy:
         logging is off."""
         if self.producer is None:
             return None
-        self.metrics.prompt_tokens.inc(tokens[0])
-        self.metrics.completion_tokens.inc(tokens[1])
+        counts = self.metrics.tokens
+        counts.prompt += tokens[0]
+        counts.completion += tokens[1]
         ctx = call.ctx
         if self.dashboard is not None and ctx.policy_name is not None and ctx.purpose == "train":
             self.dashboard.served(ctx.trajectory_id, ctx.policy_version)

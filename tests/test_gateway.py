@@ -65,6 +65,8 @@ def assert_record_matches(rec: CompletionRecord, token_ids: list[int], logprobs:
 
 def test_chat_record_is_token_exact_and_response_unchanged(gateway, engine, base_model, completions):
     sampling = {"max_tokens": 12, "temperature": 1.0, "seed": 1234}
+    tokens = ('streamrl_gateway_tokens_total{kind="prompt"}', 'streamrl_gateway_tokens_total{kind="completion"}')
+    before = [metric(gateway, name) for name in tokens]
     raw = client(gateway).chat.completions.with_raw_response.create(
         model=base_model, messages=CHAT, extra_headers={"X-Trajectory-Id": "traj-chat", "X-Group-Id": "g-1"},
         **sampling)
@@ -90,6 +92,8 @@ def test_chat_record_is_token_exact_and_response_unchanged(gateway, engine, base
     assert rec.response_text == response.choices[0].message.content
     assert rec.request["messages"] == CHAT and rec.finish_reason == response.choices[0].finish_reason
     assert rec.usage["completion_tokens"] == response.usage.completion_tokens
+    assert [metric(gateway, name) - b for name, b in zip(tokens, before, strict=True)] == [
+        response.usage.prompt_tokens, response.usage.completion_tokens]  # counted by /metrics as logged
     # the real vLLM body took the byte-level strip, not the msgspec fallback
     assert metric(gateway, "streamrl_gateway_slow_strips_total") == 0
 
