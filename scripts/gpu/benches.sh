@@ -15,7 +15,8 @@
 #          own Kafka readers); ROUNDS, default 3
 #   gateway-paired: the gateway bench's direct, off, on and on-nofollow (ROUNDS, default 2), then off and on side
 #          by side, PAIRS (default 20) pairs of closed-loop bursts of PAIR_SECONDS (default 2): on / off per pair;
-#          GATEWAY_SECONDS (default 6) per phase
+#          GATEWAY_SECONDS (default 6) per phase; then bench/handoff_bench.py (logging's hand-off on the event
+#          loop against a bare write into the same pipe)
 #   gateway-scaling: GATEWAY_CPUS (a taskset list, e.g. 0-7) pins the gateways there and the load elsewhere
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
@@ -113,7 +114,8 @@ for bench in "$@"; do
     gateway-paired)  # on / off taken seconds apart: the host's drift between phases is larger than logging's cost
       python3 "$repo/bench/gateway_bench.py" --seconds "${GATEWAY_SECONDS:-6}" --stream-rate 0 --modes direct,off,on,on-nofollow \
           --rounds "${ROUNDS:-2}" --pairs "${PAIRS:-20}" --pair-seconds "${PAIR_SECONDS:-2}" \
-          --json "$out/gateway-paired.json" > "$out/gateway-paired.log" 2>&1; tail -16 "$out/gateway-paired.log" ;;
+          --json "$out/gateway-paired.json" > "$out/gateway-paired.log" 2>&1; tail -16 "$out/gateway-paired.log"
+      python3 "$repo/bench/handoff_bench.py" --json "$out/handoff.json" > "$out/handoff.log" 2>&1; tail -7 "$out/handoff.log" ;;
     gateway-scaling)  # #18: 1, 2, 4, 8 gateway processes on one port, logging on, and publish -> served
       python3 "$repo/bench/gateway_scaling.py" --processes 1,2,4,8 --seconds 10 --concurrency 64 --clients 4 \
           --stub-processes 2 --versions 20 --version-interval 0.5 ${GATEWAY_CPUS:+--gateway-cpus "$GATEWAY_CPUS"} \
