@@ -109,7 +109,6 @@ _WAITING_PARTS = 0x51
 _PARTS_HEAD = struct.Struct("<BIHHB")
 """A frame of parts: kind, records, topic length, builder name length, number of parts; then each part's
 length (u32), the topic, the builder's ``module:qualname`` and the parts."""
-_PART_LEN = struct.Struct("<I")
 
 
 def builder_name(build: PartsBuild) -> str:
@@ -190,9 +189,10 @@ def decode_item(data: bytes) -> Item | Waiting:
     ``ValueError`` (or a pickle error) for a frame that is neither."""
     if data[:1] not in (bytes((_PARTS,)), bytes((_WAITING_PARTS,))):
         return pickle.loads(data)
-    kind, count, topic_len, name_len, n = _PARTS_HEAD.unpack_from(data)
-    sizes = struct.unpack_from(f"<{n}I", data, _PARTS_HEAD.size)
-    pos = _PARTS_HEAD.size + _PART_LEN.size * n
+    n = _PARTS_HEAD.unpack_from(data)[-1]
+    head = _parts_head(n)
+    kind, count, topic_len, name_len, _, *sizes = head.unpack_from(data)
+    pos = head.size
     topic = data[pos:pos + topic_len].decode()
     name = data[pos + topic_len:pos + topic_len + name_len].decode()
     pos += topic_len + name_len

@@ -20,7 +20,6 @@ import pickle
 import queue
 import signal
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,12 +28,11 @@ from typing import Any
 from kafka import TopicPartition
 
 from .clients import FETCH_MAX_WAIT_MS, PLAINTEXT, make_consumer, make_producer
+from .frame_pipe import FRAME  # each message on the socket: its pickle's length, then the pickle
 from .security import KafkaSecurity
 
 log = logging.getLogger(__name__)
 
-FRAME = struct.Struct("!I")
-"""Each message on the socket between the processes: its pickle's length, then the pickle."""
 
 Records = list[tuple[int, bytes]]
 """One poll's records of one topic: (offset, value), in offset order."""
