@@ -18,6 +18,8 @@ this load generator. Modes, all in the same run:
            ``/dashboard/data`` exactly as the page's script does (the dashboard's cost to the gateway)
   off-pinned, on-pinned  (with ``--gateway-cpus``) ``off`` and ``on`` with the gateway process on those CPUs
            alone and everything else on the others
+  on-kafka-python  ``on`` with ``--producer-client kafka-python``: records and rewards sent by kafka-python instead
+           of librdkafka (the default since session 23)
   on-nofollow  ``on`` with ``--no-follow-policy``: no policy follower and no coordination, so no tail process
            (the gateway's child that reads the policy and coordination topics; before session 21 two consumers
            and a producer in the gateway's own process, whose threads took its GIL)
@@ -594,7 +596,7 @@ record-producer process, the stub, the broker, this load generator). The gateway
 their producers, may run on every CPU."""
 
 GATEWAY_MODES = ("off", "on", "on-framed", "on-json", "on-dashboard", "off-pinned", "on-pinned", "off-compute",
-                 "off-memory", "on-nofollow")
+                 "off-memory", "on-nofollow", "on-kafka-python")
 """``<mode>-pinned``: ``<mode>`` with the gateway process on ``--gateway-cpus`` alone and its producer process
 off them, in the same rounds as the unpinned modes: what placement does, on the same host at the same time."""
 
@@ -612,7 +614,8 @@ def gateway_cmd(stub_url: str, port: int, bootstrap: str, mode: str) -> list[str
     base = mode.removesuffix("-pinned").removesuffix("-compute").removesuffix("-memory")
     return {"off": [*cmd, "--no-logging"], "on": cmd, "on-framed": [*cmd, "--no-deferred-capture"],
             "on-json": [*cmd, "--no-token-capture"], "on-dashboard": cmd,
-            "on-nofollow": [*cmd, "--no-follow-policy"]}[base]
+            "on-nofollow": [*cmd, "--no-follow-policy"],
+            "on-kafka-python": [*cmd, "--producer-client", "kafka-python"]}[base]
 
 
 NEIGHBOURS = 2
@@ -714,7 +717,7 @@ def vllm_record_sizes(upstream: str, requests: int = 20, max_tokens: int = 256) 
 
 
 RATIOS = (("on", "off"), ("on-pinned", "off-pinned"), ("on-nofollow", "off"), ("off-compute", "off"),
-          ("off-memory", "off"))
+          ("off-memory", "off"), ("on-kafka-python", "off"))
 """The closed-loop req/s ratios printed per round: logging's cost, placed alike, and what the variants do."""
 
 

@@ -1,7 +1,7 @@
-"""CPU per record of the Kafka client in the gateway's record-producer process: kafka-python, set up as the
-producer process sets it up (``SenderConfig.connect``: acks=all, one request in flight, zstd, linger 20 ms),
-against librdkafka through confluent-kafka with the same settings, where that package is installed (it is not a
-dependency of streamrl: this bench measures whether it should be).
+"""CPU per record of the Kafka clients the gateway's record-producer process can send through
+(``broker/kafka_producers.py``): kafka-python and librdkafka (confluent-kafka), each set up as the producer
+process sets it up (``SenderConfig.connect``: acks=all, one request in flight, zstd, linger 20 ms) and driven
+through the same ``RecordProducer`` interface ``Delivery`` uses.
 
 Each client sends ``--records`` records of ``--record-bytes`` (half random, half one repeated byte: token arrays
 do not compress, text does), each with its own trajectory-id key, paced at ``--rate`` records/s to the embedded
@@ -20,16 +20,13 @@ import resource
 import statistics
 import threading
 import time
-from collections.abc import Callable
 
 from streamrl.broker.embedded import EmbeddedBroker
+from streamrl.broker.kafka_producers import PRODUCER_CLIENTS
 from streamrl.broker.log_producer import SenderConfig
 from streamrl.broker.topics import Topics
 
 TOPIC = "bench.completions"
-
-Client = tuple[Callable[[bytes, bytes], None], Callable[[], None], Callable[[], None]]
-"""send(key, value), flush (every record acknowledged), close."""
 
 
 def process_cpu_s() -> float:
@@ -37,60 +34,31 @@ def process_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def kafka_python(bootstrap: str, compression: str, acked: list[int]) -> Client:
-    producer = SenderConfig(bootstrap, None if compression == "none" else compression, 10_000, "bench").connect()
-    lock = threading.Lock()
-
-    def ok(_meta: object) -> None:
-        with lock:
-            acked[0] += 1
-
-    def send(key: bytes, value: bytes) -> None:
-        producer.send(TOPIC, key=key, value=value).add_callback(ok)
-
-    return send, producer.flush, producer.close
-
-
-def librdkafka(bootstrap: str, compression: str, acked: list[int]) -> Client:
-    from confluent_kafka import Producer
-
-    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "compression.type": compression, "linger.ms": 20,
-                         "max.in.flight.requests.per.connection": 1, "enable.idempotence": False,
-                         "batch.size": 1 << 20, "message.max.bytes": 16 << 20, "client.id": "bench"})
-
-    def ok(err: object, _msg: object) -> None:
-        if err is None:
-            acked[0] += 1
-
-    def send(key: bytes, value: bytes) -> None:
-        producer.produce(TOPIC, value=value, key=key, on_delivery=ok)
-        producer.poll(0)  # serves the acknowledgements that came in
-
-    return send, lambda: producer.flush(30), lambda: None
-
-
-Make = Callable[[str, str, list[int]], Client]
-"""A client from the bootstrap servers, the compression and the acknowledgement counter it adds to."""
-
-
-def run(make: Make, bootstrap: str, compression: str, keys: list[bytes], value: bytes, rate: float) -> float:
+def run(client: str, bootstrap: str, compression: str, keys: list[bytes], value: bytes, rate: float) -> float:
     """Microseconds of the process's CPU per record, from the first send to the last acknowledgement."""
-    acked = [0]
-    send, flush, close = make(bootstrap, compression, acked)
+    config = SenderConfig(bootstrap, None if compression == "none" else compression, 10_000, "bench", client=client)
+    producer = config.connect()
+    acked, lock = [0], threading.Lock()
+
+    def done(exc: BaseException | None) -> None:
+        if exc is None:
+            with lock:
+                acked[0] += 1
+
     for key in keys[:100]:  # connected, metadata known, batches warm
-        send(key, value)
-    flush()
+        producer.send(TOPIC, key, value, int(time.time() * 1000), done)
+    producer.flush(30)
     acked[0] = 0
     cpu, start = process_cpu_s(), time.perf_counter()
     for i, key in enumerate(keys):
-        send(key, value)
+        producer.send(TOPIC, key, value, int(time.time() * 1000), done)
         if i % 10 == 9:
             time.sleep(max(0.0, start + (i + 1) / rate - time.perf_counter()))
-    flush()
+    producer.flush(30)
     used = process_cpu_s() - cpu
-    close()
+    producer.close(force=False)
     if acked[0] != len(keys):
-        raise SystemExit(f"{make.__name__}: {acked[0]} of {len(keys)} records acknowledged")
+        raise SystemExit(f"{client}: {acked[0]} of {len(keys)} records acknowledged")
     return used / len(keys) * 1e6
 
 
@@ -104,21 +72,14 @@ def main() -> None:
                    help="both clients' (the record producer's default: zstd)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
-    clients: dict[str, Make] = {"kafka-python": kafka_python}
-    try:
-        import confluent_kafka  # noqa: F401
-
-        clients["librdkafka"] = librdkafka
-    except ImportError:
-        print("confluent-kafka is not installed: kafka-python alone")
     half = args.record_bytes // 2
     value = os.urandom(half) + b"a" * (args.record_bytes - half)
     keys = [os.urandom(16).hex().encode() for _ in range(args.records)]
-    runs: dict[str, list[float]] = {name: [] for name in clients}
+    runs: dict[str, list[float]] = {name: [] for name in PRODUCER_CLIENTS}
     with EmbeddedBroker(topics=Topics("bench")) as broker:
         for _ in range(args.rounds):
-            for name, make in clients.items():
-                runs[name].append(run(make, broker.bootstrap_servers, args.compression, keys, value, args.rate))
+            for name in PRODUCER_CLIENTS:
+                runs[name].append(run(name, broker.bootstrap_servers, args.compression, keys, value, args.rate))
     median = {name: statistics.median(v) for name, v in runs.items()}
     for name, value_us in median.items():
         print(f"{name:14s} {value_us:6.1f} us of CPU per record  (rounds: {', '.join(f'{x:.1f}' for x in runs[name])})"

@@ -1,7 +1,7 @@
 """``Delivery``: records to Kafka in the order given, through the spool when Kafka cannot take them.
 
-While Kafka acknowledges records, they go straight to the KafkaProducer (acks=all, one request in
-flight per connection, so a retry cannot reorder a partition) and the spool is not touched. When a send
+While Kafka acknowledges records, they go straight to the Kafka client (``kafka_producers.py``: acks=all,
+one request in flight per connection, so a retry cannot reorder a partition) and the spool is not touched. When a send
 fails, or the oldest record waits more than ``spool_after_s`` for its acknowledgement (broker down,
 slow, topic missing), every record not yet acknowledged goes into the spool in the order it was given,
 the producer is dropped, and every later record is appended to the spool behind them. A thread replays
@@ -20,15 +20,14 @@ Kafka, or appended to the spool and fsynced. Other spooled records are fsynced e
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, MutableSequence
 from concurrent.futures import Future, InvalidStateError
-from typing import Any
 
-from kafka import KafkaProducer
-
+from .kafka_producers import RecordProducer
 from .spool import Spool, SpoolFull, SpoolRecord
 
 log = logging.getLogger(__name__)
@@ -44,11 +43,11 @@ class NotDurable(Exception):
 
 
 class Delivery:
-    """Owns the KafkaProducer and the spool of one process. ``put`` is called from one thread (never
+    """Owns the Kafka producer and the spool of one process. ``put`` is called from one thread (never
     blocks for long: a spooled record is one ``write``, a durable one an fsync too); a thread of its own
     watches acknowledgements, switches to the spool and replays it."""
 
-    def __init__(self, connect: Callable[[], KafkaProducer], counts: MutableSequence[int], spool: Spool | None,
+    def __init__(self, connect: Callable[[], RecordProducer], counts: MutableSequence[int], spool: Spool | None,
                  *, spool_after_s: float = 2.0, send_timeout_s: float = 10.0, sync_interval_s: float = 1.0,
                  replay_batch: int = 500) -> None:
         self.connect, self.counts, self.spool = connect, counts, spool
@@ -57,7 +56,7 @@ class Delivery:
         self.lock = threading.Lock()
         """Orders ``put`` against the switch to the spool and back."""
         self.count_lock = threading.Lock()
-        self.producer: KafkaProducer | None = None
+        self.producer: RecordProducer | None = None
         self.gen = 0
         """Bumped at each switch to the spool: late callbacks of a dropped producer are ignored."""
         self.seq = 0
@@ -115,13 +114,19 @@ class Delivery:
                 self.seq += 1
         for seq, rec in sends:
             try:
-                fut = producer.send(rec.topic, key=rec.key, value=rec.value, timestamp_ms=rec.timestamp_ms)
-                fut.add_callback(self._ok, seq, gen).add_errback(self._err, seq, gen)
+                producer.send(rec.topic, rec.key, rec.value, rec.timestamp_ms,
+                              functools.partial(self._answered, seq, gen))
             except Exception as exc:  # metadata timeout, producer closed by a switch, buffer exhausted
-                self._err(seq, gen, exc)
+                self._answered(seq, gen, exc)
         return [d for _, d in entries if d is not None]
 
-    def _ok(self, seq: int, gen: int, _meta: Any) -> None:
+    def _answered(self, seq: int, gen: int, exc: BaseException | None) -> None:
+        if exc is None:
+            self._ok(seq)
+        else:
+            self._err(seq, gen, exc)
+
+    def _ok(self, seq: int) -> None:
         entry = self.unacked.pop(seq, None)
         if entry is None:  # already moved to the spool by a switch: it will be delivered again
             return
@@ -207,7 +212,7 @@ class Delivery:
             self.producer = producer
             self.trouble.clear()
 
-    def _connect(self) -> KafkaProducer | None:
+    def _connect(self) -> RecordProducer | None:
         try:
             return self.connect()
         except Exception as exc:
@@ -252,12 +257,12 @@ class Delivery:
                     self.spooling = False
                     self.trouble.clear()
             return True
-        futs = []
+        answers = _Answers(len(recs))
         try:
             for r in recs:
-                futs.append(self.producer.send(r.topic, key=r.key, value=r.value, timestamp_ms=r.timestamp_ms))
-            self.producer.flush(timeout=self.send_timeout_s)
-            ok = all(f.is_done and f.succeeded() for f in futs)
+                self.producer.send(r.topic, r.key, r.value, r.timestamp_ms, answers.done)
+            self.producer.flush(self.send_timeout_s)
+            ok = answers.all_acknowledged(1.0)
         except Exception as exc:
             log.debug("replay batch not delivered: %s", exc)
             ok = False
@@ -310,18 +315,37 @@ def _fail(fut: Future | None, why: str) -> None:
             fut.set_exception(NotDurable(why))
 
 
-def _close(producer: KafkaProducer | None, force: bool = True) -> None:
-    """Drop a producer, on a thread of its own (a close waits for kafka-python's sender thread). Forced,
-    its pending batches are aborted: their records are in the spool, and a producer left to retry them
-    could deliver one after the spool's replay of a later record of its key."""
+class _Answers:
+    """The answers to one replayed batch (a record's answer may come after the client's ``flush`` returned)."""
+
+    def __init__(self, n: int) -> None:
+        self.lock = threading.Lock()
+        self.answered = self.acknowledged = 0
+        self.n = n
+        self.all_answered = threading.Event()
+
+    def done(self, exc: BaseException | None) -> None:
+        with self.lock:
+            self.answered += 1
+            self.acknowledged += exc is None
+            if self.answered == self.n:
+                self.all_answered.set()
+
+    def all_acknowledged(self, timeout_s: float) -> bool:
+        self.all_answered.wait(timeout_s)
+        with self.lock:
+            return self.acknowledged == self.n
+
+
+def _close(producer: RecordProducer | None, force: bool = True) -> None:
+    """Drop a producer, on a thread of its own (a close waits for the client's threads). Forced, its pending
+    records are dropped: they are in the spool (``RecordProducer.close``)."""
     if producer is None:
         return
 
     def close() -> None:
         try:
-            if force:  # kafka-python's close flushes before it would force: abort first
-                producer._sender.force_close()
-            producer.close(timeout=30)
+            producer.close(force)
         except Exception as exc:
             log.debug("producer close: %s", exc)
 

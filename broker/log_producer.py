@@ -1,6 +1,6 @@
 """``LogProducer``: what a latency-sensitive server (the gateway) logs through. ``offer()`` never blocks
 and never raises. Records go into a bounded buffer drained by a background thread, or through a pipe
-(``frame_pipe``) into a child process, that owns the ``Delivery`` (``delivery.py``): the KafkaProducer,
+(``frame_pipe``) into a child process, that owns the ``Delivery`` (``delivery.py``): the Kafka producer,
 and the spool on disk that keeps records while the broker cannot take them. A full buffer, or a full
 spool, drops records and counts them instead of slowing a response.
 """
@@ -23,9 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kafka import KafkaProducer
-
-from .clients import DEFAULT_COMPRESSION, PLAINTEXT, make_producer
+from .clients import DEFAULT_COMPRESSION, PLAINTEXT
 from .delivery import (
     BYTES,
     DELIVERED,
@@ -43,6 +41,7 @@ from .delivery import (
     Delivery,
 )
 from .frame_pipe import FrameReader, PipeWriter
+from .kafka_producers import ProducerClient, RecordProducer, connect
 from .security import KafkaSecurity
 from .spool import Spool
 
@@ -227,20 +226,13 @@ class SenderConfig:
     """How long to wait for the spool directory held by another process (a predecessor still
     delivering what it had after its server died)."""
     security: KafkaSecurity = PLAINTEXT
+    client: ProducerClient = "librdkafka"
+    """The Kafka client records are sent through (``kafka_producers.py``)."""
 
-    def connect(self, linger_ms: int = 20) -> KafkaProducer:
-        """acks=all, one request in flight (a retry cannot reorder a partition); a broker that is down
-        is found out within 2 s (kafka-python waits 30 s by default), one back up within 1 s.
-
-        Not idempotent (kafka-python turns it on with acks=all): nothing relies on it (delivery is at
-        least once, the trainer drops duplicates), and the embedded broker keeps the producer-id state
-        it needs in memory only, which a restart of the broker loses."""
-        t = self.send_timeout_ms
-        return make_producer(self.bootstrap_servers, security=self.security, compression=self.compression,
-                             acks="all", max_block_ms=t,
-                             request_timeout_ms=t, delivery_timeout_ms=t + 5_000, client_id=self.client_id,
-                             linger_ms=linger_ms, max_in_flight_requests_per_connection=1,
-                             bootstrap_timeout_ms=2_000, reconnect_backoff_max_ms=1_000, enable_idempotence=False)
+    def connect(self, linger_ms: int = 20) -> RecordProducer:
+        """A connected producer set up for ordered, at-least-once records (``kafka_producers.py``)."""
+        return connect(self.client, self.bootstrap_servers, security=self.security, compression=self.compression,
+                       linger_ms=linger_ms, send_timeout_ms=self.send_timeout_ms, client_id=self.client_id)
 
     def delivery(self, counts: Any, subdir: str, linger_ms: int = 20) -> Delivery:
         spool = None
@@ -357,21 +349,22 @@ def _child_main(conn: Any, config: SenderConfig, counts: Any, waiter: WaiterSpec
 class LogProducer:
     """Fire-and-forget producer for servers: bounded buffer, counters, never blocks the caller.
 
-    With ``process=True`` the KafkaProducer and the building of deferred records run in a child process
-    fed through a pipe, so that neither holds the server's GIL: kafka-python batches records in Python,
-    and a server's event loop should not wait for that. Without it, one background thread owns the
-    KafkaProducer and drains a bounded queue. ``max_buffered`` bounds the records waiting on this side,
+    With ``process=True`` the Kafka producer and the building of deferred records run in a child process
+    fed through a pipe, so that neither holds the server's GIL (nor takes the server's CPU time: the
+    records' decoding and encoding are Python). Without it, one background thread owns the producer and
+    drains a bounded queue. ``max_buffered`` bounds the records waiting on this side,
     ``max_buffered_bytes`` (process mode) their bytes too: what is over either is dropped and counted."""
 
     def __init__(self, bootstrap_servers: str, *, max_buffered: int = 100_000, max_buffered_bytes: int = 256 << 20,
                  compression: str | None = DEFAULT_COMPRESSION, send_timeout_ms: int = 10_000,
                  client_id: str = "streamrl-gateway", process: bool = False, spool_dir: str | Path | None = None,
                  spool_max_bytes: int = 1 << 30, spool_after_ms: int = 2_000,
-                 security: KafkaSecurity = PLAINTEXT, waiter: WaiterSpec | None = None) -> None:
+                 security: KafkaSecurity = PLAINTEXT, waiter: WaiterSpec | None = None,
+                 client: ProducerClient = "librdkafka") -> None:
         self.bootstrap_servers, self.security = bootstrap_servers, security
         self.config = config = SenderConfig(bootstrap_servers, compression, send_timeout_ms, client_id,
                                             None if spool_dir is None else str(spool_dir), spool_max_bytes,
-                                            spool_after_ms, security=security)
+                                            spool_after_ms, security=security, client=client)
         self.max_buffered = max_buffered
         self._offered = self._dropped = self._unsendable = 0
         self._send_timeout_ms = send_timeout_ms
@@ -464,7 +457,7 @@ class LogProducer:
 
     @property
     def buffered(self) -> int:
-        """Items waiting on this side (not yet in the pipe or the KafkaProducer)."""
+        """Items waiting on this side (not yet in the pipe or the Kafka producer)."""
         return self._pipe.buffered if self._pipe is not None else self._queue.qsize()
 
     @property

@@ -88,20 +88,41 @@ class KafkaSecurity:
         Files are checked here, when a client is made, so that a typo fails with its path."""
         kw: dict[str, Any] = {"security_protocol": self.security_protocol}
         if self.tls:
-            for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
-                path = getattr(self, name)
-                if path is not None and not Path(path).is_file():
-                    raise FileNotFoundError(f"kafka.{name}: no such file {path}")
+            self._check_files()
             kw.update(ssl_cafile=self.ssl_cafile, ssl_certfile=self.ssl_certfile, ssl_keyfile=self.ssl_keyfile,
                       ssl_check_hostname=self.ssl_check_hostname)
         if self.sasl:
-            password = self.sasl_password if self.sasl_password is not None else environ.get(self.sasl_password_env)
-            if password is None:
-                raise ValueError(f"no SASL password: set kafka.sasl_password or the environment variable "
-                                 f"{self.sasl_password_env}")
             kw.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
-                      sasl_plain_password=password)
+                      sasl_plain_password=self._password(environ))
         return kw
+
+    def librdkafka_config(self, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+        """The same settings in librdkafka's names (the record producer's ``librdkafka`` client). Without a CA
+        file librdkafka is told to find the system's CAs (``probe``), as kafka-python uses them."""
+        conf: dict[str, Any] = {"security.protocol": self.security_protocol}
+        if self.tls:
+            self._check_files()
+            conf["ssl.ca.location"] = self.ssl_cafile or "probe"
+            if self.ssl_certfile:
+                conf.update({"ssl.certificate.location": self.ssl_certfile, "ssl.key.location": self.ssl_keyfile})
+            conf["ssl.endpoint.identification.algorithm"] = "https" if self.ssl_check_hostname else "none"
+        if self.sasl:
+            conf.update({"sasl.mechanism": self.sasl_mechanism, "sasl.username": self.sasl_username,
+                         "sasl.password": self._password(environ)})
+        return conf
+
+    def _check_files(self) -> None:
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"kafka.{name}: no such file {path}")
+
+    def _password(self, environ: Mapping[str, str]) -> str:
+        password = self.sasl_password if self.sasl_password is not None else environ.get(self.sasl_password_env)
+        if password is None:
+            raise ValueError(f"no SASL password: set kafka.sasl_password or the environment variable "
+                             f"{self.sasl_password_env}")
+        return password
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict with the password masked: what may be logged or written to disk."""

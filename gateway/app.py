@@ -116,7 +116,8 @@ class Gateway:
                                         max_buffered_bytes=c.max_buffered_bytes,
                                         send_timeout_ms=c.producer_send_timeout_ms, process=c.producer_process,
                                         spool_dir=c.spool_path, spool_max_bytes=c.spool_max_bytes,
-                                        spool_after_ms=c.spool_after_ms, security=c.kafka, waiter=waiter)
+                                        spool_after_ms=c.spool_after_ms, security=c.kafka, waiter=waiter,
+                                        client=c.producer_client)
             self.reward_delivery = self.producer.config.delivery(self.reward_counts, "rewards", linger_ms=0)
         self.proxy.producer = self.producer
         self.proxy.session = self.session

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamrl.broker.kafka_producers import PRODUCER_CLIENTS, ProducerClient
 from streamrl.broker.security import KafkaSecurity
 from streamrl.config_file import load_config
 
@@ -50,6 +51,9 @@ class GatewayConfig:
     max_buffered_bytes: int = 256 << 20
     """Bound in bytes of the records waiting for the producer process (a record can carry a 100 KB body)."""
     producer_send_timeout_ms: int = 10_000
+    producer_client: ProducerClient = "librdkafka"
+    """The Kafka client the records and rewards are sent through: ``librdkafka`` (confluent-kafka: its C threads
+    take about 0.4x the CPU per record of ``kafka-python``'s, docs/benchmarks.md) or ``kafka-python``."""
     spool_dir: str | None = None
     """Directory of the spool: records (``completions/``) and rewards (``rewards/``) wait there, on disk,
     while Kafka cannot take them, and are delivered in order once it can, also by the next gateway
@@ -134,6 +138,8 @@ class GatewayConfig:
             raise ValueError("workers must be >= 1")
         if self.spool_after_ms < 1:
             raise ValueError("spool_after_ms must be >= 1")
+        if self.producer_client not in PRODUCER_CLIENTS:
+            raise ValueError(f"producer_client must be one of {', '.join(PRODUCER_CLIENTS)}, not {self.producer_client!r}")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))
         object.__setattr__(self, "trusted_publishers", tuple(self.trusted_publishers))
         object.__setattr__(self, "kafka", KafkaSecurity.of(self.kafka))

@@ -13,7 +13,7 @@
 #   gateway-neighbours: the gateway bench's direct, off, on, off-compute and off-memory (logging off beside two busy
 #          processes that compute, or stream 64 MB through memory) and on-nofollow (logging on without the gateway's
 #          own Kafka readers); ROUNDS, default 3
-#   gateway-paired: the gateway bench's direct, off, on and on-nofollow (ROUNDS, default 2), then off and on side
+#   gateway-paired: the gateway bench's direct, off, on and on-kafka-python (ROUNDS, default 2), then off and on side
 #          by side, PAIRS (default 20) pairs of closed-loop bursts of PAIR_SECONDS (default 2): on / off per pair;
 #          GATEWAY_SECONDS (default 6) per phase; then bench/handoff_bench.py (logging's hand-off on the event
 #          loop against a bare write into the same pipe)
@@ -112,7 +112,7 @@ for bench in "$@"; do
           --rounds "${ROUNDS:-3}" --json "$out/gateway-neighbours.json" \
           > "$out/gateway-neighbours.log" 2>&1; tail -18 "$out/gateway-neighbours.log" ;;
     gateway-paired)  # on / off taken seconds apart: the host's drift between phases is larger than logging's cost
-      python3 "$repo/bench/gateway_bench.py" --seconds "${GATEWAY_SECONDS:-6}" --stream-rate 0 --modes direct,off,on,on-nofollow \
+      python3 "$repo/bench/gateway_bench.py" --seconds "${GATEWAY_SECONDS:-6}" --stream-rate 0 --modes direct,off,on,on-kafka-python \
           --rounds "${ROUNDS:-2}" --pairs "${PAIRS:-20}" --pair-seconds "${PAIR_SECONDS:-2}" \
           --json "$out/gateway-paired.json" > "$out/gateway-paired.log" 2>&1; tail -16 "$out/gateway-paired.log"
       python3 "$repo/bench/handoff_bench.py" --json "$out/handoff.json" > "$out/handoff.log" 2>&1; tail -7 "$out/handoff.log" ;;

