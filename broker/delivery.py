@@ -67,6 +67,7 @@ class Delivery:
         self.trouble = threading.Event()
         self.closing = threading.Event()
         self._warned_full = 0.0
+        self._last_connect_error = ""
         self._gauges()
         if spool is None:  # nowhere to keep records until a producer is there: connect now
             self.producer = self._connect()
@@ -215,8 +216,10 @@ class Delivery:
     def _connect(self) -> RecordProducer | None:
         try:
             return self.connect()
-        except Exception as exc:
-            log.debug("cannot connect a producer: %s", exc)
+        except Exception as exc:  # said once per cause: a wrong setting or file must not hide among the retries
+            why = f"{type(exc).__name__}: {exc}"
+            (log.debug if why == self._last_connect_error else log.warning)("cannot connect a producer: %s", why)
+            self._last_connect_error = why
             return None
 
     def _switch(self) -> None:

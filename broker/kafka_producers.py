@@ -78,12 +78,17 @@ class KafkaPythonProducer(RecordProducer):
 
     def __init__(self, bootstrap_servers: str, *, security: KafkaSecurity, compression: str | None, linger_ms: int,
                  send_timeout_ms: int, client_id: str) -> None:
+        from kafka.errors import KafkaConnectionError, KafkaTimeoutError
+
         t = send_timeout_ms
-        self.producer = make_producer(bootstrap_servers, security=security, compression=compression, acks="all",
-                                      max_block_ms=t, request_timeout_ms=t, delivery_timeout_ms=t + 5_000,
-                                      client_id=client_id, linger_ms=linger_ms, max_in_flight_requests_per_connection=1,
-                                      bootstrap_timeout_ms=2_000, reconnect_backoff_max_ms=1_000,
-                                      enable_idempotence=False)
+        try:
+            self.producer = make_producer(bootstrap_servers, security=security, compression=compression, acks="all",
+                                          max_block_ms=t, request_timeout_ms=t, delivery_timeout_ms=t + 5_000,
+                                          client_id=client_id, linger_ms=linger_ms,
+                                          max_in_flight_requests_per_connection=1, bootstrap_timeout_ms=2_000,
+                                          reconnect_backoff_max_ms=1_000, enable_idempotence=False)
+        except (KafkaConnectionError, KafkaTimeoutError) as exc:
+            raise KafkaUnreachable(f"no Kafka broker answered at {bootstrap_servers}: {exc}") from exc
 
     def send(self, topic: str, key: bytes | None, value: bytes, timestamp_ms: int, done: Done) -> None:
         future = self.producer.send(topic, key=key, value=value, timestamp_ms=timestamp_ms)

@@ -3,18 +3,23 @@
 PLAINTEXT clients are made for real against the embedded broker and their kafka-python configs read back.
 No SASL or TLS broker runs here, so for SASL_SSL the real kafka-python producer and consumer are built
 without connecting (``api_version`` given, which skips the bootstrap probe) and their configs checked,
-and for the admin client (which connects as it is made) the keyword arguments it is built from.
+for the admin client (which connects as it is made) the keyword arguments it is built from, and the record
+producer's librdkafka client is built with a real certificate and key (it loads them as it is made).
 """
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaException
 
 from streamrl.broker.clients import admin_kwargs, consumer_kwargs, make_admin, make_consumer, make_producer
-from streamrl.broker.embedded import EmbeddedBroker
+from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.kafka_producers import KafkaUnreachable, connect
 from streamrl.broker.policy_log import PolicyLog
 from streamrl.broker.security import KafkaSecurity
 from streamrl.broker.topics import Topics
@@ -56,6 +61,32 @@ def test_sasl_ssl_settings_reach_the_real_producer_and_consumer(tls_files) -> No
     kw = admin_kwargs("kafka:9093", security=security)
     assert (kw["security_protocol"], kw["sasl_plain_password"], kw["ssl_cafile"]) == \
         ("SASL_SSL", "s3cret", tls_files["ssl_cafile"])
+
+
+def test_sasl_ssl_settings_reach_librdkafka(tmp_path: Path) -> None:
+    """The record producer's librdkafka client is made with the settings in librdkafka's names: it loads the
+    TLS files (a real self-signed certificate and key, made with openssl) and takes the SASL settings when it
+    is built, so a name or file it refused would fail here; with no broker listening, connecting then fails
+    as unreachable."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost"], check=True, capture_output=True)
+    security = KafkaSecurity(**SASL_SSL, sasl_password="s3cret", ssl_cafile=str(cert), ssl_certfile=str(cert),
+                             ssl_keyfile=str(key), ssl_check_hostname=False)
+    assert security.librdkafka_config() == {
+        "security.protocol": "SASL_SSL", "ssl.ca.location": str(cert), "ssl.certificate.location": str(cert),
+        "ssl.key.location": str(key), "ssl.endpoint.identification.algorithm": "none",
+        "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "trainer", "sasl.password": "s3cret"}
+    assert KafkaSecurity(security_protocol="SSL").librdkafka_config()["ssl.ca.location"] == "probe"
+    with pytest.raises(KafkaUnreachable):
+        connect("librdkafka", f"127.0.0.1:{free_port()}", security=security, compression="zstd", linger_ms=5,
+                send_timeout_ms=1_000, client_id="test")
+    key.write_text("-----BEGIN PLACEHOLDER-----\n")  # a broken key is a setting error, not an unreachable broker
+    with pytest.raises(KafkaException, match="ssl"):
+        connect("librdkafka", f"127.0.0.1:{free_port()}", security=security, compression="zstd", linger_ms=5,
+                send_timeout_ms=1_000, client_id="test")
 
 
 def test_password_comes_from_the_environment_and_is_never_shown() -> None:

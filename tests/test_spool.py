@@ -21,6 +21,7 @@ from streamrl.broker.delivery import (
     NotDurable,
 )
 from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.kafka_producers import PRODUCER_CLIENTS
 from streamrl.broker.log_producer import LogProducer, SenderConfig
 from streamrl.broker.spool import HEAD, SUFFIX, Spool, SpoolFull, SpoolRecord, encode_frame
 from streamrl.broker.topics import Topics
@@ -218,7 +219,8 @@ def per_key(records: list[tuple[str, int, bytes | None, bytes]]) -> dict[bytes |
     return out
 
 
-def test_records_given_during_a_broker_outage_arrive_in_order_once_it_is_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("client", PRODUCER_CLIENTS)
+def test_records_given_during_a_broker_outage_arrive_in_order_once_it_is_back(tmp_path: Path, client: str) -> None:
     """A producer process with a spool: Kafka stops (the process is gone), records keep coming and are
     spooled, rewards given as durable are answered once fsynced there; the broker comes back on the
     same port (an empty log: the embedded broker keeps none) and every record arrives, each key's in
@@ -227,7 +229,7 @@ def test_records_given_during_a_broker_outage_arrive_in_order_once_it_is_back(tm
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     broker = EmbeddedBroker(topics=topics, partitions=2, log_file=LOG_DIR / "broker-spool.log").start()
     producer = LogProducer(broker.bootstrap_servers, process=True, spool_dir=tmp_path, spool_after_ms=300,
-                           send_timeout_ms=3_000)
+                           send_timeout_ms=3_000, client=client)
     try:
         before = [(f"k{i % 4}".encode(), f"before-{i}".encode()) for i in range(20)]
         for key, value in before:
@@ -264,12 +266,14 @@ def test_records_given_during_a_broker_outage_arrive_in_order_once_it_is_back(tm
     assert stats.spooled == stats.replayed and stats.spooled in (200, 220)
 
 
-def test_durable_records_are_answered_from_the_spool_while_kafka_is_down(tmp_path: Path) -> None:
+@pytest.mark.parametrize("client", PRODUCER_CLIENTS)
+def test_durable_records_are_answered_from_the_spool_while_kafka_is_down(tmp_path: Path, client: str) -> None:
     """``put_many(durable=True)``: with the broker down, futures resolve once the records are fsynced in
     the spool; a new process on the same spool delivers them when the broker is up."""
     topics = Topics("spool-durable")
     broker = EmbeddedBroker(topics=topics, partitions=2, log_file=LOG_DIR / "broker-spool.log")
-    config = SenderConfig(broker.bootstrap_servers, None, 2_000, "test", str(tmp_path), spool_after_ms=300)
+    config = SenderConfig(broker.bootstrap_servers, None, 2_000, "test", str(tmp_path), spool_after_ms=300,
+                          client=client)
     counts = [0] * NCOUNTS
     delivery = config.delivery(counts, "rewards", linger_ms=0)  # no broker yet: it starts spooling
     futures = delivery.put_many([(topics.rewards, f"t{i}".encode(), f"r{i}".encode()) for i in range(30)],
