@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Literal, get_args
@@ -118,7 +119,7 @@ class LibrdkafkaProducer(RecordProducer):
             "compression.type": compression or "none", "linger.ms": linger_ms,
             "batch.size": 1 << 20, "message.max.bytes": 16 << 20, "queue.buffering.max.kbytes": 256 << 10,
             "request.timeout.ms": t, "message.timeout.ms": t + 5_000, "reconnect.backoff.max.ms": 1_000,
-            "partitioner": "murmur2_random", "logger": logging.getLogger("streamrl.librdkafka"),
+            "partitioner": "murmur2_random", "logger": _QuietRepeats(logging.getLogger("streamrl.librdkafka")),
             **security.librdkafka_config(),
         }
         self.producer = Producer(config)
@@ -151,6 +152,23 @@ class LibrdkafkaProducer(RecordProducer):
         self.thread.join()
         self.producer.poll(0)  # (purged records' reports: their ``done`` hears of it)
         self.producer.close()
+
+
+class _QuietRepeats:
+    """librdkafka's log, each facility's lines of a level said at that level once a minute, the rest at debug:
+    with the broker down an idle client retries its connection (an error line) several times a second."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 60.0) -> None:
+        self.logger, self.every_s = logger, every_s
+        self.said: dict[tuple[str, int], float] = {}
+
+    def log(self, level: int, msg: str, facility: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self.said.get((facility, level), -self.every_s) < self.every_s:
+            level = logging.DEBUG
+        else:
+            self.said[facility, level] = now
+        self.logger.log(level, msg, facility, *args)
 
 
 def _report(done: Done, err: Any, _message: Any) -> None:

@@ -7,6 +7,7 @@ spool, drops records and counts them instead of slowing a response.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import importlib
@@ -18,6 +19,7 @@ import queue
 import signal
 import struct
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -369,6 +371,7 @@ class LogProducer:
         self._offered = self._dropped = self._unsendable = 0
         self._send_timeout_ms = send_timeout_ms
         self._process = None
+        self._closed = False
         self._pipe: PipeWriter | None = None
         self._builders: dict[PartsBuild, str] = {}
         self._queue: queue.Queue[Item | Waiting | None] = queue.Queue(max_buffered)
@@ -382,6 +385,11 @@ class LogProducer:
             self._process.start()
             reader.close()
             self._pipe = PipeWriter(writer, max_buffered, max_buffered_bytes)
+            # A producer never closed must not hang its program's exit: multiprocessing's own exit handler
+            # joins daemon children after a SIGTERM this child ignores, while the pipe it reads stays open.
+            # Registered after ``start`` (which registers that handler), so it runs first (atexit is LIFO).
+            self._close_at_exit = _closer(self)
+            atexit.register(self._close_at_exit)
         else:
             self._counts = [0] * NCOUNTS
             self._sender = _Sender(config, self._counts, waiter)
@@ -475,15 +483,31 @@ class LogProducer:
         self._sender.close()
 
     def close(self) -> None:
-        """Deliver what is buffered (bounded by the send timeout), then stop the thread (and process)."""
+        """Deliver what is buffered (bounded by the send timeout), then stop the thread (and process).
+        Only the first call does anything; a producer process still open at the program's exit is closed then."""
+        if self._closed:
+            return
+        self._closed = True
         wait_s = self._send_timeout_ms / 1000 + 5
         if self._pipe is None:
             self._queue.put(None)
             self._thread.join(timeout=wait_s)
             return
+        atexit.unregister(self._close_at_exit)
         self._pipe.close(wait_s)
         assert self._process is not None
         self._process.join(timeout=wait_s)
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
+
+
+def _closer(producer: LogProducer) -> Callable[[], None]:
+    """``producer.close`` for ``atexit``, holding the producer weakly (a producer dropped unclosed is collected,
+    its pipe closed, and the child drains and exits on its own)."""
+    ref = weakref.ref(producer)
+
+    def close() -> None:
+        if (alive := ref()) is not None:
+            alive.close()
+    return close

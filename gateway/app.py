@@ -141,23 +141,25 @@ class Gateway:
                  f"API keys {', '.join(self.keys.ids)}" if self.keys else "no API keys")
 
     async def stop(self) -> None:
-        self.loop_lag.stop()
-        self.gc_pauses.uninstall()
-        if self.dashboard is not None:
-            await self.dashboard.stop()
-        if self.follower is not None:
-            await self.follower.stop()
-        if self.tails is not None:
-            await self.tails.stop()
-        await self.pool.stop()
-        await self.proxy.finish_late_captures(min(self.config.upstream_timeout_s, 10.0))
-        for session in (self.session, self.fresh_session):
-            if session is not None:
-                await session.close()
-        if self.producer is not None:
-            self.producer.close()
-        if self.reward_delivery is not None:
-            self.reward_delivery.close(self.config.producer_send_timeout_ms / 1000)
+        try:
+            self.loop_lag.stop()
+            self.gc_pauses.uninstall()
+            if self.dashboard is not None:
+                await self.dashboard.stop()
+            if self.follower is not None:
+                await self.follower.stop()
+            if self.tails is not None:
+                await self.tails.stop()
+            await self.pool.stop()
+            await self.proxy.finish_late_captures(min(self.config.upstream_timeout_s, 10.0))
+            for session in (self.session, self.fresh_session):
+                if session is not None:
+                    await session.close()
+        finally:  # whatever failed above, what was logged is delivered (or spooled) and the producers stop
+            if self.producer is not None:
+                self.producer.close()
+            if self.reward_delivery is not None:
+                self.reward_delivery.close(self.config.producer_send_timeout_ms / 1000)
 
     def health(self, detail: bool = True, policy: bool = True) -> dict[str, object]:
         """The full state with ``detail`` (admin); else the status, and with ``policy`` the routed version

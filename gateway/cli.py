@@ -76,4 +76,5 @@ def uvicorn_config(app: FastAPI, config: GatewayConfig) -> uvicorn.Config:
     import uvicorn
 
     return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                          loop="uvloop", http="httptools", timeout_keep_alive=KEEP_ALIVE_S)
+                          loop="uvloop", http="httptools", timeout_keep_alive=KEEP_ALIVE_S,
+                          timeout_graceful_shutdown=config.shutdown_grace_s)

@@ -38,6 +38,9 @@ class GatewayConfig:
     max_body_bytes: int = 16 << 20
     upstream_timeout_s: float = 600.0
     """A request that gets no (further) bytes from its upstream for this long ends in 504."""
+    shutdown_grace_s: float = 10.0
+    """On stop (SIGTERM, Ctrl-C), how long calls in flight may run on before they are cut; then what was logged
+    is delivered. Without a bound one stuck call would keep the gateway, and its records, from ever stopping."""
     connect_timeout_s: float = 2.0
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
@@ -136,6 +139,8 @@ class GatewayConfig:
             raise ValueError("heartbeat_s must be > 0 and below gateway_ttl_s")
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
+        if self.shutdown_grace_s <= 0:
+            raise ValueError("shutdown_grace_s must be > 0")
         if self.spool_after_ms < 1:
             raise ValueError("spool_after_ms must be >= 1")
         if self.producer_client not in PRODUCER_CLIENTS:

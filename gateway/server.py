@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -10,6 +11,8 @@ import uvicorn
 from .app import create_app
 from .cli import uvicorn_config
 from .config import GatewayConfig
+
+log = logging.getLogger(__name__)
 
 
 class GatewayServer:
@@ -31,13 +34,22 @@ class GatewayServer:
         deadline = time.monotonic() + timeout
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()  # (one still starting stops once started: nothing is left running)
                 raise RuntimeError("gateway did not start")
             time.sleep(0.01)
         return self
 
-    def stop(self) -> None:
+    @property
+    def running(self) -> bool:
+        """Its server thread has not ended (started, or still stopping)."""
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Ask the server to exit, and wait for it (its producers deliver what they hold first)."""
         self._server.should_exit = True
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout_s)
+        if self.running:
+            log.warning("gateway at %s still stopping after %.0fs", self.url, timeout_s)
 
     def __enter__(self) -> GatewayServer:
         return self.start()

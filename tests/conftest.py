@@ -96,9 +96,13 @@ def start_gateway(broker: EmbeddedBroker, engine: Engine, token_capture: bool,
                            health_interval_s=0.5, follow_policy=False, token_capture=token_capture,
                            deferred_capture=deferred_capture)
     gw = GatewayServer(config).start()
-    assert gw.gateway.producer.wait_ready(0)  # it serves once its producer process reads the pipe
-    path = httpx.get(f"{gw.url}/health").json()["upstreams"][0]["token_capture"]
-    assert path == ("json" if not token_capture else "engine, deferred" if deferred_capture else "engine")
+    try:
+        assert gw.gateway.producer.wait_ready(0)  # it serves once its producer process reads the pipe
+        path = httpx.get(f"{gw.url}/health").json()["upstreams"][0]["token_capture"]
+        assert path == ("json" if not token_capture else "engine, deferred" if deferred_capture else "engine")
+    except BaseException:
+        gw.stop()
+        raise
     return gw
 
 

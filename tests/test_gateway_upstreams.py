@@ -284,3 +284,44 @@ def test_a_capture_sent_after_done_is_recorded_after_the_client_left(broker: Emb
     finally:
         reader.close()
         upstream.stop()
+
+
+def test_a_call_stuck_in_flight_does_not_keep_the_gateway_from_stopping(broker: EmbeddedBroker, engine: Engine,
+                                                                        relay: Relay) -> None:
+    """A call whose upstream never answers (the relay holds it) is cut once ``shutdown_grace_s`` has passed:
+    the gateway stops, and the record of a call answered before is delivered (its producers closed)."""
+    create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
+    base_model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
+    config = GatewayConfig(upstreams=(relay.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
+                           topic_prefix=TOPICS.prefix, follow_policy=False, health_interval_s=60,
+                           shutdown_grace_s=1.0)
+    reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
+    gw = GatewayServer(config).start()
+    try:
+        body = {"model": base_model, "prompt": "before", "max_tokens": 2}
+        answered = httpx.post(f"{gw.url}/v1/completions", json=body, headers={"X-Trajectory-Id": "traj-grace"},
+                              timeout=60)
+        assert answered.status_code == 200
+        relay.hold_marker = b"stuck-in-flight"
+        stuck: list[BaseException | httpx.Response] = []
+
+        def call() -> None:
+            try:
+                stuck.append(httpx.post(f"{gw.url}/v1/completions", timeout=120,
+                                        json={**body, "prompt": "stuck-in-flight"}))
+            except httpx.HTTPError as exc:
+                stuck.append(exc)
+        caller = threading.Thread(target=call)
+        caller.start()
+        assert relay.holding.wait(60)
+        started = time.monotonic()
+        gw.stop(timeout_s=60)
+        assert not gw.running and time.monotonic() - started < 30
+        caller.join(60)
+        assert stuck and not (isinstance(stuck[0], httpx.Response) and stuck[0].status_code == 200), stuck
+        rec = reader.wait_for(lambda r: isinstance(r, CompletionRecord) and r.trajectory_id == "traj-grace")[0]
+        assert rec.request_id == answered.headers["x-request-id"]
+    finally:
+        relay.release()
+        gw.stop()
+        reader.close()

@@ -153,10 +153,23 @@ def records_of(reader: TopicReader, request_ids: set[str], urls: list[str]) -> l
     return recs
 
 
+def start_all(configs: list[GatewayConfig]) -> list[GatewayServer]:
+    """A gateway of each config, started; if one does not start, those started are stopped (none left over)."""
+    started: list[GatewayServer] = []
+    try:
+        for config in configs:
+            started.append(GatewayServer(config).start())
+    except BaseException:
+        for gw in started:
+            gw.stop()
+        raise
+    return started
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_gateways_share_swaps_under_load(n, broker, engine, topics, adapters, base_model, name, tmp_path):
     reader = TopicReader(broker.bootstrap_servers, topics.completions)
-    gateways = [GatewayServer(gateway_config(broker, engine.url, name, tmp_path)).start() for _ in range(n)]
+    gateways = start_all([gateway_config(broker, engine.url, name, tmp_path) for _ in range(n)])
     try:
         urls = [gw.url for gw in gateways]
         views = [httpx.get(f"{u}/health").json()["gateway"] for u in urls]
@@ -216,7 +229,7 @@ def test_leader_killed_during_a_load(broker, engine, topics, adapters, base_mode
         wait_http(f"http://127.0.0.1:{config.port}", 120, leader, what="gateway")
         publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
         wait_until(lambda: routed(f"http://127.0.0.1:{config.port}") == 1, "the leader routes v1")
-        followers = [GatewayServer(gateway_config(broker, relay.url, name, tmp_path)).start() for _ in range(2)]
+        followers = start_all([gateway_config(broker, relay.url, name, tmp_path) for _ in range(2)])
         leader_id = httpx.get(f"http://127.0.0.1:{config.port}/health").json()["gateway"]["gateway_id"]
         assert all(f.gateway.follower.coordination.leader() == leader_id for f in followers)
         assert all(f.gateway.router.version == 1 for f in followers)
@@ -319,7 +332,7 @@ def test_trajectory_alternating_between_gateways_is_recorded_whole(broker, engin
     reader = TopicReader(broker.bootstrap_servers, broker.topics.completions)
     configs = [dataclasses.replace(gateway_config(broker, engine.url, "policy", tmp_path),
                                    topic_prefix=broker.topics.prefix, follow_policy=False) for _ in range(2)]
-    gateways = [GatewayServer(c).start() for c in configs]
+    gateways = start_all(configs)
     try:
         trajectory = f"traj-{uuid.uuid4().hex}"
         messages = [{"role": "user", "content": "Start counting."}]

@@ -4,6 +4,7 @@ unreachable broker found out at connect, a forced close that drops what is pendi
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -119,4 +120,23 @@ def test_a_forced_close_drops_pending_records_and_answers_them(client: str) -> N
         assert sum(consumer.end_offsets(parts).values()) == 0
         consumer.close()
     finally:
+        broker.stop()
+
+
+def test_librdkafka_says_a_lost_broker_once_not_at_every_retry(caplog: pytest.LogCaptureFixture) -> None:
+    """The broker goes away under an idle librdkafka client: it retries the connection several times a second,
+    each retry a log line; the first is said at its level (an error), the repeats at debug."""
+    broker = EmbeddedBroker(topics=Topics("kp-quiet"), partitions=1, log_file=LOG_DIR / "broker-kp-quiet.log").start()
+    caplog.set_level(logging.DEBUG, logger="streamrl.librdkafka")
+    p = producer("librdkafka", broker.bootstrap_servers)
+    try:
+        broker.stop()
+        deadline = time.monotonic() + 30
+        while len(fails := [r for r in caplog.records if r.args and r.args[0] == "FAIL"
+                            and "Connection refused" in str(r.args[-1])]) < 4:
+            assert time.monotonic() < deadline, f"{len(fails)} retries logged in 30 s"
+            time.sleep(0.05)
+        assert [r.levelno for r in fails] == [logging.ERROR] + [logging.DEBUG] * (len(fails) - 1)
+    finally:
+        p.close(force=True)
         broker.stop()

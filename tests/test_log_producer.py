@@ -6,6 +6,8 @@ import functools
 import multiprocessing
 import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
 
@@ -282,3 +284,28 @@ def test_producer_process_empties_the_pipe_while_its_work_waits(idle_s: float) -
 def test_decode_roundtrip_of_built_records() -> None:
     (key, value), = _reward_records("k", 1)
     assert key == b"k-0" and decode(value).trajectory_id == "k-0"
+
+
+def test_a_program_that_never_closes_its_producer_process_still_exits_and_delivers(broker: EmbeddedBroker) -> None:
+    """A producer process left open at exit is closed by the program's exit: what was offered is delivered and
+    the program ends (without it, multiprocessing's exit handler waits forever on the child, which ignores
+    SIGTERM and reads a pipe its parent still holds)."""
+    topics = Topics("log-producer-exit")
+    create_topics(broker.bootstrap_servers, topics, partitions=1)
+    reader = TopicReader(broker.bootstrap_servers, topics.rewards)
+    tag = os.urandom(4).hex()
+    program = (
+        "import sys\n"
+        "from streamrl.broker.log_producer import LogProducer\n"
+        "from streamrl.broker.schema import RewardRecord, encode\n"
+        "producer = LogProducer(sys.argv[1], process=True)\n"
+        "assert producer.wait_ready(60)\n"  # (a child still starting up dies of the SIGTERM: nothing to show)
+        "for i in range(5):\n"
+        "    rec = RewardRecord(trajectory_id=f'{sys.argv[3]}-{i}', reward=1.0)\n"
+        "    assert producer.offer(sys.argv[2], rec.trajectory_id.encode(), encode(rec))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program, broker.bootstrap_servers, topics.rewards, tag],
+                          timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    got = reader.wait_for(lambda r: isinstance(r, RewardRecord) and r.trajectory_id.startswith(tag), count=5)
+    assert sorted(r.trajectory_id for r in got) == [f"{tag}-{i}" for i in range(5)]
