@@ -4,8 +4,10 @@ server (CPU build) on it. Each starts once per test session, on free ports."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +35,16 @@ def own_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
     yield
     tempfile.tempdir = old
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_running() -> Iterator[None]:
+    """After the last test: no gateway thread and no record producer process of this session still runs. One
+    left over is a test (or a shutdown) that did not stop what it started, and once made CI wait forever."""
+    yield
+    left = [p.name for p in multiprocessing.active_children() if p.name == "streamrl-log-producer"]
+    left += [t.name for t in threading.enumerate() if t.name == "gateway"]
+    assert not left, f"still running after the tests: {left}"
 
 
 @pytest.fixture(scope="session")
