@@ -172,7 +172,7 @@ def loop(tiny_model: Path, broker: EmbeddedBroker, engine: Engine,
                            topic_prefix=topics.prefix, policy_name=name, health_interval_s=0.5,
                            adapter_root=trainer.adapters, dashboard_interval_s=0.5, policy_catch_up_s=1.0)
     stop = threading.Event()
-    trainer_thread = threading.Thread(target=run_trainer, args=(trainer, stop), name="trainer")
+    trainer_thread = threading.Thread(target=run_trainer, args=(trainer, stop), name="trainer", daemon=True)
     produced: list[int] = []
 
     def produce(url: str) -> None:
@@ -185,7 +185,7 @@ def loop(tiny_model: Path, broker: EmbeddedBroker, engine: Engine,
     out: dict[str, Any] = {"produced": produced}
     try:
         with GatewayServer(config) as gw:
-            producer = threading.Thread(target=produce, args=(gw.url,), name="producer")
+            producer = threading.Thread(target=produce, args=(gw.url,), name="producer", daemon=True)
             driver.get(f"{gw.url}/dashboard")
             WebDriverWait(driver, 30).until(
                 lambda d: d.find_element("id", "status").get_attribute("data-state") == "live")

@@ -311,7 +311,7 @@ def test_a_call_stuck_in_flight_does_not_keep_the_gateway_from_stopping(broker: 
                                         json={**body, "prompt": "stuck-in-flight"}))
             except httpx.HTTPError as exc:
                 stuck.append(exc)
-        caller = threading.Thread(target=call)
+        caller = threading.Thread(target=call, daemon=True)
         caller.start()
         assert relay.holding.wait(60)
         started = time.monotonic()

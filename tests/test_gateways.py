@@ -88,7 +88,7 @@ class Load:
         self.results: list[tuple[str, str, str]] = []  # (gateway url, version header, request id)
         self.errors: list[str] = []
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._work, args=(i,)) for i in range(threads)]
+        self._threads = [threading.Thread(target=self._work, args=(i,), daemon=True) for i in range(threads)]
 
     def _work(self, i: int) -> None:
         with httpx.Client(timeout=120) as http:

@@ -78,7 +78,7 @@ def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model
                     errors.append(repr(exc))
 
     with GatewayServer(gateway_config(broker, engine, name)) as gw:
-        threads = [threading.Thread(target=worker, args=(i % 2 == 0,)) for i in range(4)]
+        threads = [threading.Thread(target=worker, args=(i % 2 == 0,), daemon=True) for i in range(4)]
         for t in threads:
             t.start()
         try:
@@ -128,7 +128,7 @@ def held_stream(url: str, name: str, prompt: str, out: dict[str, object]) -> thr
             out["version"] = r.headers["x-policy-version"]
             out["lines"] = [line for line in r.iter_lines() if line]
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
 

@@ -347,7 +347,7 @@ def test_a_group_posted_without_rewards_is_judged_and_trained(broker, engine, ba
 
     stop = threading.Event()
     service = JudgeService(judge_config(broker, topics, f"{gw.url}/v1", base_model, name="e2e"), stop)
-    runner = threading.Thread(target=service.run)
+    runner = threading.Thread(target=service.run, daemon=True)
     runner.start()
     try:
         judged = wait_until(lambda: [r for r in read_all(broker, topics.rewards)

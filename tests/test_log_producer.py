@@ -171,7 +171,7 @@ def _read_frames(read_fd: int) -> tuple[threading.Thread, list[bytes]]:
                     return
                 frames.append(pipe.read(size))
 
-    reader = threading.Thread(target=read_all)
+    reader = threading.Thread(target=read_all, daemon=True)
     reader.start()
     return reader, frames
 
@@ -232,7 +232,7 @@ def test_pipe_backlog_is_bounded_in_bytes_too() -> None:
     assert writer.buffered < 11 and writer.backlog_bytes <= 1 << 20  # ~10 frames of 100 KB wait, not 1,000
     assert writer.backlog_bytes + 100_000 > 1 << 20  # refused because the next frame would not fit
     with os.fdopen(read_fd, "rb") as pipe:
-        reader = threading.Thread(target=lambda: [None for _ in iter(lambda: pipe.read(1 << 16), b"")])
+        reader = threading.Thread(target=lambda: [None for _ in iter(lambda: pipe.read(1 << 16), b"")], daemon=True)
         reader.start()
         writer.close(timeout_s=30)
         reader.join(30)
@@ -268,7 +268,7 @@ def test_producer_process_empties_the_pipe_while_its_work_waits(idle_s: float) -
                 pipe.flush()
             pipe.write(FRAME.pack(0))
 
-    writer = threading.Thread(target=write_all)
+    writer = threading.Thread(target=write_all, daemon=True)
     writer.start()
     with reader.cond:  # nothing consumed yet: the reader still fills its memory up to the bound
         assert reader.cond.wait_for(lambda: reader.pending_bytes >= bound, timeout=30)

@@ -98,7 +98,7 @@ def trained(tiny_model, broker, tmp_path_factory):
                            history=str(root / "history.jsonl"), save_batches=str(root / "batches"),
                            metrics_port=free_port(), device="cpu")
     stop = threading.Event()
-    thread = threading.Thread(target=run_trainer, args=(config, stop))
+    thread = threading.Thread(target=run_trainer, args=(config, stop), daemon=True)
     thread.start()
     try:
         wait_for(lambda: (config.policy_dir / "v2").exists() or not thread.is_alive(), 180, "version 2")
