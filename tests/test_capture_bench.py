@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -81,3 +82,41 @@ def test_placement_samples_the_thread_it_watches(bench) -> None:
     assert got["samples"] >= 3
     assert {int(c) for c in got["engine_core_cpus"]} <= os.sched_getaffinity(0)
     assert sum(got["engine_core_nodes"].values()) == got["samples"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    spec = importlib.util.spec_from_file_location("capture_pool", ROOT / "bench" / "capture_pool.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(path: Path, **rounds: list[float]) -> Path:
+    path.write_text(json.dumps({"modes": {mode.replace("_", "-"): {"rounds_tokens_per_s": speeds}
+                                          for mode, speeds in rounds.items()}}))
+    return path
+
+
+def test_pool_pairs_each_round_with_its_own_baseline_across_runs(pool, tmp_path: Path) -> None:
+    """Ratios are taken within a round (a host twice as fast in one round changes nothing), pooled over runs;
+    streamed through the gateway is compared with streamed straight, and the gateway with capture straight."""
+    a = _run(tmp_path / "a.json", chat=[100.0, 200.0], chat_capture=[90.0, 190.0], gateway=[95.0, 170.0],
+             chat_stream=[50.0, 100.0], gateway_stream=[40.0, 100.0])
+    b = _run(tmp_path / "b.json", chat=[400.0], chat_capture=[400.0], gateway=[360.0])
+    got = pool.pool([a, b])
+    assert got["gateway / chat"]["rounds"] == 3
+    assert got["gateway / chat"]["median"] == 0.9  # 0.95, 0.85, 0.9
+    assert got["gateway / chat"]["run_medians"] == [0.9, 0.9]
+    assert got["gateway-stream / chat-stream"]["median"] == 0.9  # 0.8, 1.0
+    assert got["gateway / chat-capture"]["rounds"] == 3 and got["gateway / chat-capture"]["median"] == 0.9
+    assert got["chat-stream / chat"]["median"] == 0.5 and "gateway-stream / chat" not in got  # as the bench pairs
+    low, high = got["gateway / chat"]["interval_90"]
+    assert 0.85 <= low <= 0.9 <= high <= 0.95
+    assert got == pool.pool([a, b])  # seeded: the same files, the same figures
+
+
+def test_pool_of_runs_without_rounds_reports_nothing(pool, tmp_path: Path) -> None:
+    run = tmp_path / "one.json"
+    run.write_text(json.dumps({"modes": {"chat": {"tokens_per_s": 1.0}, "gateway": {"tokens_per_s": 1.0}}}))
+    assert pool.pool([run]) == {}
