@@ -33,7 +33,7 @@ printf '#!/bin/sh\nexec python3 -m streamrl.cli "$@"\n' > "$site/bin/streamrl"; 
 # (checked from / : in the repository root, its streamrl/ folder would shadow the laid-out package;
 # run streamrl from outside the checkout for the same reason)
 if [ "$gateway_only" = 1 ]; then
-  cd / && PYTHONPATH=$site python3 -c "import kafka, streamrl.gateway.app, streamrl.broker.embedded; print('gateway only')"
+  cd / && PYTHONPATH=$site python3 -c "import kafka, confluent_kafka, streamrl.gateway.app, streamrl.broker.embedded; print('gateway only')"
 else
-  cd / && PYTHONPATH=$site python3 -c "import vllm, torch, kafka, streamrl.broker.schema; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
+  cd / && PYTHONPATH=$site python3 -c "import vllm, torch, kafka, confluent_kafka, streamrl.broker.schema; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
 fi
