@@ -426,12 +426,17 @@ def engine_core_pid(api_server_pid: int) -> int | None:
     return None
 
 
-def paired_ratios(modes: dict[str, dict[str, Any]], mode: str) -> list[float]:
-    """A mode's speed over its baseline's in each round (``chat-stream`` for ``gateway-stream``, else
-    ``chat``): the drift between rounds cancels out of these."""
-    base = modes.get("chat-stream" if mode == "gateway-stream" and "chat-stream" in modes else "chat", {})
-    pairs = zip(modes[mode].get("rounds_tokens_per_s", ()), base.get("rounds_tokens_per_s", ()), strict=False)
-    return [speed / ref for speed, ref in pairs]
+def baseline_mode(modes: dict[str, Any], mode: str) -> str:
+    """What a mode is compared with: ``chat-stream`` for ``gateway-stream`` where it ran, else ``chat``."""
+    return "chat-stream" if mode == "gateway-stream" and "chat-stream" in modes else "chat"
+
+
+def paired_ratios(modes: dict[str, dict[str, Any]], mode: str, base: str | None = None) -> list[float]:
+    """A mode's speed over ``base``'s (default its baseline) in each round: the drift between rounds cancels
+    out of these."""
+    ref = modes.get(base or baseline_mode(modes, mode), {})
+    pairs = zip(modes[mode].get("rounds_tokens_per_s", ()), ref.get("rounds_tokens_per_s", ()), strict=False)
+    return [speed / ref_speed for speed, ref_speed in pairs if ref_speed > 0]
 
 
 def start_py_spy(pid: int, args: argparse.Namespace, name: str, *, alone: bool = False,

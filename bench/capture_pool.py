@@ -18,25 +18,18 @@ import random
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
+
+from capture_bench import baseline_mode, paired_ratios
 
 
-def round_speeds(path: Path) -> dict[str, list[float]]:
-    """Each mode's completion tokens/s per round of one run, in round order."""
-    modes = json.loads(path.read_text())["modes"]
-    return {mode: list(result.get("rounds_tokens_per_s", ())) for mode, result in modes.items()}
-
-
-def comparisons(speeds: dict[str, list[float]]) -> dict[str, list[float]]:
-    """``"mode / baseline"`` -> the ratio in each round where both ran."""
-    pairs: list[tuple[str, str]] = []
-    for mode in speeds:
-        base = "chat-stream" if mode == "gateway-stream" and "chat-stream" in speeds else "chat"
-        if mode != base and base in speeds:
-            pairs.append((mode, base))
-    if "gateway" in speeds and "chat-capture" in speeds:
+def comparisons(modes: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+    """``"mode / baseline"`` -> the ratio in each round of one run (the bench's own pairing), plus the gateway
+    over capture straight to the engine."""
+    pairs = [(mode, baseline_mode(modes, mode)) for mode in modes if mode != "chat"]
+    if "gateway" in modes and "chat-capture" in modes:
         pairs.append(("gateway", "chat-capture"))
-    return {f"{mode} / {base}": [a / b for a, b in zip(speeds[mode], speeds[base], strict=False) if b > 0]
-            for mode, base in pairs}
+    return {f"{mode} / {base}": paired_ratios(modes, mode, base) for mode, base in pairs if base in modes}
 
 
 def median_interval(ratios: list[float], level: float = 0.9, resamples: int = 20_000,
@@ -53,7 +46,7 @@ def pool(paths: list[Path]) -> dict[str, dict[str, object]]:
     pooled: dict[str, list[float]] = {}
     per_run: dict[str, list[float]] = {}
     for path in paths:
-        for name, ratios in comparisons(round_speeds(path)).items():
+        for name, ratios in comparisons(json.loads(path.read_text())["modes"]).items():
             if ratios:
                 pooled.setdefault(name, []).extend(ratios)
                 per_run.setdefault(name, []).append(round(statistics.median(ratios), 3))

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # capture_bench imports gateway_bench beside it
-    spec = importlib.util.spec_from_file_location("capture_bench", ROOT / "bench" / "capture_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("capture_bench")
 
 
 def test_function_samples_are_inclusive_and_count_a_frame_once_per_stack(bench, tmp_path: Path) -> None:
@@ -86,10 +79,7 @@ def test_placement_samples_the_thread_it_watches(bench) -> None:
 
 @pytest.fixture(scope="module")
 def pool():
-    spec = importlib.util.spec_from_file_location("capture_pool", ROOT / "bench" / "capture_pool.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("capture_pool")
 
 
 def _run(path: Path, **rounds: list[float]) -> Path:

@@ -4,22 +4,20 @@ built in the producer from the bytes vLLM sent. Pure unit tests on bodies made h
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import pickle
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_module import load_bench
 
 from streamrl.broker.schema import CompletionRecord, decode
 from streamrl.gateway.capture import CallContext, decode_choice, encode_call_records, split_body
 from streamrl.gateway.strip import client_body, fast_strip
 from streamrl.gateway.wire import CHAT, COMPLETIONS
 
-ROOT = Path(__file__).resolve().parent.parent
 NASTY = ('He said "stop", then ,"logprobs":{"content":[]},"finish_reason":"stop","token_ids":[1,2]} ] } '
          'a\\b \\" \\\\" done: é 漢字 🙂 \u2028 \t\n ,"prompt_token_ids":[3]')
 TOOL_ARGS = json.dumps({"q": ',"logprobs":null,"finish_reason":"length"', "x": "]}]}]}", "y": '\\"', "z": [1, 2]})
@@ -192,11 +190,7 @@ def test_null_logprobs_and_empty_content() -> None:
 
 def test_bench_stub_body() -> None:
     """The benchmark's stub (fewer keys than vLLM 0.32 sends: absent keys are fine)."""
-    spec = importlib.util.spec_from_file_location("gateway_bench", ROOT / "bench" / "gateway_bench.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    raw = bench.stub_bodies("chat")[(True, True)]
+    raw = load_bench("gateway_bench").stub_bodies("chat")[(True, True)]
     check(raw, "chat", True, True, fast=True)
 
 
