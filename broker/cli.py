@@ -6,9 +6,18 @@ import argparse
 import threading
 
 from streamrl.child import serve_until_stopped, stop_on_signals
+from streamrl.usage import check_port_free
 
 from .embedded import EmbeddedBroker
 from .topics import Topics
+
+DESCRIPTION = """\
+The embedded Kafka-protocol broker (tansu, in memory: what it holds is lost when it stops) with streamrl's
+topics created: the single-machine default. For a durable log use a real Kafka cluster (infra/).
+
+  streamrl broker --port 9092
+
+Docs: docs/loop.md."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_port_free(args.host, args.port, "--port")
     broker = EmbeddedBroker(args.host, args.port or None, topics=Topics(args.topic_prefix),
                             partitions=args.partitions).start()
     print(f"broker ready: --bootstrap-servers {broker.bootstrap_servers}", flush=True)

@@ -19,6 +19,15 @@ _OWN_FLAGS = ("out", "since_ms", "until_ms")
 """Fields with flags of their own (a positional path; times taken as ISO or epoch seconds)."""
 
 
+DESCRIPTION = """\
+Export what the log holds, one row per trajectory (its calls token-exact, reward, group, versions), to
+Parquet or JSONL: for SFT on the best trajectories, distillation or offline analysis.
+
+  streamrl export out.parquet --bootstrap-servers 127.0.0.1:9092 --min-reward 1
+
+Docs: docs/export.md."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", type=Path, help="output file: OUT.parquet or OUT.jsonl (or give --format)")
     p.add_argument("--since", help="only records at or after this time: ISO 8601 (UTC unless it says) or epoch seconds")

@@ -20,6 +20,14 @@ from .schema import WEIGHTS_FILE
 from .security import KafkaSecurity
 from .topics import Topics
 
+DESCRIPTION = """\
+Publish an adapter directory as a new version of a policy: a rollback to an earlier version, or an adapter
+trained elsewhere. The gateways load and route it as they do the trainer's versions.
+
+  streamrl publish ADAPTER_DIR --name policy --bootstrap-servers 127.0.0.1:9092
+
+Docs: docs/gateway.md."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("adapter", type=Path, help=f"a peft LoRA adapter directory (with {WEIGHTS_FILE})")

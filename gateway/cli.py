@@ -4,16 +4,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamrl.config_flags import add_config_flags, given
+from streamrl.usage import UsageError, as_usage_error, check_bootstrap_servers, check_port_free, check_url
 
 from .config import GatewayConfig
 
 if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
+
+DESCRIPTION = """\
+The OpenAI-compatible gateway: put it in front of vLLM servers and point any OpenAI client at it. Every
+completion is passed through unchanged and recorded token-exact to Kafka; rewards are posted to it over
+HTTP; each policy version the trainer publishes is loaded into every upstream and routed to with no
+request blocked.
+
+  streamrl gateway --upstream http://127.0.0.1:8000 --bootstrap-servers 127.0.0.1:9092 --port 8080
+  streamrl gateway --config gateway.toml --api-keys keys.txt --host 0.0.0.0
+
+Options that matter most: --upstream (repeat for several vLLM servers), --bootstrap-servers, --port,
+--api-keys (required on an address other hosts reach). Docs: docs/gateway.md."""
 
 KEEP_ALIVE_S = 75
 """Idle keep-alive connections stay open this long (uvicorn's 5 s default makes agents that pause
@@ -37,13 +51,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """``GatewayConfig.load``: defaults < ``--config`` < the flags given."""
-    config = GatewayConfig.load(args.config, **given(args, GatewayConfig))
+    values = given(args, GatewayConfig)
+    if args.config is None and "upstreams" not in values:
+        raise UsageError("give --upstream URL (a vLLM server; repeat for several), or --config FILE")
+    config = GatewayConfig.load(args.config, **values)
     if args.no_logging:
         return dataclasses.replace(config, bootstrap_servers=None)
     if config.bootstrap_servers is None:
-        raise SystemExit("streamrl gateway: give --bootstrap-servers (or bootstrap_servers in --config), "
+        raise UsageError("give --bootstrap-servers (or bootstrap_servers in --config), "
                          "or --no-logging to forward without logging")
     return config
+
+
+def preflight(config: GatewayConfig, reuse_port: bool) -> None:
+    """The upstreams' URLs, the broker's address, and the port, free unless it is shared on purpose
+    (``--reuse-port``, ``--workers``: the processes bind it beside each other)."""
+    for url in config.upstreams:
+        check_url(url, "--upstream")
+    if config.bootstrap_servers is not None:
+        check_bootstrap_servers(config.bootstrap_servers, "--bootstrap-servers")
+    if not reuse_port:
+        check_port_free(config.host, config.port, "--port")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,17 +81,20 @@ def run(args: argparse.Namespace) -> int:
     from .workers import Workers, reuseport_socket
 
     config = config_from_args(args)
+    preflight(config, args.reuse_port)
     if config.workers > 1:
-        try:
+        with as_usage_error():
             # the workers' config files beside the given one (``streamrl up``: in its run directory)
-            return Workers(config, Path(args.config).parent / "gateway-workers" if args.config else None).run()
-        except ValueError as exc:
-            raise SystemExit(f"streamrl gateway: {exc}") from None
-    try:
+            workers = Workers(config, Path(args.config).parent / "gateway-workers" if args.config else None)
+        return workers.run()
+    with as_usage_error():  # a bad key file, or keys missing on a public address (gateway/auth.py)
         app = create_app(config)
-    except ValueError as exc:  # a bad key file, or keys missing on a public address (gateway/auth.py)
-        raise SystemExit(f"streamrl gateway: {exc}") from None
     server = uvicorn.Server(uvicorn_config(app, config))
+    # uvicorn raises the signal that stopped it again once it has shut down; under the default handlers that
+    # ends the process before its exit handlers run (the record producer's semaphores then leak, reported by
+    # multiprocessing's resource tracker, and Ctrl-C ends in a traceback). By then the signal has done its job.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     if args.reuse_port:
         server.run(sockets=[reuseport_socket(config.host, config.port)])
     else:

@@ -10,8 +10,17 @@ import threading
 
 from streamrl.child import stop_on_signals
 from streamrl.config_flags import add_config_flags, given
+from streamrl.usage import UsageError, check_url
 
 from .config import JudgeConfig
+
+DESCRIPTION = """\
+An LLM judge: reads complete groups of trajectories from Kafka, asks a model (any OpenAI-compatible server,
+the gateway included) to score them relative to each other, and posts their rewards.
+
+  streamrl judge --base-url http://127.0.0.1:8080/v1 --model BASE_MODEL --bootstrap-servers 127.0.0.1:9092
+
+Docs: docs/judge.md."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     stop_on_signals(stop)
     config = JudgeConfig.load(args.config, **given(args, JudgeConfig))
     if not config.model:
-        raise SystemExit("streamrl judge: --model (the judge model's name at --base-url) is required")
+        raise UsageError("--model (the judge model's name at --base-url) is required")
+    check_url(config.base_url, "--base-url")
     print("streamrl judge, effective configuration:\n" + config.describe(), flush=True)
     from .service import JudgeService
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -37,6 +38,8 @@ class DemoConfig:
     concurrency: int = 4
     """Groups kept in flight."""
     max_tokens: int = 16
+    temperature: float = 1.0
+    """Sampling temperature of the task's calls (1.0: the behaviour policy is the model's own distribution)."""
     context_words: int = 0
     """Numbers task: words of shared system message ahead of each prompt (an agent's long instructions)."""
     groups_per_step: int | None = None
@@ -74,6 +77,8 @@ class DemoConfig:
             raise ValueError("group_size and concurrency must be >= 1")
         if self.context_words < 0 or self.stall_s <= 0:
             raise ValueError("context_words must be >= 0 and stall_s > 0")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
         if self.eval_every < 0:
             raise ValueError("eval_every must be >= 0")
         if self.reward not in ("exact", "judge") or (self.reward == "judge" and self.task != "arithmetic"):
@@ -82,12 +87,13 @@ class DemoConfig:
 
     def make_task(self) -> Task:
         if self.task == "calculator":
-            return CalculatorTask(model=self.model, max_tokens=max(self.max_tokens, 64))
+            return CalculatorTask(model=self.model, max_tokens=max(self.max_tokens, 64), temperature=self.temperature)
         if self.task == "arithmetic":
-            return ArithmeticTask(model=self.model, max_tokens=max(self.max_tokens, 32),
+            return ArithmeticTask(model=self.model, max_tokens=max(self.max_tokens, 32), temperature=self.temperature,
                                   held_out_size=self.eval_problems,
                                   judge_rubric=JUDGE_RUBRIC if self.reward == "judge" else None)
-        return NumbersTask(model=self.model, max_tokens=self.max_tokens, context_words=self.context_words)
+        return NumbersTask(model=self.model, max_tokens=self.max_tokens, temperature=self.temperature,
+                           context_words=self.context_words)
 
     @property
     def limits(self) -> RunLimits:
@@ -105,17 +111,30 @@ def run_demo(url: str, config: DemoConfig, stop: threading.Event | None = None, 
                           max_tokens=task.max_tokens, out=Path(config.eval_out) if config.eval_out else None,
                           emit=emit) if config.eval_every and hasattr(task, "held_out") else None
 
+    async def drop_evaluation_when_stopped(evaluating: asyncio.Task) -> None:
+        """Told to stop (Ctrl-C): an evaluation in progress (a minute of a real model on the CPU) is dropped
+        at once, not waited for."""
+        while stop is not None and not stop.is_set() and not evaluating.done():
+            await asyncio.sleep(0.1)
+        evaluating.cancel()
+
     async def main() -> Board:
         done = asyncio.Event()
         evaluating = asyncio.create_task(evaluator.run(done)) if evaluator is not None else None
+        dropping = asyncio.create_task(drop_evaluation_when_stopped(evaluating)) if evaluating and stop else None
         try:
             return await run_groups(url, task, group_size=config.group_size, concurrency=config.concurrency,
                                     limits=config.limits, pacer=config.pacer(), stop=stop, seed=config.seed,
                                     emit=emit)
         finally:
-            if evaluating is not None:  # the version routed last is evaluated before it returns
+            if evaluating is not None and not evaluating.done():  # the version routed last is evaluated
                 done.set()
-                await evaluating
+            if evaluating is not None:
+                stopped = stop is not None and stop.is_set()  # dropped then: its requests' errors are no news
+                with contextlib.suppress(asyncio.CancelledError, *((Exception,) if stopped else ())):
+                    await evaluating
+            if dropping is not None:
+                dropping.cancel()
 
     board = asyncio.run(main())
     if config.summary:
@@ -125,6 +144,15 @@ def run_demo(url: str, config: DemoConfig, stop: threading.Event | None = None, 
         path.write_text(json.dumps({"config": asdict(config), **board.summary(), "evaluation": evaluation},
                                    indent=2))
     return board
+
+
+DESCRIPTION = """\
+The demo agent against a running gateway: keeps groups of trajectories in flight on a task (numbers,
+arithmetic, calculator), posts their rewards, and prints the reward per policy version as versions arrive.
+
+  streamrl demo --gateway http://127.0.0.1:8080 --task arithmetic
+
+`streamrl up --demo` runs it for you. Docs: docs/loop.md."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

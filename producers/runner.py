@@ -222,9 +222,11 @@ class RunLimits:
 async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: int = 4,
                      limits: RunLimits = RunLimits(), pacer: Pacer | None = None,
                      stop: threading.Event | None = None, seed: int = 0,
-                     emit: Callable[[str], None] = print) -> Board:
+                     emit: Callable[[str], None] = print, stop_grace_s: float = 2.0) -> Board:
     """Keep up to ``concurrency`` groups in flight (as far as ``pacer`` allows) until a limit is reached
-    or ``stop`` is set."""
+    or ``stop`` is set. At a limit the groups in flight are finished (their rewards posted); after ``stop``
+    they get ``stop_grace_s`` and are abandoned then (their completions are logged; their group is never
+    completed, so the trainer drops it)."""
     board = Board()
     rng = random.Random(seed)
     done = asyncio.Event()
@@ -288,8 +290,11 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
         watching = asyncio.create_task(watch.run(done)) if pacer is not None else None
         workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
         await limit()
-        for w in workers:  # finish the groups in flight so their rewards are posted, then stop
-            await w
+        stopped = stop is not None and stop.is_set()
+        _, pending = await asyncio.wait(workers, timeout=stop_grace_s if stopped else None)
+        for w in pending:  # told to stop: groups still running after the grace are abandoned
+            w.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         if watching is not None:
             await watching
     if board.versions:

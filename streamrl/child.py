@@ -32,6 +32,12 @@ def spawn(argv: list[str], *, env: dict[str, str] | None = None, log: Path | Non
             out.close()  # the child holds its own copy
 
 
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to a child's process group (it and what it spawned); a group already gone is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
 def stop_group(proc: subprocess.Popen, timeout: float) -> bool:
     """SIGTERM a child's process group, SIGKILL what is left after ``timeout``. True if it had to be killed."""
     killed = False

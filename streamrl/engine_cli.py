@@ -8,6 +8,16 @@ import threading
 from .child import serve_until_stopped, stop_on_signals
 from .config_flags import add_config_flags, given
 from .engine import Engine, EngineConfig
+from .usage import UsageError, as_usage_error, check_model, check_port_free
+
+DESCRIPTION = """\
+A vLLM OpenAI server set up for streamrl: runtime LoRA loading (the gateway loads each published version),
+sampling logprobs, and token capture that the gateway records without slowing generation.
+
+  streamrl engine --model DIR --port 8000
+  streamrl engine --model DIR -- --tensor-parallel-size 2       further vLLM arguments after --
+
+Options that matter most: --model, --port, --gpu-memory-utilization, --max-loras. Docs: docs/gateway.md."""
 
 DEFAULT_PORT = 8000
 """The port when none is given (vLLM's own default), so that ``streamrl engine`` answers where one looks."""
@@ -21,8 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     values = {"port": DEFAULT_PORT, **given(args, EngineConfig)}
     if "model" not in values:
-        raise SystemExit("streamrl engine: --model is required")
-    engine = Engine(EngineConfig(**values, extra_args=[a for a in args.extra if a != "--"])).start()
+        raise UsageError("--model is required (a checkpoint directory, or a name from streamrl model --list)")
+    check_model(values["model"])
+    with as_usage_error():
+        config = EngineConfig(**values, extra_args=[a for a in args.extra if a != "--"])
+    check_port_free(config.host, config.port, "--port")
+    engine = Engine(config).start()
     print(f"engine ready: {engine.url}", flush=True)
     stop = threading.Event()
     stop_on_signals(stop)

