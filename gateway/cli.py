@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 from streamrl.config_flags import add_config_flags, given
 from streamrl.usage import UsageError, as_usage_error, check_bootstrap_servers, check_port_free, check_url
 
+from .auth import check_bind, load_keys
 from .config import GatewayConfig
 
 if TYPE_CHECKING:
@@ -64,12 +66,15 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 
 def preflight(config: GatewayConfig, reuse_port: bool) -> None:
-    """The upstreams' URLs, the broker's address, and the port, free unless it is shared on purpose
-    (``--reuse-port``, ``--workers``: the processes bind it beside each other)."""
+    """The upstreams' URLs, the broker's address, the API keys (and none missing on an address other hosts
+    reach), then the port, free unless it is shared on purpose (``--reuse-port``, ``--workers``: the
+    processes bind it beside each other)."""
     for url in config.upstreams:
         check_url(url, "--upstream")
     if config.bootstrap_servers is not None:
         check_bootstrap_servers(config.bootstrap_servers, "--bootstrap-servers")
+    with as_usage_error():
+        check_bind(config.host, load_keys(config.api_keys, os.environ), config.insecure)
     if not reuse_port:
         check_port_free(config.host, config.port, "--port")
 

@@ -14,15 +14,13 @@ import logging
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from streamrl.config_flags import add_config_flags, given
 
-from .arithmetic import JUDGE_RUBRIC, ArithmeticTask
-from .calculator import CalculatorTask
-from .evaluate import Evaluator
-from .numbers import NumbersTask
-from .runner import Board, Pacer, RunLimits, Task, run_groups
+if TYPE_CHECKING:  # the tasks and the runner import the OpenAI client: loaded when the demo runs, not
+    # whenever its configuration is read (``streamrl up`` reads it at every start, mistakes included)
+    from .runner import Board, Pacer, RunLimits, Task
 
 TASKS = ("numbers", "calculator", "arithmetic")
 
@@ -86,6 +84,10 @@ class DemoConfig:
                              f"with {self.task!r}")
 
     def make_task(self) -> Task:
+        from .arithmetic import JUDGE_RUBRIC, ArithmeticTask
+        from .calculator import CalculatorTask
+        from .numbers import NumbersTask
+
         if self.task == "calculator":
             return CalculatorTask(model=self.model, max_tokens=max(self.max_tokens, 64), temperature=self.temperature)
         if self.task == "arithmetic":
@@ -97,15 +99,22 @@ class DemoConfig:
 
     @property
     def limits(self) -> RunLimits:
+        from .runner import RunLimits
+
         return RunLimits(self.until_version, self.until_reward, self.stop_groups, self.max_seconds)
 
     def pacer(self) -> Pacer | None:
+        from .runner import Pacer
+
         return None if self.groups_per_step is None else Pacer(self.groups_per_step, self.max_ahead, self.stall_s)
 
 
 def run_demo(url: str, config: DemoConfig, stop: threading.Event | None = None, emit=print) -> Board:
     """Run the demo producer to its limits, with the held-out evaluation of each version beside it where
     the task has a held-out set; writes the summary file when configured."""
+    from .evaluate import Evaluator
+    from .runner import run_groups
+
     task = config.make_task()
     evaluator = Evaluator(url, task, policy_name=config.model, every=config.eval_every,  # type: ignore[arg-type]
                           max_tokens=task.max_tokens, out=Path(config.eval_out) if config.eval_out else None,

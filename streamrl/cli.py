@@ -49,7 +49,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
+def chosen_command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is one (the top-level options' values are log
+    levels, never a command's name)."""
+    return next((a for a in argv if a in SUBCOMMANDS), None)
+
+
+def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser,
+                                                         dict[str, Callable[[argparse.Namespace], int]]]:
+    """The parser, with the options of the command ``argv`` names (of every command when ``argv`` is
+    None). Only that command's module is imported: a command starts in a fraction of a second, and the
+    others' dependencies (the OpenAI client, torch) are never loaded for it."""
     parser = Parser(prog="streamrl", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
@@ -57,8 +67,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                         help="kafka-python's own loggers (at INFO they narrate every connection of every client)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = None if argv is None else chosen_command(argv)
     runners = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if argv is not None and name != chosen:
+            sub.add_parser(name, help=help_text)  # listed in ``streamrl --help``, its options not loaded
+            continue
         module = import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=getattr(module, "DESCRIPTION", help_text),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,7 +82,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, runners = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser, runners = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the subcommand they were given to (argparse would blame ``streamrl`` itself)
         parser.exit(EXIT_USAGE, f"streamrl {args.command}: unrecognized arguments: {' '.join(unknown)} "

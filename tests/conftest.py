@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -13,17 +12,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kafka_reader import TopicReader
-from relay import Relay
+from support.kafka_reader import TopicReader
+from support.relay import Relay
+from support.services import LOG_DIR, start_engine, start_gateway
 
-from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.topics import Topics, create_topics
-from streamrl.engine import Engine, EngineConfig
-from streamrl.gateway.config import GatewayConfig
+from streamrl.engine import Engine
 from streamrl.gateway.server import GatewayServer
 from streamrl.tiny_model import build_model, random_adapter
-
-LOG_DIR = Path(os.environ.get("STREAMRL_TEST_LOGS", "/tmp/streamrl-test-logs"))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -61,13 +58,6 @@ def broker() -> Iterator[EmbeddedBroker]:
     b.stop()
 
 
-def start_engine(model: Path, name: str, *, token_capture: bool = True) -> Engine:
-    """``token_capture=False``: a plain vLLM server, without streamrl's capture middleware."""
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    return Engine(EngineConfig(model=str(model), max_loras=4, max_model_len=1024, token_capture=token_capture),
-                  log_file=LOG_DIR / f"{name}.log").start(timeout=600)
-
-
 @pytest.fixture(scope="session")
 def engine(tiny_model: Path) -> Iterator[Engine]:
     """A real vLLM OpenAI server on the tiny model, shared by all tests of the session."""
@@ -96,26 +86,6 @@ def topics(broker: EmbeddedBroker, request: pytest.FixtureRequest) -> Topics:
     module_topics: Topics = request.module.TOPICS
     create_topics(broker.bootstrap_servers, module_topics, partitions=2)
     return module_topics
-
-
-def start_gateway(broker: EmbeddedBroker, engine: Engine, token_capture: bool,
-                  deferred_capture: bool = True) -> GatewayServer:
-    """A gateway in front of ``engine`` logging to the session broker's topics (no policy following: other
-    tests publish versions there), checked to take tokens the way ``token_capture`` and ``deferred_capture``
-    say."""
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers,
-                           port=free_port(), topic_prefix=broker.topics.prefix, max_body_bytes=64 << 10,
-                           health_interval_s=0.5, follow_policy=False, token_capture=token_capture,
-                           deferred_capture=deferred_capture)
-    gw = GatewayServer(config).start()
-    try:
-        assert gw.gateway.producer.wait_ready(0)  # it serves once its producer process reads the pipe
-        path = httpx.get(f"{gw.url}/health").json()["upstreams"][0]["token_capture"]
-        assert path == ("json" if not token_capture else "engine, deferred" if deferred_capture else "engine")
-    except BaseException:
-        gw.stop()
-        raise
-    return gw
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +123,7 @@ def rewards(broker: EmbeddedBroker, log_topics: Topics) -> Iterator[TopicReader]
 
 @pytest.fixture
 def relay(engine: Engine) -> Iterator[Relay]:
-    """A TCP relay in front of the session's engine (``relay.py``), open, closed after the test."""
+    """A TCP relay in front of the session's engine (``support/relay.py``), open, closed after the test."""
     r = Relay(engine.port)
     r.open()
     yield r

@@ -1,0 +1,240 @@
+"""Hot-swap under load, against a real vLLM server: published adapter versions replace each other in the
+gateway with no failed request, every response names a published version, and requests that started
+before a swap finish on the version they started with."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from support.kafka_reader import TopicReader
+from support.relay import Relay
+from support.swap_helpers import engine_adapters, engine_loads, wait_unloaded
+
+from streamrl.broker.clients import make_producer
+from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.policy_log import publish_version
+from streamrl.broker.schema import CompletionRecord, PolicyRecord, encode
+from streamrl.broker.topics import Topics
+from streamrl.engine import Engine
+from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.server import GatewayServer
+
+TOPICS = Topics("hotswap")
+CHAT = [{"role": "user", "content": "Count to ten."}]
+
+
+@pytest.fixture(autouse=True)
+def unload_afterwards(engine: Engine, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Leave the shared engine without this module's adapters (their files go when pytest cleans up).
+    The gateway's swap log (loads, routes, unloads and why) is kept, so that a failure shows it."""
+    caplog.set_level(logging.INFO, logger="streamrl.gateway.hotswap")
+    yield
+    for card in httpx.get(f"{engine.url}/v1/models").json()["data"]:
+        if card.get("parent") and card["id"].split("@")[0] in ("loadtest", "inflight", "catchup"):
+            httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": card["id"]})
+
+
+def gateway_config(broker: EmbeddedBroker, engine: Engine, name: str, **kw) -> GatewayConfig:
+    kw.setdefault("upstreams", (engine.url,))
+    return GatewayConfig(bootstrap_servers=broker.bootstrap_servers, port=free_port(),
+                         topic_prefix=TOPICS.prefix, policy_name=name, health_interval_s=0.5, **kw)
+
+
+def wait_routed(gw: GatewayServer, version: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while gw.gateway.router.version != version:
+        assert time.monotonic() < deadline, f"version {version} not routed"
+        time.sleep(0.01)
+
+
+def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model):
+    name = "loadtest"
+    published = {0}
+    results: list[tuple[int, str, str, str]] = []  # (status, version header, served model, request id)
+    errors: list[str] = []
+    stop = threading.Event()
+    reader = TopicReader(broker.bootstrap_servers, topics.completions)
+
+    def worker(stream: bool) -> None:
+        with httpx.Client(timeout=60) as http:
+            while not stop.is_set():
+                body = {"model": name, "messages": CHAT, "max_tokens": 8, "stream": stream}
+                try:
+                    with http.stream("POST", f"{gw.url}/v1/chat/completions", json=body) as r:
+                        text = r.read().decode()
+                        if r.status_code != 200 or "error" in text:
+                            errors.append(f"{r.status_code}: {text[:200]}")
+                            continue
+                        served = text.split('"model":"', 1)[1].split('"', 1)[0]
+                        results.append((r.status_code, r.headers["x-policy-version"], served,
+                                        r.headers["x-request-id"]))
+                except httpx.HTTPError as exc:
+                    errors.append(repr(exc))
+
+    with GatewayServer(gateway_config(broker, engine, name)) as gw:
+        threads = [threading.Thread(target=worker, args=(i % 2 == 0,), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            for version, path in enumerate(adapters[:3], start=1):
+                publish_version(broker.bootstrap_servers, topics, name, version, path, base_model)
+                published.add(version)
+                wait_routed(gw, version)
+                deadline = time.monotonic() + 30
+                # keep the load on across the swap, until requests are served by the new version
+                while sum(v == str(version) for _, v, _, _ in list(results)) < 3:
+                    assert time.monotonic() < deadline and not errors, errors[:3]
+                    time.sleep(0.01)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert not errors, errors[:5]
+        assert len(results) >= 18
+        versions = {int(v) for _, v, _, _ in results}
+        assert versions <= published and {1, 2, 3} <= versions
+        for _, v, served, _ in results:  # the engine-side model is the adapter of the version in the header
+            assert served == (base_model if v == "0" else f"{name}@v{v}")
+        # the records carry the version that served them
+        sample = {rid: int(v) for _, v, _, rid in results[-12:]}
+        recs = reader.wait_for(lambda r: isinstance(r, CompletionRecord) and r.request_id in sample, count=12)
+        assert {r.request_id: r.policy_version for r in recs} == sample
+        assert all(r.policy_name == name for r in recs)
+        # versions no longer routed were unloaded once idle, but for the one before the routed version
+        # (keep_previous_versions 1), which still serves requests pinned to it
+        wait_unloaded(engine, f"{name}@v1")
+        assert {f"{name}@v2", f"{name}@v3"} <= set(engine_adapters(engine))
+        pinned = httpx.post(f"{gw.url}/v1/completions", json={"model": f"{name}@v2", "prompt": "a", "max_tokens": 2},
+                            timeout=120)
+        assert pinned.status_code == 200 and pinned.headers["x-policy-version"] == "2"
+        gone = httpx.post(f"{gw.url}/v1/completions", json={"model": f"{name}@v1", "prompt": "a", "max_tokens": 2},
+                          timeout=120)
+        assert gone.status_code == 404
+    reader.close()
+
+
+def held_stream(url: str, name: str, prompt: str, out: dict[str, object]) -> threading.Thread:
+    """A streamed completion of ``name`` in a thread (a relay holding ``prompt`` keeps it in flight); its
+    version header and lines land in ``out``."""
+    def run() -> None:
+        body = {"model": name, "prompt": prompt, "max_tokens": 16, "stream": True}
+        with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            out["version"] = r.headers["x-policy-version"]
+            out["lines"] = [line for line in r.iter_lines() if line]
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_request_started_before_swap_finishes_on_old_version(broker, engine, topics, adapters, base_model,
+                                                            relay: Relay):
+    """The old request's answer is held in a relay between gateway and engine until the test has seen the
+    swap, so the request is in flight across it on any machine, however slow the swap."""
+    name = "inflight"
+    publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
+    old: dict[str, object] = {}
+    relay.hold_marker = b"held across the swap"
+    config = gateway_config(broker, engine, name, upstreams=(relay.url,), keep_previous_versions=0)
+    with GatewayServer(config) as gw:
+        wait_routed(gw, 1)  # caught up on start
+        thread = held_stream(gw.url, name, "held across the swap", old)
+        try:
+            assert relay.holding.wait(30), "the request did not reach the engine"
+            assert gw.gateway.router.versions[1].in_flight == 1
+            publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
+            wait_routed(gw, 2)
+            assert gw.gateway.router.versions[1].in_flight == 1  # v1 held by the running stream
+            assert f"{name}@v1" in engine_adapters(engine)  # so it stays loaded
+            new = httpx.post(f"{gw.url}/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 4},
+                             timeout=120)
+            assert new.status_code == 200 and new.headers["x-policy-version"] == "2"
+            assert new.json()["model"] == f"{name}@v2"
+        finally:
+            relay.release()
+            thread.join(120)
+        assert old["version"] == "1"
+        lines = old["lines"]
+        assert isinstance(lines, list) and lines[-1] == "data: [DONE]"
+        chunks = [line for line in lines if line.startswith("data: {")]
+        assert chunks and all(f'"model":"{name}@v1"' in line for line in chunks)
+        wait_unloaded(engine, f"{name}@v1")  # drained, so unloaded
+
+
+def test_a_load_waiting_for_room_gives_way_to_a_newer_version(broker, engine, topics, adapters, base_model,
+                                                              relay: Relay, caplog: pytest.LogCaptureFixture):
+    """Two versions loaded at most: v1 held by a running stream, v2 routed, so v3 waits for v1 to drain. v4,
+    published while v3 waits, is taken at once, and it is v4 that is loaded when v1 drains: v3 never is (the
+    engine's own log), so the newest version is not served a load later than it could be."""
+    name = f"roomwait{uuid.uuid4().hex[:6]}"  # the engine's log, counted below, outlives a test session
+    publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
+    held: dict[str, object] = {}
+    relay.hold_marker = b"held for room"
+    config = gateway_config(broker, engine, name, upstreams=(relay.url,), max_loaded_versions=2,
+                            keep_previous_versions=0)
+    with GatewayServer(config) as gw:
+        wait_routed(gw, 1)
+        thread = held_stream(gw.url, name, "held for room", held)
+        try:
+            assert relay.holding.wait(30), "the request did not reach the engine"
+            publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
+            wait_routed(gw, 2)
+            publish_version(broker.bootstrap_servers, topics, name, 3, adapters[2], base_model)
+            deadline = time.monotonic() + 30
+            while f"{name}@v3 waits for an older version to drain" not in caplog.text:
+                assert time.monotonic() < deadline, "v3 did not wait for room"
+                time.sleep(0.01)
+            publish_version(broker.bootstrap_servers, topics, name, 4, adapters[3], base_model)
+            while 4 not in gw.gateway.follower.records:  # taken while v3 waits, not after
+                assert time.monotonic() < deadline + 30, "v4 not taken while v3 waited for room"
+                time.sleep(0.01)
+            assert gw.gateway.router.version == 2 and gw.gateway.router.versions[1].in_flight == 1
+        finally:
+            relay.release()
+            thread.join(120)
+        assert held["version"] == "1"
+        wait_routed(gw, 4)
+        assert engine_loads(engine, f"{name}@v4") == 1 and engine_loads(engine, f"{name}@v3") == 0
+
+
+def test_catch_up_bad_checksum_and_max_loaded(broker, engine, topics, adapters, base_model):
+    name = "catchup"
+    for version, path in enumerate(adapters[:2], start=1):
+        publish_version(broker.bootstrap_servers, topics, name, version, path, base_model)
+    with GatewayServer(gateway_config(broker, engine, name, max_loaded_versions=2, keep_previous_versions=0)) as gw:
+        assert gw.gateway.router.version == 2  # the latest, before the first request was served
+        assert f"{name}@v1" not in engine_adapters(engine)  # intermediate versions are skipped
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": name, "messages": CHAT, "max_tokens": 3})
+        assert r.headers["x-policy-version"] == "2"
+
+        # a record whose sha256 does not match the weights is never served
+        bad = PolicyRecord(name=name, version=3, path=str(adapters[2]), base_model=base_model, step=3,
+                           sha256="0" * 64)
+        producer = make_producer(broker.bootstrap_servers)
+        producer.send(topics.policy, key=name.encode(), value=encode(bad)).get(timeout=30)
+        producer.close()
+        deadline = time.monotonic() + 30
+        while gw.gateway.follower.rejected < 1:
+            assert time.monotonic() < deadline, "version with a wrong sha256 not rejected"
+            time.sleep(0.01)
+        assert gw.gateway.router.version == 2 and f"{name}@v3" not in engine_adapters(engine)
+
+        publish_version(broker.bootstrap_servers, topics, name, 4, adapters[3], base_model)
+        wait_routed(gw, 4)
+        wait_unloaded(engine, f"{name}@v2")
+        loaded = {a for a in engine_adapters(engine) if a.startswith(name)}
+        assert loaded == {f"{name}@v4"} and len(gw.gateway.router.versions) <= 2
+
+
+def test_kept_versions_must_leave_room_for_the_routed_and_the_next_one() -> None:
+    assert GatewayConfig(upstreams=("http://x",), bootstrap_servers=None).keep_previous_versions == 1
+    GatewayConfig(upstreams=("http://x",), bootstrap_servers=None, max_loaded_versions=4, keep_previous_versions=2)
+    for kw in ({"max_loaded_versions": 2}, {"keep_previous_versions": -1}):
+        with pytest.raises(ValueError, match="keep_previous_versions must be between 0 and"):
+            GatewayConfig(upstreams=("http://x",), bootstrap_servers=None, **kw)

@@ -1,0 +1,2 @@
+"""Helpers the tests share (not tests themselves): importable as ``support.*`` (pyproject's pytest
+``pythonpath`` puts tests/ on the path)."""
