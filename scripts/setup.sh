@@ -20,7 +20,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   echo "$want" > "$stamp"
 fi
-# The dashboard's browser test (tests/test_dashboard.py) drives Debian's Chromium through its chromedriver.
+# The dashboard's browser test (tests/integration/test_dashboard.py) drives Debian's Chromium through its chromedriver.
 # Installed only where missing and apt can (root); elsewhere that test is skipped, and setup goes on.
 if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 \
     && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -1,4 +1,4 @@
-"""The GRPO loss: one function, every option documented here and unit-tested in tests/test_loss.py.
+"""The GRPO loss: one function, every option documented here and unit-tested in tests/unit/test_loss.py.
 
 Notation, per sampled token t of sequence s (prompt tokens never enter: they are masked out):
 
