@@ -10,6 +10,8 @@ was routed, the producer's record counts and the upstreams' health. This module 
   and the trainer's metrics of the step that made it;
 - a ring of ``max_points`` samples taken every ``interval_s`` by one background task: counters (tokens,
   requests, rewards, records by outcome), healthy upstreams, routed version.
+- the base model's held-out score, against which every evaluation is marked ``below_base``; the page's
+  warnings (``warnings``) are computed from these when it asks.
 
 Cost on the request path: a served call that was logged adds one dict entry (its trajectory id -> version,
 at most ``max_tracked``, oldest evicted) so that its reward, posted later, is counted for the version that
@@ -36,6 +38,10 @@ from .metrics import GatewayMetrics
 from .policy import PolicyRouter
 from .upstreams import UpstreamPool
 
+RECENT_VERSIONS = 5
+"""The divergence warning looks at this many of the newest published versions: one diverging among them is
+recent enough to act on (the trainer's log names the likely cause)."""
+
 COUNTED = frozenset(("streamrl_gateway_requests", "streamrl_gateway_rewards", "streamrl_gateway_tokens"))
 """The metric families the sampler reads (``prometheus_client`` names counters without ``_total``)."""
 
@@ -58,8 +64,9 @@ class VersionStats:
     """When the policy name was routed to it here (0: not (yet) routed)."""
     trainer: dict[str, float] = field(default_factory=dict)
     """The policy record's ``metrics``: the trainer's step that made this version."""
-    eval: dict[str, float] | None = None
-    """Its held-out evaluation, as an evaluator reported it (``POST /dashboard/eval``)."""
+    eval: dict[str, Any] | None = None
+    """Its held-out evaluation, as an evaluator reported it (``POST /dashboard/eval``), with ``below_base``:
+    its score is below the base model's (version 0's evaluation; false until that is known)."""
     changed: int = 0
     """The ``Dashboard.seq`` that will include its last change: a viewer at an older ``seq`` gets it again."""
 
@@ -89,6 +96,8 @@ class Dashboard:
         self.unattributed = 0
         """Rewards whose call this gateway did not serve (or served too long ago to remember)."""
         self._served: dict[str, int] = {}
+        self.base_score: float | None = None
+        """Version 0's held-out score (kept apart: version 0 is the first to leave ``versions``)."""
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.started = time.time()
@@ -139,7 +148,14 @@ class Dashboard:
         """A held-out evaluation of ``version`` (``producers/evaluate.py`` reports each one)."""
         stats = self._version(version)
         stats.eval, stats.changed = {"score": score, "answered": answered, "problems": problems,
-                                     "time": time.time()}, self.seq + 1
+                                     "time": time.time(), "below_base": False}, self.seq + 1
+        if version == 0:  # every evaluated version is judged against the base again (and sent again)
+            self.base_score = score
+            for other in self.versions.values():
+                if other.eval is not None and other.version != 0:
+                    other.eval["below_base"], other.changed = other.eval["score"] < score, self.seq + 1
+        elif self.base_score is not None:
+            stats.eval["below_base"] = score < self.base_score
         self._bump()
 
     def routed(self, version: int, at: float) -> None:
@@ -224,4 +240,32 @@ class Dashboard:
                          if seq is None or self.versions[v].changed > seq],
             "rewards_unattributed": self.unattributed,
             "points": [p for p in self.points if p["time"] > since],
+            "warnings": self.warnings(),
         }
+
+    def warnings(self) -> list[dict[str, Any]]:
+        """What the page shows above its charts, whole at every fetch: ``diverging`` when one of the newest
+        ``RECENT_VERSIONS`` published versions was trained while the trainer judged itself diverging (its
+        policy record's ``metrics["diverging"]``), ``below_base`` when the newest held-out evaluation scored
+        below the base model's."""
+        out: list[dict[str, Any]] = []
+        published = [self.versions[v] for v in sorted(self.versions) if self.versions[v].trainer]
+        bad = [v for v in published[-RECENT_VERSIONS:] if v.trainer.get("diverging")]
+        if bad:
+            m = bad[-1].trainer
+            names = ", ".join(f"v{v.version}" for v in bad)
+            out.append({"kind": "diverging", "versions": [v.version for v in bad], "text": (
+                f"Trainer diverging: {names} trained while diverging (v{bad[-1].version}: KL "
+                f"{m.get('kl_behaviour', math.nan):.3g} nats/token, mean ratio {m.get('ratio_mean', math.nan):.3g}, "
+                f"clipped {m.get('truncated_frac', math.nan):.3g}, staleness {m.get('staleness_mean', math.nan):.1f}). "
+                "The trainer's log names the likely cause: a learning rate too high for the model (lower "
+                "learning_rate) or stale samples (lower max_lag).")})
+        evaluated = [v for v in sorted(self.versions) if v and self.versions[v].eval is not None]
+        if evaluated and self.base_score is not None:
+            last = self.versions[evaluated[-1]].eval
+            assert last is not None
+            if last["below_base"]:
+                out.append({"kind": "below_base", "versions": [evaluated[-1]], "text": (
+                    f"Held-out score of v{evaluated[-1]} ({last['score']:.3f}) is below the base model's "
+                    f"({self.base_score:.3f}): training made the policy worse.")})
+        return out

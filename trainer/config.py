@@ -10,6 +10,8 @@ from typing import Any, Literal
 from streamrl.broker.security import KafkaSecurity
 from streamrl.config_file import load_config
 
+from .divergence import DivergenceThresholds
+
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -121,6 +123,26 @@ class TrainerConfig:
     lora_dropout: float = 0.0
     target_modules: tuple[str, ...] = field(default=DEFAULT_TARGETS)
 
+    # divergence (trainer/divergence.py; docs/trainer.md, "Divergence", has the runs behind the defaults)
+    divergence_kl: float = 3.5
+    """Diverging when KL(behaviour || current), nats per sampled token, averaged over ``divergence_window``
+    steps exceeds this (healthy demo runs: at most 3.0; runs at a learning rate 10-50x too high: 3.6-5.6;
+    0: no KL check)."""
+    divergence_ratio_low: float = 0.7
+    """Diverging when the mean importance ratio of the sampled tokens, averaged over ``divergence_window``
+    steps, falls below this (healthy: 0.78 or more; diverged: 0.61-0.64; 0: no check)."""
+    divergence_clipped: float = 0.3
+    """Diverging when the share of sampled tokens whose ratio was truncated (ratio > ``is_cap``), averaged
+    over ``divergence_window`` steps, exceeds this (healthy runs: at most 0.15; 0: no check). ``truncated_is``
+    only: ``ppo_clip``'s share of ratios outside 1 ± ``clip_eps`` reached 0.93 in a healthy demo run."""
+    divergence_window: int = 2
+    """Steps (at staleness above 0) averaged before the thresholds apply: single steps of healthy runs reached
+    a KL of 3.54 and a ratio of 0.722, their 2-step means stayed within 3.0 and 0.78. 1: each step alone.
+    Non-finite statistics diverge at once."""
+    stop_on_divergence: bool = False
+    """Stop, exit code 3, before publishing a version trained while diverging (no adapter, no policy record,
+    offsets not committed); else only warn (log, history, the policy record's metrics, /metrics)."""
+
     # publishing
     publish_every: int = 1
     keep_versions: int = 5
@@ -157,6 +179,14 @@ class TrainerConfig:
             raise ValueError(f"compile must be true, false, 'dynamic' or 'static', not {self.compile!r}")
         if self.normalize not in ("token", "sequence"):
             raise ValueError(f"normalize must be token or sequence, not {self.normalize!r}")
+        DivergenceThresholds(self.divergence_kl, self.divergence_ratio_low, self.divergence_clipped,
+                             self.divergence_window)  # out-of-range thresholds raise here, at config time
+
+    @property
+    def divergence(self) -> DivergenceThresholds:
+        """The ``divergence_*`` thresholds (``trainer/divergence.py``)."""
+        clipped = self.divergence_clipped if self.is_mode == "truncated_is" else 0.0
+        return DivergenceThresholds(self.divergence_kl, self.divergence_ratio_low, clipped, self.divergence_window)
 
     @property
     def policy_dir(self) -> Path:

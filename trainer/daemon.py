@@ -22,8 +22,9 @@ from streamrl.child import stop_on_signals
 
 from .batch import GroupBatch, TrainSequence, save_batch
 from .config import TrainerConfig
+from .divergence import EXIT_DIVERGED, DivergenceDetector, Verdict
 from .feed import GroupSource, ReplayGroups, StreamGroups
-from .learner import Learner, StepStats
+from .learner import Learner
 from .metrics import Metrics, batch_metrics
 from .model import load_policy, pick_device
 from .publish import prune, write_adapter
@@ -86,6 +87,9 @@ class Trainer:
                  self.state.version, self.state.step)
         self.source: GroupSource | None = None
         self.metrics: Metrics | None = None
+        self.divergence = DivergenceDetector(c.divergence, c.learning_rate, c.max_lag, c.backlog)
+        self.halted = False
+        """Set by rank 0 when ``stop_on_divergence`` stops the run: every rank is told to stop at the next step."""
         self.policy_log = None
         if self.rank == 0:
             self.source = open_source(c, self.state)
@@ -110,7 +114,7 @@ class Trainer:
             while True:
                 batches, work = self._next_work()
                 if work.stop:
-                    return 0
+                    return EXIT_DIVERGED if self.halted else 0
                 if not work.sequences:
                     if self.metrics is not None and self.source is not None:
                         self.metrics.count(self.source.counts)
@@ -120,8 +124,13 @@ class Trainer:
                 stats = self.learner.step(work.sequences)
                 timings["step_s"] = time.monotonic() - t
                 state.step += 1
-                if self.rank == 0 and state.step % c.publish_every == 0:
-                    self._publish(batches, stats, timings)
+                if self.rank == 0:
+                    numbers = {**batch_metrics(batches, state.version), **asdict(stats)}
+                    verdict = self._judge(numbers)
+                    if verdict.diverging and c.stop_on_divergence:
+                        self._halt()
+                    elif state.step % c.publish_every == 0:
+                        self._publish(batches, numbers, verdict, timings)
                 idle_since = time.monotonic()
         finally:
             self.close()
@@ -129,7 +138,7 @@ class Trainer:
     def _next_work(self) -> tuple[list[GroupBatch], StepWork]:
         """Rank 0 takes the step's groups and sends every rank the same ``StepWork``."""
         c, source = self.c, self.source
-        stop = self.stop.is_set() or (c.max_steps is not None and self.state.step >= c.max_steps)
+        stop = self.stop.is_set() or self.halted or (c.max_steps is not None and self.state.step >= c.max_steps)
         batches = [] if stop or source is None else source.next_groups(c.groups_per_step, self.state.version,
                                                                        c.poll_timeout_s)
         stop = stop or (source is not None and source.exhausted and not batches)
@@ -138,18 +147,40 @@ class Trainer:
             dist.broadcast_object_list(message, src=0)
         return batches, message[0]
 
-    def _publish(self, batches: list[GroupBatch], stats: StepStats, timings: dict[str, float]) -> None:
+    def _judge(self, numbers: dict[str, float]) -> Verdict:
+        """Judge the step just taken (every step, published or not: the window holds steps); a diverging one
+        is a WARNING naming the measured values, the thresholds and the likely cause."""
+        verdict = self.divergence.judge(numbers)
+        if verdict.diverging:
+            log.warning("v%d step %d DIVERGING: %s", self.state.version + 1, self.state.step, verdict.message)
+        return verdict
+
+    def _halt(self) -> None:
+        """``stop_on_divergence``: stop before anything of this step is written (adapter, checkpoint, policy
+        record, offsets), so a restart retrains its groups from the last good version."""
+        self.halted = True
+        log.error("stopping before publishing v%d (stop_on_divergence): the trainer is diverging and nothing "
+                  "of this step was saved; to resume, lower learning_rate (now %g) and start the trainer again: "
+                  "it continues from v%d and retrains the groups since", self.state.version + 1,
+                  self.c.learning_rate, self.state.version)
+
+    def _publish(self, batches: list[GroupBatch], numbers: dict[str, float], verdict: Verdict,
+                 timings: dict[str, float]) -> None:
         """Adapter, checkpoint, policy record, offsets: in this order (see the module docstring). The
         seconds each takes go into the step's history line, with ``wait_s`` (waiting for groups) and
-        ``step_s`` (the optimizer step, packing included), so that a step's wall-clock can be read whole."""
+        ``step_s`` (the optimizer step, packing included), so that a step's wall-clock can be read whole.
+        ``numbers``: the step's batch metrics and ``StepStats``; ``verdict`` goes in as ``diverging`` (1.0 or
+        0.0, also in the policy record's metrics: the dashboard's warning)."""
         from streamrl.broker.schema import PolicyRecord
 
         c, state, source, metrics = self.c, self.state, self.source, self.metrics
         assert source is not None and metrics is not None
         groups = [b.group_id for b in batches]
-        step = {"version": state.version + 1, "step": state.step, "groups": len(batches),
-                **batch_metrics(batches, state.version), **asdict(stats),
-                "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9)}
+        step = {"version": state.version + 1, "step": state.step, "groups": len(batches), **numbers,
+                "tokens_per_s": numbers["tokens"] / max(numbers["seconds"], 1e-9),
+                "diverging": float(verdict.diverging)}
+        if verdict.diverging:
+            step["divergence"] = verdict.message
         lag = source.lag()
         if lag is not None:
             step["kafka_lag"] = lag

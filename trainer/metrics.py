@@ -69,6 +69,9 @@ class Metrics:
             self._counted: Counter[str] = Counter()
             self._feed_counters = {k: PromCounter(name, doc, registry=self.registry)
                                    for k, (name, doc) in FEED_COUNTERS.items()}
+            self._diverging = PromCounter("streamrl_trainer_diverging_steps",
+                                          "published steps trained while diverging (trainer/divergence.py)",
+                                          registry=self.registry)
             server = start_http_server(port, registry=self.registry)
             self.port = server[0].server_port if isinstance(server, tuple) else port
 
@@ -117,6 +120,8 @@ class Metrics:
             for k, v in step.items():
                 if isinstance(v, int | float):
                     self._gauge(k).set(v)
+            if step.get("diverging"):
+                self._diverging.inc()
         self.count(counts)
         for tracker in self.trackers:
             tracker.log(numbers(step), step["step"])

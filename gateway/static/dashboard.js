@@ -18,7 +18,8 @@ function fmt(v) {
 
 function clock(t) { return new Date(t * 1000).toLocaleTimeString(); }
 
-// series: [{name, points: [[x, y]], band: [[x, lo, hi]] | undefined}]; opts.time: x is unix seconds
+// series: [{name, points: [[x, y]], band: [[x, lo, hi]] | undefined, color, line: false for dots only}];
+// opts.time: x is unix seconds
 function draw(id, series, opts = {}) {
   const canvas = document.getElementById(id);
   const dpr = window.devicePixelRatio || 1;
@@ -66,8 +67,9 @@ function draw(id, series, opts = {}) {
     const pts = s.points.filter(p => Number.isFinite(p[1]));
     g.strokeStyle = color; g.fillStyle = color; g.lineWidth = 1.5; g.beginPath();
     pts.forEach((p, j) => j ? g.lineTo(X(p[0]), Y(p[1])) : g.moveTo(X(p[0]), Y(p[1])));
-    g.stroke();
-    if (pts.length < 120) pts.forEach(p => { g.beginPath(); g.arc(X(p[0]), Y(p[1]), 2.2, 0, 7); g.fill(); });
+    if (s.line !== false) g.stroke();
+    const r = s.line === false ? 4 : 2.2;  // dots only: bigger, they carry the series
+    if (s.line === false || pts.length < 120) pts.forEach(p => { g.beginPath(); g.arc(X(p[0]), Y(p[1]), r, 0, 7); g.fill(); });
     g.fillText(s.name, left + 8 + i * 150, 11);
   });
 }
@@ -109,7 +111,20 @@ function render() {
   draw("reward-time", [{ name: "served", points: timed.map(v => [v.first_reward, v.reward_mean]),
                          band: timed.map(v => [v.first_reward, v.reward_mean - v.reward_std, v.reward_mean + v.reward_std]) }],
        { time: true });
-  draw("eval", [{ name: "held-out score", points: vs.filter(v => v.eval).map(v => [v.version, v.eval.score]) }]);
+  const evaluated = vs.filter(v => v.eval), base = evaluated.find(v => v.version === 0);
+  const evalSeries = [{ name: "held-out score", points: evaluated.map(v => [v.version, v.eval.score]) }];
+  if (base && evaluated.length > 1)  // the base model's score across the chart, and the versions below it
+    evalSeries.push({ name: "base model (v0)", color: "#9ca3af",
+                      points: [[0, base.eval.score], [evaluated[evaluated.length - 1].version, base.eval.score]] },
+                    { name: "below base", color: "#dc2626", line: false,
+                      points: evaluated.filter(v => v.eval.below_base).map(v => [v.version, v.eval.score]) });
+  draw("eval", evalSeries);
+  const warnings = document.getElementById("warnings");
+  warnings.replaceChildren(...(d.warnings || []).map(w => {
+    const p = document.createElement("p");
+    p.className = "warning"; p.dataset.kind = w.kind; p.textContent = w.text;
+    return p;
+  }));
   draw("throughput", [{ name: "rollout tok/s", points: rate(points, "completion_tokens") },
                       { name: "trainer tok/s", points: vs.filter(v => v.published && v.trainer.tokens_per_s !== undefined)
                           .map(v => [v.published, v.trainer.tokens_per_s]) }], { time: true });
