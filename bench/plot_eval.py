@@ -1,10 +1,11 @@
 """Plot the held-out evaluation (``producers/evaluate.py``) against wall-clock time and against version.
 
     python bench/plot_eval.py docs/results/real-model-cpu/demo-summary.json --out docs/results/real-model-cpu/held-out.png
-    python bench/plot_eval.py RUN/loop_bench.json --out held-out.png      (every mode of a loop bench run)
+    python bench/plot_eval.py RUN/learn_bench.json --out held-out.png     (every run of a learning bench result)
 
-Inputs: a demo summary (``streamrl up --demo`` writes ``<work_dir>/demo-summary.json``) or a
-``bench/loop_bench.py`` result. Needs matplotlib (``pip install matplotlib``; not a streamrl dependency).
+Inputs: a demo summary (``streamrl up --demo`` writes ``<work_dir>/demo-summary.json``), a
+``bench/learn_bench.py`` result or an older ``loop_bench.json``. Needs matplotlib (``pip install matplotlib``; not
+a streamrl dependency). ``learn_bench.py`` draws its own plot over seeds, medians bold.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import argparse
 import json
 from pathlib import Path
 
+from learn_stats import labelled_runs
+
 
 def series(data: dict) -> dict[str, list[tuple[float, int, float]]]:
     """(seconds since the demo started, version, score) per run name."""
-    if "modes" in data:  # a loop bench result
-        runs = {mode: [tuple(e) for e in r.get("evaluation", [])] for mode, r in data["modes"].items()}
+    if "modes" in data or "runs" in data:  # a learning (or older loop) bench result
+        runs = {name: [tuple(e) for e in r.get("evaluation", [])] for name, r in labelled_runs(data).items()}
     else:
         t0 = data.get("started_at", 0.0)
         runs = {"demo": [(e["time"] - t0, e["version"], e["score"]) for e in data.get("evaluation", [])]}

@@ -1,4 +1,5 @@
-"""Plot reward against wall-clock time for each mode of one or more `bench/loop_bench.py` results.
+"""Plot reward against wall-clock time for each run of one or more `bench/learn_bench.py` results (or older
+`loop_bench.json` files: one run per mode).
 
     python bench/plot_loop.py docs/results/loop-gpu/two-gpu.json docs/results/loop-gpu/one-gpu.json \
         --out docs/results/loop-gpu/reward-vs-time.png
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from learn_stats import labelled_runs
 
 
 def main() -> None:
@@ -32,7 +35,7 @@ def main() -> None:
     fig, axes = plt.subplots(1, len(args.results), figsize=(6 * len(args.results), 4), squeeze=False)
     for ax, path, title in zip(axes[0], args.results, titles, strict=True):
         data = json.loads(Path(path).read_text())
-        for mode, r in data["modes"].items():
+        for mode, r in labelled_runs(data).items():
             if args.trained:
                 points = [(t, y) for t, y, _ in r["reward_curve"]]
             else:
@@ -40,8 +43,9 @@ def main() -> None:
                                 if v.get("n") and int(k) >= 0)
             ax.plot([t for t, _ in points], [y for _, y in points], marker="o", label=(
                 f"{mode}: target at {r['time_to_target_s']:.0f} s" if r.get("time_to_target_s") else mode))
-        ax.axhline(data["args"]["until_reward"], color="grey", linestyle=":", linewidth=1)
-        ax.set_title(title or f"{data['args']['shape']}, layout {data['args']['layout']}")
+        settings = data.get("preset") or data["args"]
+        ax.axhline(settings["until_reward"], color="grey", linestyle=":", linewidth=1)
+        ax.set_title(title or f"{settings['shape']}, layout {settings['layout']}")
         ax.set_xlabel("seconds (trainer steps)" if args.trained else "seconds since the demo started")
         ax.set_ylabel("mean reward of the groups trained" if args.trained else "mean reward served, per version")
         ax.legend()

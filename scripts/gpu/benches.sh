@@ -3,7 +3,17 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-neighbours | gateway-paired | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | unpaced-real | judge-real | trainer
+#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-neighbours | gateway-paired | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | unpaced-real | judge-real | trainer
+#   learn: bench/learn_bench.py, PRESET (short | long-tail | agent, default short) over SEEDS (default 0: one run per
+#          mode; more seeds are run while they fit: the bench skips a run that would not end inside the device's
+#          limit, DEVICE_LIMIT_S (default 570) counted from this script's start, and says so), MODES (default
+#          pipeline,sync), LEARN_SECONDS (each run's demo time, default the preset's); OUT gets
+#          learn-PRESET-sSEEDS.json (rewritten after every run), .log, .png (with matplotlib), and per run its
+#          log's tail and trainer history; pool the commands' files with `learn_bench.py merge`. On a fresh
+#          machine run `model` first (its own command: the install and the conversion, about 2.5 minutes), so
+#          that each learn command's 10 minutes go to the engine's start (about 2 minutes) and the runs
+#   model: install, and convert SmolLM2-135M-Instruct into STASH/models/smollm2-135m (where learn and loop-real
+#          look for it: --model-cache STASH)
 #   lora-load: VERSIONS (default 24, a third each idle / generating / beside a GPU neighbour), STREAMS (128)
 #   gateway: ROUNDS (default 2) more interleaved rounds; GATEWAY_CPUS (e.g. 0-1) adds off and on with the gateway
 #          process on those CPUs alone (off-pinned, on-pinned) to the same rounds
@@ -27,7 +37,7 @@
 #   env:   LR (loop learning rate, default 3e-3; loop-real 5e-4), ENGINES (vLLM replicas, default 1),
 #          MAX_AHEAD (pipeline's steps ahead, default 1; loop-real 2), CONCURRENCY (groups in flight,
 #          default 16), LOOP_SECONDS (per mode, default 150), UNTIL (target reward, default 0.8), LOOP_MODES
-#          (loop_bench's --modes, default pipeline,sync);
+#          (learn_bench's --modes, default pipeline,sync);
 #          loop-real only: GROUP (group size, 16), GPS (groups per step, 8), MAX_TOKENS (128); its UNTIL
 #          defaults to 2 (out of reach: both modes run LOOP_SECONDS and the held-out curves are compared)
 #   loop-real: SmolLM2-135M-Instruct (its wheel staged in STASH/wheels) on the arithmetic task, one GPU,
@@ -47,19 +57,23 @@ bash "$repo/scripts/gpu/install.sh" "$stash" "$site" > "$out/install.log" 2>&1 |
 export PYTHONPATH=$site PATH=$site/bin:$PATH PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 cd /root  # outside the checkout: its streamrl/ folder would shadow the laid-out package
 
-loop() {  # loop NAME ARGS...: bench/loop_bench.py ARGS, pipeline then sync, its JSON, logs and histories in OUT
+run_logs() {  # run_logs DIR NAME: each run's log tail (no engine lines, no 200s) and trainer history into OUT
+  local d r
+  for d in "$1"/s*-*/; do
+    [ -d "$d" ] || continue
+    r=$(basename "$d")
+    grep -v 'HTTP/1.1" 200' "$d/up.log" 2>/dev/null | grep -v '^engine' | tail -300 > "$out/$2-$r.log"
+    cp "$d/history.jsonl" "$out/$2-$r-history.jsonl" 2>/dev/null
+  done
+}
+
+loop() {  # loop NAME ARGS...: bench/learn_bench.py run ARGS, pipeline then sync, its JSON, logs and histories in OUT
   local name=$1 dir=/root/lb-$1 modes=${LOOP_MODES:-pipeline,sync}
   shift
   rm -rf "$dir"
-  (while sleep 10; do cp "$dir/loop_bench.json" "$out/$name.json" 2>/dev/null; done) & local copier=$!
-  python3 "$repo/bench/loop_bench.py" "$@" --modes "$modes" --max-seconds "${LOOP_SECONDS:-150}" \
-      --lora-rank 16 --micro-batch-tokens 16384 --out "$dir" > "$out/$name.log" 2>&1
-  kill "$copier"
-  cp "$dir/loop_bench.json" "$out/$name.json" 2>/dev/null
-  for m in ${modes//,/ }; do
-    grep -v 'HTTP/1.1" 200' "$dir/$m/up.log" 2>/dev/null | grep -v '^engine' | tail -300 > "$out/$name-$m.log"
-    cp "$dir/$m/history.jsonl" "$out/$name-$m-history.jsonl" 2>/dev/null
-  done
+  python3 "$repo/bench/learn_bench.py" run "$@" --modes "$modes" --max-seconds "${LOOP_SECONDS:-150}" \
+      --lora-rank 16 --micro-batch-tokens 16384 --out "$dir" --json "$out/$name.json" > "$out/$name.log" 2>&1
+  run_logs "$dir" "$name"
   tail -40 "$out/$name.log"
 }
 
@@ -127,13 +141,26 @@ for bench in "$@"; do
           --concurrency "${CONCURRENCY:-16}" $(synthetic) ;;
     loop-multi)  # #17: replicas and trainer ranks on their own GPUs of one host, each mode its own stack
       # shellcheck disable=SC2046
-      loop loop-multi --layout two-gpu --shape "${SHAPE:-qwen2.5-7b}" --replica-gpus "${REPLICA_GPUS:-0,1}" \
+      loop loop-multi --layout two-gpu --shape "${SHAPE:-qwen2.5-7b}" --no-shared-engine --replica-gpus "${REPLICA_GPUS:-0,1}" \
           --trainer-gpus "${TRAINER_GPUS:-2,3}" --concurrency "${CONCURRENCY:-32}" $(synthetic) ;;
     loop-real)  # the real model on the arithmetic task, pipeline against sync on one GPU
       loop "loop-real${TAG:-}" --layout one-gpu --model smollm2-135m --model-cache "$stash" --task arithmetic \
           --eval-problems 256 --shared-engine --until-reward "${UNTIL:-2}" --learning-rate "${LR:-5e-4}" \
           --group-size "${GROUP:-16}" --groups-per-step "${GPS:-8}" --concurrency "${CONCURRENCY:-16}" \
           --max-tokens "${MAX_TOKENS:-128}" --max-ahead "${MAX_AHEAD:-2}" --max-model-len 1024 --stall-s 10 ;;
+    model)  # the real model converted once per machine, outside the timed commands
+      streamrl model smollm2-135m "$stash/models/smollm2-135m" --cache "$stash/wheels" > "$out/model.log" 2>&1
+      tail -1 "$out/model.log" ;;
+    learn)  # pipeline against sync over seeds: one preset, runs interleaved on one engine, statistics over seeds
+      preset=${PRESET:-short} seeds=${SEEDS:-0}
+      name=learn-$preset-s${seeds//,/-}${TAG:-}
+      budget=$(( ${DEVICE_LIMIT_S:-570} - SECONDS )); (( budget < 120 )) && budget=120
+      rm -rf "/root/$name"
+      python3 "$repo/bench/learn_bench.py" run --preset "$preset" --seeds "$seeds" --modes "${MODES:-pipeline,sync}" \
+          --model-cache "$stash" ${LEARN_SECONDS:+--max-seconds "$LEARN_SECONDS"} --budget-s "$budget" \
+          --out "/root/$name" --json "$out/$name.json" > "$out/$name.log" 2>&1
+      run_logs "/root/$name" "$name"
+      tail -40 "$out/$name.log" ;;
     unpaced-real)  # agents that do not wait for the trainer: the real model, wait against freshest
       streamrl model smollm2-135m /root/stash/models/smollm2-135m --cache "$stash/wheels" > "$out/model.log" 2>&1
       python3 "$repo/bench/unpaced_bench.py" --model /root/stash/models/smollm2-135m --task arithmetic \
