@@ -60,5 +60,7 @@ def test_reward_rises_through_streamrl_up(tmp_path: Path) -> None:
 
     assert f"reward target {TARGET} reached" in text
     assert "stopped (exit code 0)" in text
-    assert "did not stop within" not in text, "every part must stop on SIGTERM, none killed"
+    assert "after SIGTERM: killed" not in text, "every part must stop on SIGTERM, none killed"
+    assert "leaked semaphore" not in text, "the parts must exit cleanly (their exit handlers run)"
+    assert "DIVERGING" not in text, "the demo's normal run must not be judged diverging (trainer/divergence.py)"
     assert _leftovers(str(tmp_path)) == [], "no process of the run may outlive `streamrl up`"
