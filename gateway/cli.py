@@ -73,6 +73,8 @@ def preflight(config: GatewayConfig, reuse_port: bool) -> None:
         check_url(url, "--upstream")
     if config.bootstrap_servers is not None:
         check_bootstrap_servers(config.bootstrap_servers, "--bootstrap-servers")
+        with as_usage_error():  # its TLS files exist, its SASL password is somewhere
+            config.kafka.client_kwargs()
     with as_usage_error():
         check_bind(config.host, load_keys(config.api_keys, os.environ), config.insecure)
     if not reuse_port:

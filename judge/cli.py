@@ -10,7 +10,7 @@ import threading
 
 from streamrl.child import stop_on_signals
 from streamrl.config_flags import add_config_flags, given
-from streamrl.usage import UsageError, check_url
+from streamrl.usage import UsageError, as_usage_error, check_bootstrap_servers, check_url
 
 from .config import JudgeConfig
 
@@ -35,6 +35,9 @@ def run(args: argparse.Namespace) -> int:
     if not config.model:
         raise UsageError("--model (the judge model's name at --base-url) is required")
     check_url(config.base_url, "--base-url")
+    check_bootstrap_servers(config.bootstrap_servers, "--bootstrap-servers")
+    with as_usage_error():  # its TLS files exist, its SASL password is somewhere
+        config.kafka.client_kwargs()
     print("streamrl judge, effective configuration:\n" + config.describe(), flush=True)
     from .service import JudgeService
 

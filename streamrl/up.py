@@ -410,7 +410,7 @@ class Stack:
         if c.bootstrap_servers:
             check_bootstrap_servers(c.bootstrap_servers, "--bootstrap-servers")
             with as_usage_error("[up.kafka]"):
-                c.kafka.client_kwargs({c.kafka.sasl_password_env: "checked"})  # its TLS files exist
+                c.kafka.client_kwargs()  # its TLS files exist, its SASL password is somewhere
         trainer = c.trainer_config(c.model or "model", c.bootstrap_servers or "127.0.0.1:9092")
         with as_usage_error("[gateway]"):
             gateway = c.gateway_config(c.upstreams or ["http://127.0.0.1"], c.bootstrap_servers or "127.0.0.1:9092",

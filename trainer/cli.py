@@ -12,7 +12,14 @@ import threading
 
 from streamrl.child import stop_on_signals
 from streamrl.config_flags import add_config_flags, given
-from streamrl.usage import UsageError, check_bootstrap_servers, check_dir, check_model, check_port_free
+from streamrl.usage import (
+    UsageError,
+    as_usage_error,
+    check_bootstrap_servers,
+    check_dir,
+    check_model,
+    check_port_free,
+)
 
 from .config import TrainerConfig
 
@@ -52,6 +59,8 @@ def preflight(config: TrainerConfig) -> None:
         check_dir(config.replay, "--replay")
     else:
         check_bootstrap_servers(config.bootstrap_servers, "--bootstrap-servers")
+        with as_usage_error():  # its TLS files exist, its SASL password is somewhere
+            config.kafka.client_kwargs()
     check_port_free("0.0.0.0", config.metrics_port, "--metrics-port")
 
 
