@@ -118,25 +118,37 @@ def spread(per_seed: dict[int, float], **bootstrap: Any) -> dict[str, Any]:
             "n": len(values), "per_seed": {str(s): v for s, v in sorted(per_seed.items())}}
 
 
-def staleness_per_token(history: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+def staleness_per_token(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Staleness (versions between the policy that sampled a token and the one trained on it) per sampled token,
-    from the trainer's history: each step's mean staleness weighted by its sampled tokens, so mean and p90 are
-    over tokens, with a step's tokens at its mean (the history has no spread within a step); max over steps."""
-    pairs = [(float(h["staleness_mean"]), float(h.get("sampled_tokens") or 0)) for h in history
-             if "staleness_mean" in h]
+    from the trainer's history. Exact where every step has its ``staleness_tokens`` histogram (sampled tokens by
+    staleness): mean, p90 (nearest rank) and max over all the run's tokens. Older histories have only each step's
+    mean: that mean weighted by the step's sampled tokens (a step's tokens all at its mean), max over steps."""
+    steps = [h for h in history if "staleness_mean" in h]
+    if steps and all(isinstance(h.get("staleness_tokens"), dict) for h in steps):
+        counts: dict[float, float] = {}
+        for h in steps:
+            for lag, n in h["staleness_tokens"].items():
+                counts[float(lag)] = counts.get(float(lag), 0.0) + float(n)
+        pairs = [(lag, n) for lag, n in counts.items() if n > 0]
+        total = sum(n for _, n in pairs)
+        return {"source": "trainer history, per token",
+                "mean": sum(v * n for v, n in pairs) / total if total else None,
+                "p90": weighted_quantile(pairs, 0.9), "max": max((v for v, _ in pairs), default=None)}
+    pairs = [(float(h["staleness_mean"]), float(h.get("sampled_tokens") or 0)) for h in steps]
     total = sum(w for _, w in pairs)
-    return {"mean": sum(v * w for v, w in pairs) / total if total else None,
+    return {"source": "trainer history, step means weighted by tokens",
+            "mean": sum(v * w for v, w in pairs) / total if total else None,
             "p90": weighted_quantile(pairs, 0.9),
             "max": max((float(h["staleness_max"]) for h in history if "staleness_max" in h), default=None)}
 
 
 def reply_tokens(history: Sequence[dict[str, Any]], demo: dict[str, Any]) -> dict[str, Any]:
     """Reply length in tokens: the demo summary's own figures where it has them (``reply_tokens``: p50, p90,
-    max per reply), else from the trainer's history, each step's sampled tokens per sequence (a step's mean
+    max and n over every trajectory's sampled tokens, exact), else from the trainer's history, each step's sampled tokens per sequence (a step's mean
     reply, so p50 / p90 / max are over steps and the max understates the longest reply)."""
     own = demo.get("reply_tokens")
     if isinstance(own, dict) and {"p50", "p90", "max"} <= own.keys():
-        return {"source": "demo summary, per reply", **{k: own[k] for k in ("p50", "p90", "max")}}
+        return {"source": "demo summary, per reply", **{k: own[k] for k in ("p50", "p90", "max", "n") if k in own}}
     means = [h["sampled_tokens"] / h["sequences"] for h in history if h.get("sequences")]
     return {"source": "trainer history, mean per step", "p50": nearest_rank(means, 0.5),
             "p90": nearest_rank(means, 0.9), "max": max(means, default=None)}
@@ -218,7 +230,8 @@ def mode_figures(runs: Sequence[dict[str, Any]], boot: dict[str, Any]) -> dict[s
         "versions_per_s": spread(per_seed("versions_per_s"), **boot),
         "staleness_per_token": {"mean": spread(per_seed("staleness", "mean"), **boot),
                                 "p90": spread(per_seed("staleness", "p90"), **boot),
-                                "max": max(stale_max.values(), default=None)},
+                                "max": max(stale_max.values(), default=None),
+                                "source": sorted({(r.get("staleness") or {}).get("source", "?") for r in runs})},
         "reply_tokens": {"p50": spread(per_seed("reply_tokens", "p50"), **boot),
                          "p90": spread(per_seed("reply_tokens", "p90"), **boot),
                          "max": max(reply_max.values(), default=None),

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 
 from .client import AsyncGateway
-from .episode import Outcome, final_number, served_version
+from .episode import Outcome, completion_tokens, final_number, served_version
 
 NAMES = ("Tom", "Anna", "Ravi", "Mei", "Omar", "Lena", "Sam", "Ines")
 ITEMS = ("apple", "book", "marble", "coin", "card", "shell", "pencil", "stamp")
@@ -122,9 +122,10 @@ class ArithmeticTask:
             raw = await t.client.chat.completions.with_raw_response.create(
                 model=self.model, messages=self.messages(problem),  # type: ignore[arg-type]
                 max_tokens=self.max_tokens, temperature=self.temperature)
-            score = reward(raw.parse().choices[0].message.content or "", problem.answer)
+            reply = raw.parse()
+            score = reward(reply.choices[0].message.content or "", problem.answer)
             if self.judge_rubric is None:
                 t.reward(score)
             else:
                 t.judge(self.judge_rubric)
-        return Outcome(score, served_version(raw.headers), t.trajectory_id)
+        return Outcome(score, served_version(raw.headers), t.trajectory_id, reply_tokens=completion_tokens(reply))

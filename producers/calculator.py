@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .client import AsyncGateway
-from .episode import Outcome, final_number, newest, served_version
+from .episode import Outcome, completion_tokens, final_number, newest, served_version
 
 TOOLS: list[dict[str, Any]] = [{
     "type": "function",
@@ -122,6 +122,7 @@ class CalculatorTask:
         used_tool = False
         answer = ""
         turns = 0
+        sampled: list[int | None] = []
         async with gateway.trajectory(group_id=group_id, group_size=group_size) as t:
             for turns in range(1, self.max_turns + 1):
                 forced = self.force_tool_first and turns == 1
@@ -131,7 +132,9 @@ class CalculatorTask:
                     max_tokens=self.max_tokens, temperature=self.temperature,
                     seed=None if self.seed is None else self.seed + turns - 1)
                 version = newest(version, served_version(raw.headers))
-                message = raw.parse().choices[0].message
+                reply = raw.parse()
+                sampled.append(completion_tokens(reply))
+                message = reply.choices[0].message
                 if not message.tool_calls:
                     answer = message.content or ""
                     break
@@ -143,4 +146,5 @@ class CalculatorTask:
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
             reward = score(answer, problem.answer, used_tool)
             t.reward(reward, turns=turns)
-        return Outcome(reward, version, t.trajectory_id, turns)
+        reply_tokens = None if None in sampled else sum(n for n in sampled if n is not None)
+        return Outcome(reward, version, t.trajectory_id, turns, reply_tokens)

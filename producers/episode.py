@@ -18,6 +18,9 @@ class Outcome:
     version: int | None
     trajectory_id: str = ""
     turns: int = 1
+    reply_tokens: int | None = None
+    """Tokens sampled for it (every call's ``usage.completion_tokens`` summed), for exact reply lengths in
+    the demo summary; None when a response did not say."""
 
 
 def served_version(headers: Any) -> int | None:
@@ -27,6 +30,13 @@ def served_version(headers: Any) -> int | None:
         return int(value) if value is not None else None
     except ValueError:
         return None
+
+
+def completion_tokens(response: Any) -> int | None:
+    """A parsed chat completion's ``usage.completion_tokens``, None without a usage."""
+    usage = getattr(response, "usage", None)
+    tokens = getattr(usage, "completion_tokens", None)
+    return tokens if isinstance(tokens, int) else None
 
 
 def newest(a: int | None, b: int | None) -> int | None:

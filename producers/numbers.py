@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass
 
 from .client import AsyncGateway
-from .episode import Outcome, served_version
+from .episode import Outcome, completion_tokens, served_version
 
 PROMPTS = (
     "Write some numbers.",
@@ -81,4 +81,5 @@ class NumbersTask:
             reply = raw.parse()
             reward = digit_fraction(reply.choices[0].message.content or "")
             t.reward(reward)
-        return Outcome(reward, served_version(raw.headers), t.trajectory_id)
+        return Outcome(reward, served_version(raw.headers), t.trajectory_id,
+                       reply_tokens=completion_tokens(reply))

@@ -77,10 +77,15 @@ class Board:
     printed: set[int] = field(default_factory=set)
     target_reached_s: float | None = None
     """Seconds from the start until the reward target was reached (None: it was not)."""
+    reply_tokens: list[int] = field(default_factory=list)
+    """Each finished trajectory's sampled tokens (where its responses said): the summary's exact reply lengths,
+    which the trainer's per-step means cannot give (their max understates the longest reply)."""
 
     def add(self, outcome: Outcome) -> None:
         version = -1 if outcome.version is None else outcome.version
         self.versions.setdefault(version, VersionStats()).add(outcome.reward, time.monotonic() - self.started)
+        if outcome.reply_tokens is not None:
+            self.reply_tokens.append(outcome.reply_tokens)
 
     @property
     def newest(self) -> int:
@@ -112,7 +117,21 @@ class Board:
             "started_at": self.started_at,
             "seconds": time.monotonic() - self.started,
             "target_reached_s": self.target_reached_s,
+            "reply_tokens": reply_token_stats(self.reply_tokens),
         }
+
+
+def reply_token_stats(lengths: list[int]) -> dict[str, int] | None:
+    """p50 / p90 (nearest rank: a length that occurred) / max of reply lengths and their count; None for
+    none, so that a reader falls back to its own estimate rather than taking empty figures."""
+    if not lengths:
+        return None
+    ranked = sorted(lengths)
+
+    def rank(q: float) -> int:
+        return ranked[max(0, math.ceil(q * len(ranked)) - 1)]
+
+    return {"p50": rank(0.5), "p90": rank(0.9), "max": ranked[-1], "n": len(ranked)}
 
 
 async def gateway_version(http: httpx.AsyncClient, url: str, policy_name: str | None = None) -> int | None:

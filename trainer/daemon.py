@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -147,7 +148,7 @@ class Trainer:
             dist.broadcast_object_list(message, src=0)
         return batches, message[0]
 
-    def _judge(self, numbers: dict[str, float]) -> Verdict:
+    def _judge(self, numbers: dict[str, Any]) -> Verdict:
         """Judge the step just taken (every step, published or not: the window holds steps); a diverging one
         is a WARNING naming the measured values, the thresholds and the likely cause."""
         verdict = self.divergence.judge(numbers)
@@ -164,13 +165,14 @@ class Trainer:
                   "it continues from v%d and retrains the groups since", self.state.version + 1,
                   self.c.learning_rate, self.state.version)
 
-    def _publish(self, batches: list[GroupBatch], numbers: dict[str, float], verdict: Verdict,
+    def _publish(self, batches: list[GroupBatch], numbers: dict[str, Any], verdict: Verdict,
                  timings: dict[str, float]) -> None:
         """Adapter, checkpoint, policy record, offsets: in this order (see the module docstring). The
         seconds each takes go into the step's history line, with ``wait_s`` (waiting for groups) and
         ``step_s`` (the optimizer step, packing included), so that a step's wall-clock can be read whole.
         ``numbers``: the step's batch metrics and ``StepStats``; ``verdict`` goes in as ``diverging`` (1.0 or
-        0.0, also in the policy record's metrics: the dashboard's warning)."""
+        0.0, also in the policy record's metrics: the dashboard's warning). The record takes the numbers only
+        (``staleness_tokens``, a histogram, and text stay in the history line)."""
         from streamrl.broker.schema import PolicyRecord
 
         c, state, source, metrics = self.c, self.state, self.source, self.metrics

@@ -94,6 +94,8 @@ def test_numbers_episodes_through_the_gateway(gateway: GatewayServer, completion
     for reward in got:
         assert reward.reward == pytest.approx(digit_fraction(records[reward.trajectory_id].response_text))
         assert records[reward.trajectory_id].group_id == reward.group_id
+    # reply lengths as the trainer will see them: each trajectory's sampled token ids
+    assert sorted(board.reply_tokens) == sorted(len(r.completion_token_ids) for r in records.values())
 
 
 def test_calculator_agent_runs_the_tool_loop(gateway: GatewayServer, completions: TopicReader,
@@ -139,3 +141,5 @@ def test_demo_command(gateway: GatewayServer, tmp_path: Path) -> None:
     result = json.loads(summary.read_text())
     assert code == 0 and result["failed"] == 0 and result["groups"] >= 2
     assert result["versions"]["0"]["n"] >= 4 and result["config"]["task"] == "numbers"
+    reply = result["reply_tokens"]
+    assert reply["n"] == result["trajectories"] and reply["p50"] <= reply["p90"] <= reply["max"] <= 16

@@ -104,6 +104,10 @@ def test_daemon_trains_publishes_and_reports(trained, broker) -> None:
                 "truncated_frac", "grad_norm", "kl_behaviour", "tokens_per_s"):
         assert np.isfinite(history[-1][key]), key
     assert history[-1]["counts"]["groups_ready"] == 4
+    for h, r in zip(history, records, strict=True):  # sampled tokens by staleness: all of them, and only there
+        assert sum(h["staleness_tokens"].values()) == h["sampled_tokens"]
+        assert max(int(k) for k in h["staleness_tokens"]) == h["staleness_max"]
+        assert "staleness_tokens" not in r.metrics and "staleness_mean" in r.metrics
     for h in history:  # where each step's wall-clock went: every phase timed, the step itself not free
         assert all(h[k] >= 0 for k in ("wait_s", "adapter_s", "checkpoint_s", "announce_s")) and h["step_s"] > 0
         assert h["step_s"] >= h["seconds"]

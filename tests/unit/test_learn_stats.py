@@ -72,8 +72,23 @@ def test_quantiles() -> None:
 def test_staleness_is_weighted_by_sampled_tokens() -> None:
     history = [{"staleness_mean": 0.0, "staleness_max": 0, "sampled_tokens": 300},
                {"staleness_mean": 2.0, "staleness_max": 4, "sampled_tokens": 100}]
-    assert stats.staleness_per_token(history) == {"mean": 0.5, "p90": 2.0, "max": 4.0}
-    assert stats.staleness_per_token([]) == {"mean": None, "p90": None, "max": None}
+    old = "trainer history, step means weighted by tokens"
+    assert stats.staleness_per_token(history) == {"source": old, "mean": 0.5, "p90": 2.0, "max": 4.0}
+    assert stats.staleness_per_token([]) == {"source": old, "mean": None, "p90": None, "max": None}
+
+
+def test_staleness_is_exact_from_the_histograms() -> None:
+    """Per token over the run: 850 tokens at 0, 100 at 1, 50 at 3; the step means would say max 1.5."""
+    history = [{"staleness_mean": 0.2, "staleness_max": 1, "sampled_tokens": 500,
+                "staleness_tokens": {"0": 450, "1": 50}},
+               {"staleness_mean": 1.5, "staleness_max": 3, "sampled_tokens": 500,
+                "staleness_tokens": {"0": 400, "1": 50, "3": 50, "7": 0}}]
+    exact = stats.staleness_per_token(history)
+    assert exact == {"source": "trainer history, per token", "mean": (100 + 150) / 1000, "p90": 1.0, "max": 3.0}
+    history[1]["staleness_tokens"] = {"0": 390, "3": 110}  # 11% of the run's tokens at 3: p90 at 3
+    assert stats.staleness_per_token(history)["p90"] == 3.0
+    del history[0]["staleness_tokens"]  # an older step without its histogram: the estimate for the whole run
+    assert stats.staleness_per_token(history)["source"] == "trainer history, step means weighted by tokens"
 
 
 def test_reply_length_from_the_demo_summary_else_the_history() -> None:
@@ -81,8 +96,9 @@ def test_reply_length_from_the_demo_summary_else_the_history() -> None:
                {"sampled_tokens": 100, "sequences": 0}]
     from_history = stats.reply_tokens(history, {})
     assert (from_history["p50"], from_history["p90"], from_history["max"]) == (64.0, 128.0, 128.0)
-    own = stats.reply_tokens(history, {"reply_tokens": {"p50": 40, "p90": 700, "max": 768}})
-    assert own == {"source": "demo summary, per reply", "p50": 40, "p90": 700, "max": 768}
+    own = stats.reply_tokens(history, {"reply_tokens": {"p50": 40, "p90": 700, "max": 768, "n": 96}})
+    assert own == {"source": "demo summary, per reply", "p50": 40, "p90": 700, "max": 768, "n": 96}
+    assert stats.reply_tokens(history, {"reply_tokens": None})["source"] == "trainer history, mean per step"
 
 
 def test_served_reward_curve_keeps_whole_groups_of_known_versions() -> None:

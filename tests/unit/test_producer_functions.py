@@ -13,7 +13,7 @@ from streamrl.producers.calculator import CalculatorTask, calculate, final_numbe
 from streamrl.producers.client import reward_body
 from streamrl.producers.episode import newest, served_version
 from streamrl.producers.numbers import digit_fraction
-from streamrl.producers.runner import Board, Pacer, trainable
+from streamrl.producers.runner import Board, Pacer, reply_token_stats, trainable
 
 # ------------------------------------------------------------------------------ reward functions
 
@@ -106,6 +106,23 @@ def test_version_helpers_and_board() -> None:
     summary = board.summary()
     assert summary["versions"]["0"]["n"] == 2 and summary["versions"]["0"]["mean"] == pytest.approx(0.3)
     assert summary["versions"]["1"]["mean"] == 1.0 and summary["trajectories"] == 3
+
+
+def test_board_summary_has_exact_reply_lengths() -> None:
+    """Every trajectory's sampled tokens, nearest rank: the longest reply is the max, not a step's mean."""
+    from types import SimpleNamespace
+
+    from streamrl.producers.episode import Outcome, completion_tokens
+
+    assert completion_tokens(SimpleNamespace(usage=SimpleNamespace(completion_tokens=12))) == 12
+    assert completion_tokens(SimpleNamespace(usage=None)) is None
+    assert Board().summary()["reply_tokens"] is None  # no lengths: readers fall back to their estimate
+    board = Board()
+    for n in [*range(1, 11), None]:  # a trajectory whose responses had no usage is left out
+        board.add(Outcome(0.5, 0, reply_tokens=n))
+    board.add(Outcome(0.5, 1, reply_tokens=700))
+    assert board.summary()["reply_tokens"] == {"p50": 6, "p90": 10, "max": 700, "n": 11}
+    assert reply_token_stats([5]) == {"p50": 5, "p90": 5, "max": 5, "n": 1}
 
 
 def test_trainable_groups() -> None:
