@@ -7,7 +7,7 @@ each run's JSON, pools them, and reports per comparison the median, a 90% bootst
 and the geometric mean. Comparisons: every mode against ``chat`` (``chat-stream`` for ``gateway-stream``, as
 in the bench), and ``gateway`` against ``chat-capture``: what the gateway adds on top of the engine's capture.
 
-    python bench/capture_pool.py docs/results/capture-gpu-s16/capture.json docs/results/gpu-s26/capture.json ...
+    python bench/capture_pool.py docs/results/capture-h200-2026-12-02-621d5c2/capture.json docs/results/capture-h200-2026-12-04/capture.json ...
 """
 
 from __future__ import annotations

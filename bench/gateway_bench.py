@@ -19,9 +19,9 @@ this load generator. Modes, all in the same run:
   off-pinned, on-pinned  (with ``--gateway-cpus``) ``off`` and ``on`` with the gateway process on those CPUs
            alone and everything else on the others
   on-kafka-python  ``on`` with ``--producer-client kafka-python``: records and rewards sent by kafka-python instead
-           of librdkafka (the default since session 23)
+           of librdkafka (the default since commit 27d20dd, 2026-12-03)
   on-nofollow  ``on`` with ``--no-follow-policy``: no policy follower and no coordination, so no tail process
-           (the gateway's child that reads the policy and coordination topics; before session 21 two consumers
+           (the gateway's child that reads the policy and coordination topics; before commit 22475cb two consumers
            and a producer in the gateway's own process, whose threads took its GIL)
   off-compute, off-memory  ``off`` with ``NEIGHBOURS`` processes busy beside it for the phase: a Python loop
            in its own caches, or streaming 64 MB arrays through memory (does logging's cost come from busy

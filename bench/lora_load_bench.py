@@ -218,7 +218,7 @@ async def run(args: argparse.Namespace, url: str, dirs: list[Path], engine_pid: 
     share = len(dirs) // len(phases)
     result: dict[str, Any] = {"phases": {}}
     # No connection limit (aiohttp's default is 100): with --streams past it, the loads waited for a stream to
-    # finish (session 15's H200 run: loads of 1-9 s with 43 py-spy samples in add_lora); the gateway's own pool
+    # finish (the 2026-12-02 H200 run: loads of 1-9 s with 43 py-spy samples in add_lora); the gateway's own pool
     # has no limit either.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:

@@ -1,6 +1,6 @@
 """Plot the held-out evaluation (``producers/evaluate.py``) against wall-clock time and against version.
 
-    python bench/plot_eval.py docs/results/real-model-cpu/demo-summary.json --out docs/results/real-model-cpu/held-out.png
+    python bench/plot_eval.py docs/results/real-model-cpu-2026-12-01/demo-summary.json --out docs/results/real-model-cpu-2026-12-01/held-out.png
     python bench/plot_eval.py RUN/learn_bench.json --out held-out.png     (every run of a learning bench result)
 
 Inputs: a demo summary (``streamrl up --demo`` writes ``<work_dir>/demo-summary.json``), a

@@ -1,8 +1,8 @@
 """Plot reward against wall-clock time for each run of one or more `bench/learn_bench.py` results (or older
 `loop_bench.json` files: one run per mode).
 
-    python bench/plot_loop.py docs/results/loop-gpu/two-gpu.json docs/results/loop-gpu/one-gpu.json \
-        --out docs/results/loop-gpu/reward-vs-time.png
+    python bench/plot_loop.py docs/results/loop-h200-2026-11-29/two-gpu.json docs/results/loop-h200-2026-11-29/one-gpu.json \
+        --out docs/results/loop-h200-2026-11-29/reward-vs-time.png
 
 Needs matplotlib (`pip install matplotlib`; not a streamrl dependency). Each point is one policy
 version as the demo saw it served: the mean reward of its trajectories, at the time its first

@@ -1,7 +1,7 @@
 """The pipe between a server and its log-producer process: length-prefixed frames, written from the
 server's thread without blocking (``PipeWriter``) and emptied in the producer process by a thread of its
 own (``FrameReader``). Why each end works the way it does is in its docstring: both were shaped by
-measurements of the gateway's response-time tail (docs/benchmarks.md, "Gateway overhead")."""
+measurements of the gateway's response-time tail (docs/history/benchmarks-2026-12.md, "Gateway overhead")."""
 
 from __future__ import annotations
 

@@ -310,7 +310,7 @@ def background_priority() -> bool:
     anyway), while every wake-up of its threads (the pipe reader's poll, kafka-python's network thread on a
     broker's answer) could land on the CPU of the server's event loop and preempt it: with logging on, the
     gateway's event loop was runnable but off its CPU for 37-93 ms per 8 s phase against 0.3 ms with
-    logging off, and a few such stalls make the latency p99 (docs/benchmarks.md, "Gateway overhead").
+    logging off, and a few such stalls make the latency p99 (docs/history/benchmarks-2026-12.md, "Gateway overhead").
     Returns whether the policy was set."""
     if not hasattr(os, "sched_setscheduler"):
         return False

@@ -48,7 +48,7 @@
 #          model trained on the arithmetic task for LOOP_SECONDS (default 120) with the exact-match reward and
 #          with the judge's only (`streamrl up --demo --demo-reward exact|judge`), held-out accuracy per version;
 #          JUDGE_RUNS (default "throughput exact judge") picks the parts; a 4,096 context (the exact run of
-#          session 11 had 2,048: the policy's requests are far below either, the judge's groups of 16 are not)
+#          2026-12-01 had 2,048: the policy's requests are far below either, the judge's groups of 16 are not)
 set -uo pipefail
 stash=${1:?STASH}; out=${2:?OUT}; shift 2
 repo=$(cd "$(dirname "$0")/../.." && pwd)
