@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import threading
+from pathlib import Path
 
 from streamrl.child import stop_on_signals
 from streamrl.config_flags import add_config_flags, given
@@ -17,6 +18,7 @@ from streamrl.usage import (
     as_usage_error,
     check_bootstrap_servers,
     check_dir,
+    check_file,
     check_model,
     check_port_free,
 )
@@ -55,6 +57,8 @@ def preflight(config: TrainerConfig) -> None:
     if not config.model:
         raise UsageError("--model is required (the base model's checkpoint directory, as vLLM serves it)")
     check_model(config.model)
+    if config.init_adapter:
+        check_file(Path(config.init_adapter) / "adapter_model.safetensors", "--init-adapter")
     if config.replay:
         check_dir(config.replay, "--replay")
     else:

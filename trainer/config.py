@@ -122,6 +122,10 @@ class TrainerConfig:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     target_modules: tuple[str, ...] = field(default=DEFAULT_TARGETS)
+    init_adapter: str = ""
+    """Start the LoRA weights from this adapter directory (e.g. ``streamrl sft --out DIR``, or a published
+    version) instead of zero, when there is no checkpoint yet (a checkpoint's weights win: a restart resumes).
+    Its rank and target modules must match ``lora_rank`` and ``target_modules``."""
 
     # divergence (trainer/divergence.py; docs/trainer.md, "Divergence", has the runs behind the defaults)
     divergence_kl: float = 3.5

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from .batch import TrainSequence
 from .config import TrainerConfig
-from .loss import grpo_loss
-from .model import packed_logprobs, trainable_parameters
+from .loss import grpo_loss, sft_loss
+from .model import packed_logprobs, packed_predictions, trainable_parameters
 from .packing import deal, pack, sampled_tokens
 
 TOTALS = ("loss", "sampled_tokens", "ratio_sum", "truncated", "kl_behaviour_sum", "kl_ref_sum", "tokens")
@@ -54,7 +55,12 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, betas=config.adam_betas,
                                            weight_decay=config.weight_decay)
 
-    def step(self, sequences: list[TrainSequence]) -> StepStats:
+    def step(self, sequences: list[TrainSequence], loss: Literal["grpo", "sft"] = "grpo") -> StepStats:
+        """One optimizer step. ``loss="sft"`` (``streamrl sft``): the same packing, accumulation and optimizer
+        with the NLL of the masked tokens (``sft_loss``) instead of GRPO's; no sampler, so the ratio and KL
+        statistics stay 0 and ``kl_coef`` does not apply."""
+        if loss not in ("grpo", "sft"):
+            raise ValueError(f"unknown loss {loss!r}")
         c = self.config
         start = time.perf_counter()
         world, rank = _world()
@@ -72,6 +78,12 @@ class Learner:
             logp = packed_logprobs(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
                                    temperatures=temps, chunk=c.logit_chunk_tokens,
                                    recompute=c.recompute_logits, compiled_head=bool(c.compile))
+            if loss == "sft":
+                value, st = sft_loss(logp, mb.sequence_index, normalize=c.normalize, total_tokens=total_tokens,
+                                     total_sequences=len(sequences))
+                value.backward()
+                sums += torch.tensor([value.item(), st.tokens, 0, 0, 0, 0, mb.real_tokens], dtype=torch.float64)
+                continue
             ref = None
             if c.kl_coef:
                 with torch.no_grad(), self.model.disable_adapter():
@@ -105,3 +117,23 @@ class Learner:
             truncated_frac=t["truncated"] / k, kl_behaviour=t["kl_behaviour_sum"] / k, kl_ref=t["kl_ref_sum"] / k,
             grad_norm=float(grad_norm), seconds=time.perf_counter() - start,
         )
+
+    @torch.no_grad()
+    def evaluate(self, sequences: list[TrainSequence]) -> tuple[float, float, int]:
+        """Held-out (token-mean NLL, token accuracy, target tokens) of ``sequences``, packed as a step is;
+        all of them in this process (SFT runs single-process)."""
+        c = self.config
+        was_training = self.model.training
+        self.model.eval()  # no LoRA dropout while measuring
+        nll, hits, n = 0.0, 0, 0
+        try:
+            for mb in pack(sequences, c.micro_batch_tokens, c.row_tokens):
+                mb = mb.to(self.device)
+                logp, correct = packed_predictions(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
+                                                   chunk=c.logit_chunk_tokens)
+                nll -= float(logp.sum())
+                hits += int(correct.sum())
+                n += int(logp.numel())
+        finally:
+            self.model.train(was_training)
+        return nll / max(n, 1), hits / max(n, 1), n

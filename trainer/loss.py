@@ -23,6 +23,10 @@ the denominators are those of the whole optimizer step, passed in by the caller)
 
 * ``token``: ``sum_t l_t / N_tokens`` — every sampled token weighs the same (long answers weigh more);
 * ``sequence``: ``sum_s (sum_{t in s} l_t / |s|) / N_sequences`` — every sequence weighs the same.
+
+The SFT loss (``sft_loss``, ``streamrl sft``) is the second loss the learner takes a step with: the negative
+log-likelihood ``l_t = -logp_t`` of the target tokens (the assistant's, or a logged call's completion),
+normalised the same two ways. No advantage, no ratio: the targets are demonstrations, not samples.
 """
 
 from __future__ import annotations
@@ -112,6 +116,36 @@ def grpo_loss(
             kl_behaviour_sum=float(kl_behaviour_k3(log_ratio).sum()),
         )
     return loss, stats
+
+
+def sft_loss(
+    logprobs: torch.Tensor,
+    sequence_index: torch.Tensor,
+    *,
+    normalize: Literal["token", "sequence"] = "token",
+    total_tokens: int | None = None,
+    total_sequences: int | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """Negative log-likelihood of the target tokens of one micro-batch (flat 1-D, one entry per target).
+
+    ``logprobs`` holds only the masked (trained) tokens, so the gradient reaches nothing else.
+    ``normalize``: ``token`` (default) divides the sum by ``total_tokens`` (the step's target count, so
+    gradient accumulation over micro-batches equals one big batch: a token-mean); ``sequence`` averages
+    within each sequence first, then over ``total_sequences``. The stats' ratio fields are 0 (no sampler).
+    """
+    nll = -logprobs.float()
+    n_tokens = int(nll.numel())
+    if normalize == "token":
+        loss = nll.sum() / (total_tokens or max(n_tokens, 1))
+    elif normalize == "sequence":
+        seq = sequence_index.to(nll.device).long()
+        n_seq = int(seq.max()) + 1 if n_tokens else 0
+        sums = torch.zeros(n_seq, device=nll.device).index_add(0, seq, nll)
+        lengths = torch.zeros(n_seq, device=nll.device).index_add(0, seq, torch.ones_like(nll))
+        loss = (sums / lengths.clamp(min=1)).sum() / (total_sequences or max(n_seq, 1))
+    else:
+        raise ValueError(f"unknown normalize {normalize!r}")
+    return loss, LossStats(tokens=n_tokens, ratio_sum=0.0, truncated=0, kl_ref_sum=0.0, kl_behaviour_sum=0.0)
 
 
 def kl_behaviour_k3(log_ratio: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,42 @@ def load_policy(config: TrainerConfig, device: torch.device) -> PeftModel:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, attn_implementation=config.attn_implementation)
-    return attach_lora(base.to(device), config)
+    model = attach_lora(base.to(device), config)
+    if config.init_adapter:
+        load_adapter_weights(model, config.init_adapter)
+    return model
+
+
+def load_adapter_weights(model: PeftModel, directory: str) -> None:
+    """Set the LoRA weights from a saved peft adapter (``init_adapter``). Its ``lora_B`` are rescaled from
+    the saved scaling (``lora_alpha / r``; 1 in what ``publish.py`` writes, which folds it into ``lora_B``)
+    to this model's, so the adapter computes the same function under the trainer's ``lora_alpha``."""
+    import json
+    import math
+    from pathlib import Path
+
+    from peft import set_peft_model_state_dict
+    from peft.tuners.lora import LoraLayer
+    from safetensors.torch import load_file
+
+    path = Path(directory)
+    saved = json.loads((path / "adapter_config.json").read_text())
+    ours = model.peft_config[model.active_adapter]
+    if saved.get("r") != ours.r:
+        raise ValueError(f"init_adapter {path}: rank {saved.get('r')}, but lora_rank is {ours.r}")
+    saved_scale = saved["lora_alpha"] / (math.sqrt(saved["r"]) if saved.get("use_rslora") else saved["r"])
+    scales = {name: float(m.scaling[model.active_adapter]) for name, m in model.named_modules()
+              if isinstance(m, LoraLayer) and model.active_adapter in m.scaling}
+    weights = {}
+    for key, value in load_file(path / "adapter_model.safetensors").items():
+        if ".lora_B." in key:
+            value = value.float() * saved_scale / scales[key.split(".lora_B.")[0]]
+        weights[key] = value.float()
+    result = set_peft_model_state_dict(model, weights)
+    lora_missing = [k for k in result.missing_keys if "lora_" in k]
+    if result.unexpected_keys or lora_missing:
+        raise ValueError(f"init_adapter {path}: its modules do not match target_modules "
+                         f"(unexpected {result.unexpected_keys[:3]}, missing {lora_missing[:3]})")
 
 
 def attach_lora(base: torch.nn.Module, config: TrainerConfig) -> PeftModel:
@@ -131,3 +166,27 @@ def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: tor
         else:
             parts.append(head(hs, weight, ts, temps))
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
+@torch.no_grad()
+def packed_predictions(model: PeftModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                       target_positions: torch.Tensor, *, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluation's view of the targets (see ``packed_logprobs`` for the layout): each target's logprob and
+    whether it is the model's most likely token (token accuracy, which needs the whole vocabulary's logits,
+    so it is not folded into the training path). No gradient; ``chunk`` targets' logits at a time."""
+    causal_lm = model.get_base_model()
+    weight = causal_lm.get_output_embeddings().weight
+    mixed = weight.dtype == torch.bfloat16
+    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
+        hidden = causal_lm.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, target_positions - 1)
+    targets = input_ids.reshape(-1).index_select(0, target_positions)
+    logps, hits = [], []
+    for i in range(0, h.shape[0], chunk):
+        logits = torch.nn.functional.linear(h[i:i + chunk], weight).float()
+        ts = targets[i:i + chunk]
+        logps.append(torch.log_softmax(logits, -1).gather(-1, ts[:, None]).squeeze(-1))
+        hits.append(logits.argmax(-1) == ts)
+    if not logps:
+        return h.new_zeros(0, dtype=torch.float32), torch.zeros(0, dtype=torch.bool, device=h.device)
+    return torch.cat(logps), torch.cat(hits)

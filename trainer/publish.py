@@ -81,18 +81,37 @@ def write_adapter(model: PeftModel, policy_dir: Path, version: int, meta: dict) 
     policy_dir.mkdir(parents=True, exist_ok=True)
     final = policy_dir / f"v{version}"
     tmp = policy_dir / f".tmp-v{version}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=serving_weights(model))
-    _unit_scaling_config(tmp)
-    (tmp / META_FILE).write_text(json.dumps({"version": version, **meta}))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    _save_serving(model, tmp, {"version": version, **meta})
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync_dir(policy_dir)
     return final, sha256_file(final / WEIGHTS_FILE)
+
+
+def _save_serving(model: PeftModel, tmp: Path, meta: dict) -> None:
+    """The serving adapter (``serving_weights``, unit scaling) and its meta file in ``tmp``, fsynced."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=serving_weights(model))
+    _unit_scaling_config(tmp)
+    (tmp / META_FILE).write_text(json.dumps(meta))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def write_adapter_files(model: PeftModel, directory: Path, meta: dict) -> str:
+    """The adapter's files written straight into ``directory`` (``streamrl sft --out DIR``, which also holds
+    a checkpoint, so the directory itself cannot be swapped): each file written aside and renamed over the
+    old one. Returns the sha256 of the weights."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".tmp-adapter-{os.getpid()}"
+    _save_serving(model, tmp, meta)
+    for f in sorted(tmp.iterdir(), key=lambda f: f.name == WEIGHTS_FILE):  # weights last: a reader who sees
+        os.replace(f, directory / f.name)  # the new weights sees their config too
+    tmp.rmdir()
+    _fsync_dir(directory)
+    return sha256_file(directory / WEIGHTS_FILE)
 
 
 def version_dirs(policy_dir: Path) -> dict[int, Path]:

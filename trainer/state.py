@@ -27,6 +27,7 @@ class TrainerState:
     version: int = 0
     step: int = 0
     offsets: dict[str, int] = field(default_factory=dict)
+    """Next offset per partition; for ``streamrl sft`` its position in the data: ``epoch`` and ``batch``."""
     pending: list[tuple[str, bytes]] = field(default_factory=list)
     done: list[str] = field(default_factory=list)
     policy: dict[str, Any] | None = None
