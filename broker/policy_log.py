@@ -79,13 +79,16 @@ def adapter_record(name: str, version: int, path: Path, base_model: str, *, step
                         step=step, sha256=sha256_file(Path(path) / WEIGHTS_FILE), metrics=metrics or {})
 
 
-def publish_version(bootstrap_servers: str, topics: Topics, name: str, version: int, path: Path,
+def publish_version(bootstrap_servers: str, topics: Topics, name: str, version: int | None, path: Path,
                     base_model: str, *, step: int = 0, metrics: dict[str, float] | None = None,
-                    security: KafkaSecurity = PLAINTEXT, publisher: str | None = None) -> PolicyRecord:
-    """Publish one adapter directory as ``name`` version ``version`` and wait for the ack (one-off: a
-    caller publishing often keeps a ``PolicyLog``)."""
-    log = PolicyLog(bootstrap_servers, topics, security=security, publisher=publisher)
+                    security: KafkaSecurity = PLAINTEXT, publisher: str | None = None,
+                    client_id: str = "streamrl") -> PolicyRecord:
+    """Publish one adapter directory as ``name`` version ``version`` (None: one past the newest on the topic)
+    and wait for the ack (one-off: a caller publishing often keeps a ``PolicyLog``)."""
+    log = PolicyLog(bootstrap_servers, topics, client_id, security=security, publisher=publisher)
     try:
+        if version is None:
+            version = log.last_version(name) + 1
         return log.publish(adapter_record(name, version, path, base_model, step=step, metrics=metrics))
     finally:
         log.close()

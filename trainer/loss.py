@@ -96,16 +96,7 @@ def grpo_loss(
         kl_ref_sum = float(kl.detach().sum())
 
     n_tokens = int(logprobs.numel())
-    if normalize == "token":
-        loss = per_token.sum() / (total_tokens or max(n_tokens, 1))
-    elif normalize == "sequence":
-        seq = sequence_index.to(logprobs.device).long()
-        n_seq = int(seq.max()) + 1 if n_tokens else 0
-        sums = torch.zeros(n_seq, device=logprobs.device).index_add(0, seq, per_token)
-        lengths = torch.zeros(n_seq, device=logprobs.device).index_add(0, seq, torch.ones_like(per_token))
-        loss = (sums / lengths.clamp(min=1)).sum() / (total_sequences or max(n_seq, 1))
-    else:
-        raise ValueError(f"unknown normalize {normalize!r}")
+    loss = reduce_tokens(per_token, sequence_index, normalize, total_tokens, total_sequences)
 
     with torch.no_grad():
         stats = LossStats(
@@ -116,6 +107,23 @@ def grpo_loss(
             kl_behaviour_sum=float(kl_behaviour_k3(log_ratio).sum()),
         )
     return loss, stats
+
+
+def reduce_tokens(per_token: torch.Tensor, sequence_index: torch.Tensor, normalize: Literal["token", "sequence"],
+                  total_tokens: int | None, total_sequences: int | None) -> torch.Tensor:
+    """A micro-batch's per-token losses reduced as both losses reduce them: ``token`` divides the sum by the
+    step's ``total_tokens``, ``sequence`` averages within each sequence, then divides by ``total_sequences``
+    (the step's totals, so that gradient accumulation equals one big batch; the micro-batch's own when None)."""
+    n_tokens = int(per_token.numel())
+    if normalize == "token":
+        return per_token.sum() / (total_tokens or max(n_tokens, 1))
+    if normalize == "sequence":
+        seq = sequence_index.to(per_token.device).long()
+        n_seq = int(seq.max()) + 1 if n_tokens else 0
+        sums = torch.zeros(n_seq, device=per_token.device).index_add(0, seq, per_token)
+        lengths = torch.zeros(n_seq, device=per_token.device).index_add(0, seq, torch.ones_like(per_token))
+        return (sums / lengths.clamp(min=1)).sum() / (total_sequences or max(n_seq, 1))
+    raise ValueError(f"unknown normalize {normalize!r}")
 
 
 def sft_loss(
@@ -134,18 +142,8 @@ def sft_loss(
     within each sequence first, then over ``total_sequences``. The stats' ratio fields are 0 (no sampler).
     """
     nll = -logprobs.float()
-    n_tokens = int(nll.numel())
-    if normalize == "token":
-        loss = nll.sum() / (total_tokens or max(n_tokens, 1))
-    elif normalize == "sequence":
-        seq = sequence_index.to(nll.device).long()
-        n_seq = int(seq.max()) + 1 if n_tokens else 0
-        sums = torch.zeros(n_seq, device=nll.device).index_add(0, seq, nll)
-        lengths = torch.zeros(n_seq, device=nll.device).index_add(0, seq, torch.ones_like(nll))
-        loss = (sums / lengths.clamp(min=1)).sum() / (total_sequences or max(n_seq, 1))
-    else:
-        raise ValueError(f"unknown normalize {normalize!r}")
-    return loss, LossStats(tokens=n_tokens, ratio_sum=0.0, truncated=0, kl_ref_sum=0.0, kl_behaviour_sum=0.0)
+    loss = reduce_tokens(nll, sequence_index, normalize, total_tokens, total_sequences)
+    return loss, LossStats(tokens=int(nll.numel()), ratio_sum=0.0, truncated=0, kl_ref_sum=0.0, kl_behaviour_sum=0.0)
 
 
 def kl_behaviour_k3(log_ratio: torch.Tensor) -> torch.Tensor:

@@ -251,17 +251,12 @@ def run_sft(sft: SftConfig, c: TrainerConfig) -> dict:
 
 def publish(adapter: Path, c: TrainerConfig, publisher: str, step: int, summary: dict) -> dict:
     """The adapter as the next version of ``c.name`` on the policy topic (``streamrl publish``'s way)."""
-    from streamrl.broker.policy_log import PolicyLog, adapter_record
+    from streamrl.broker.policy_log import publish_version
     from streamrl.broker.topics import Topics
 
-    policy_log = PolicyLog(c.bootstrap_servers, Topics(c.topic_prefix), client_id="streamrl-sft",
-                           security=c.kafka, publisher=publisher)
-    try:
-        version = policy_log.last_version(c.name) + 1
-        metrics = {k: float(summary[k]) for k in ("eval_loss", "eval_accuracy", "loss") if k in summary}
-        record = policy_log.publish(adapter_record(c.name, version, adapter, c.model, step=step, metrics=metrics))
-    finally:
-        policy_log.close()
+    metrics = {k: float(summary[k]) for k in ("eval_loss", "eval_accuracy", "loss") if k in summary}
+    record = publish_version(c.bootstrap_servers, Topics(c.topic_prefix), c.name, None, adapter, c.model, step=step,
+                             metrics=metrics, security=c.kafka, publisher=publisher, client_id="streamrl-sft")
     return {"name": record.name, "version": record.version, "path": record.path, "sha256": record.sha256}
 
 

@@ -23,31 +23,13 @@ import torch
 from kafka import KafkaConsumer, TopicPartition
 from safetensors.torch import load_file
 from support.kafka_reader import produce
-from support.trainer_records import GROUP_SIZE, group_records, new_topics
+from support.trainer_records import GROUP_SIZE, group_records, new_topics, policy_records
 
 from streamrl.broker.embedded import free_port
-from streamrl.broker.schema import PolicyRecord, decode
 from streamrl.broker.topics import Topics
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.daemon import cpu_threads, run_trainer
 from streamrl.trainer.state import load_state
-
-
-def policy_records(bootstrap: str, topics: Topics) -> list[PolicyRecord]:
-    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None)
-    tp = TopicPartition(topics.policy, 0)
-    c.assign([tp])
-    c.seek_to_beginning(tp)
-    end = c.end_offsets([tp])[tp]
-    out = []
-    while True:  # to the end offset, then until an empty poll (tansu under-reports multi-record batches)
-        polled = c.poll(timeout_ms=300)
-        for records in polled.values():
-            out += [decode(r.value) for r in records]
-        if not polled and c.position(tp) >= end:
-            break
-    c.close()
-    return out
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:

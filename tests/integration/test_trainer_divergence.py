@@ -14,10 +14,10 @@ import pytest
 import torch
 from kafka import KafkaConsumer, TopicPartition
 from support.kafka_reader import produce
-from support.trainer_records import one_partition_topics
+from support.trainer_records import one_partition_topics, policy_records
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
-from streamrl.broker.schema import CompletionRecord, PolicyRecord, RewardRecord, decode
+from streamrl.broker.schema import CompletionRecord, RewardRecord
 from streamrl.broker.topics import Topics
 from streamrl.producers.demo_model import build_demo_model
 from streamrl.trainer.config import TrainerConfig
@@ -66,23 +66,6 @@ def samples(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
                                      group_size=GROUP_SIZE)]
     return model_dir, records
 
-
-def policy_records(bootstrap: str, topics: Topics) -> list[PolicyRecord]:
-    """Every record on the policy topic: to the end offset, then until an empty poll (tansu under-reports)."""
-    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None)
-    tp = TopicPartition(topics.policy, 0)
-    c.assign([tp])
-    c.seek_to_beginning(tp)
-    end = c.end_offsets([tp])[tp]
-    out = []
-    while True:
-        polled = c.poll(timeout_ms=300)
-        for records in polled.values():
-            out += [decode(r.value) for r in records]
-        if not polled and c.position(tp) >= end:
-            break
-    c.close()
-    return out
 
 
 def train(samples: tuple[Path, list], broker: EmbeddedBroker, root: Path, **cfg) -> tuple[int, TrainerConfig, Topics]:

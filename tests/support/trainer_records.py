@@ -6,8 +6,9 @@ from __future__ import annotations
 import uuid
 
 import numpy as np
+from kafka import KafkaConsumer, TopicPartition
 
-from streamrl.broker.schema import CompletionRecord, RewardRecord
+from streamrl.broker.schema import CompletionRecord, PolicyRecord, RewardRecord, decode
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.feed import SKIP_MARGIN_S, StreamGroups
@@ -76,3 +77,22 @@ def open_feed(bootstrap: str, topics: Topics, start=None, restore=(), done=(), p
     config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, **cfg)
     return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", start), config,
                         restore=restore, done=done, published=published, skip_margin_s=skip_margin_s)
+
+
+def policy_records(bootstrap: str, topics: Topics) -> list[PolicyRecord]:
+    """Every record on the policy topic: to the end offset, then until an empty poll (tansu under-reports
+    multi-record batches)."""
+    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None)
+    tp = TopicPartition(topics.policy, 0)
+    c.assign([tp])
+    c.seek_to_beginning(tp)
+    end = c.end_offsets([tp])[tp]
+    out = []
+    while True:
+        polled = c.poll(timeout_ms=300)
+        for records in polled.values():
+            out += [decode(r.value) for r in records]
+        if not polled and c.position(tp) >= end:
+            break
+    c.close()
+    return out
