@@ -132,7 +132,7 @@ class TrainerConfig:
     """Diverging when KL(behaviour || current), nats per sampled token, averaged over ``divergence_window``
     steps exceeds this (healthy demo runs: at most 3.0; runs at a learning rate 10-50x too high: 3.6-5.6;
     0: no KL check)."""
-    divergence_ratio_low: float = 0.7
+    divergence_ratio_low: float = 0.5
     """Diverging when the mean importance ratio of the sampled tokens, averaged over ``divergence_window``
     steps, falls below this (healthy: 0.78 or more; diverged: 0.61-0.64; 0: no check)."""
     divergence_clipped: float = 0.3

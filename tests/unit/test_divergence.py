@@ -101,10 +101,10 @@ def test_the_diverged_real_model_fires_once_two_steps_are_off() -> None:
     assert [v.diverging for v in verdicts] == [False, False, False, True, True, True]
     v = verdicts[3]
     assert v.cause == "learning_rate"
-    assert v.crossed == ("KL(behaviour||current) 5.6 > 3.5 nats/token", "mean importance ratio 0.61 < 0.7")
+    assert v.crossed == ("KL(behaviour||current) 5.6 > 3.5 nats/token",)
     for text in ("over the last 2 steps", "this step: KL 8.8 nats/token, mean ratio 0.59",
                  "staleness 1.0 mean / 1 max of max_lag 4",
-                 "thresholds on the mean of 2 steps: KL > 3.5, ratio < 0.7, clipped > 0.3",
+                 "thresholds on the mean of 2 steps: KL > 3.5, ratio < 0.5, clipped > 0.3",
                  "learning_rate = 0.02 is too high for this model", "lower it, e.g. to 0.002"):
         assert text in v.message, text
 
@@ -112,7 +112,7 @@ def test_the_diverged_real_model_fires_once_two_steps_are_off() -> None:
 def test_the_diverged_demo_runs_fire_at_once() -> None:
     assert diverging_steps(DIVERGED_DEMO[0]) == [4], "the staleness-0 step between did not dilute the window"
     assert diverging_steps(DIVERGED_DEMO[1]) == [3]
-    assert diverging_steps(DIVERGED_DEMO[2]) == [3, 4]
+    assert diverging_steps(DIVERGED_DEMO[2]) == [3]  # KL over the first window; its ratio mean (0.64) is above the 0.5 threshold
 
 
 def test_one_noisy_step_does_not_fire_two_do_and_the_window_is_a_setting() -> None:
@@ -155,7 +155,7 @@ def test_the_cause_follows_the_staleness() -> None:
 
 def test_thresholds_are_config_fields_checked_at_start() -> None:
     c = TrainerConfig.load(None, divergence_kl=5.0, divergence_window=3, stop_on_divergence=True)
-    assert c.divergence == DivergenceThresholds(kl=5.0, ratio_low=0.7, clipped=0.3, window=3)
+    assert c.divergence == DivergenceThresholds(kl=5.0, ratio_low=0.5, clipped=0.3, window=3)
     assert c.stop_on_divergence and not TrainerConfig().stop_on_divergence
     assert TrainerConfig(is_mode="ppo_clip").divergence.clipped == 0.0, "its clipped share is no signal"
     assert "clipped" not in TrainerConfig(is_mode="ppo_clip").divergence.describe()
