@@ -202,7 +202,8 @@ def serve_stub(port: int) -> None:
             while box.reader is claim:
                 if not box.frames:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(box.ready.wait(), HEARTBEAT_S)
+                        async with asyncio.timeout(HEARTBEAT_S):
+                            await box.ready.wait()
                 await resp.write(box.take() if box.frames else frame(HEARTBEAT, b""))
         return resp
 

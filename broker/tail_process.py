@@ -111,7 +111,8 @@ class TailProcess:
         future = self._writes[write_id] = asyncio.get_running_loop().create_future()
         try:
             self._send("write", write_id, topic, key, value)
-            return await asyncio.wait_for(future, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await future
         finally:
             self._writes.pop(write_id, None)
 

@@ -222,7 +222,8 @@ class Dashboard:
         if self.seq == seq:
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self._changed.wait()
         return self.seq
 
     # -- what a viewer fetches -----------------------------------------------------------------------

@@ -111,7 +111,8 @@ class PolicyFollower:
         self._spawn(self._reconcile())
         self._spawn(self._heartbeat())
         try:
-            await asyncio.wait_for(self.caught_up.wait(), catch_up_timeout_s)
+            async with asyncio.timeout(catch_up_timeout_s):
+                await self.caught_up.wait()
         except TimeoutError:
             log.warning("policy topic %s not caught up after %.0fs; serving on", self.topic, catch_up_timeout_s)
 
@@ -119,12 +120,19 @@ class PolicyFollower:
         await self.coordination.start(self._state())
         self._on_coordination()
 
-    async def stop(self) -> None:
-        for task in list(self._tasks):
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Cancel the loops and wait for them, bounded: a loop that failed to end must not keep the gateway
+        (and the records its producer holds) from stopping."""
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            for task in done:  # retrieved: what a loop raised was logged where it happened
+                if not task.cancelled():
+                    task.exception()
+            for task in pending:
+                log.error("hot-swap task %s did not end within %.0fs of its cancellation", task.get_coro(), timeout_s)
         leaving = self._state()
         leaving.leaving = True
         await self.coordination.stop(leaving if self.coordination.ready else None)
@@ -412,7 +420,8 @@ class PolicyFollower:
         replicas of each loaded version in its state as they are."""
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reconcile_now.wait(), self.config.load_retry_s)
+                async with asyncio.timeout(self.config.load_retry_s):
+                    await self._reconcile_now.wait()
             self._reconcile_now.clear()
             routed = self.router.routed
             if not self.leading or not self._led.is_set() or routed is None:

@@ -80,7 +80,8 @@ async def post_rewards(request: Request, delivery: Delivery | None, topic: str, 
     futures = await asyncio.get_running_loop().run_in_executor(None, functools.partial(delivery.put_many, values,
                                                                                        durable=True))
     try:
-        await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     except NotDurable as exc:
         return error_response(503, f"rewards not stored durably ({exc}); send them again")
     except TimeoutError:

@@ -91,7 +91,8 @@ class Evaluator:
                 if stop.is_set():
                     return self.results
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), poll_s)
+                    async with asyncio.timeout(poll_s):
+                        await stop.wait()
 
     async def evaluate(self, client: httpx.AsyncClient, version: int) -> EvalResult:
         model = self.policy_name if version == 0 else f"{self.policy_name}@v{version}"

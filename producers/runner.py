@@ -172,7 +172,8 @@ class VersionWatch:
                 if self.on_change is not None:
                     self.on_change()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), self.poll_s)
+                async with asyncio.timeout(self.poll_s):
+                    await done.wait()
 
 
 @dataclass
@@ -213,7 +214,8 @@ class Pacer:
                 self.last_grant = time.monotonic()
                 return True
             with contextlib.suppress(TimeoutError):  # bounded, so that ``done`` is seen too
-                await asyncio.wait_for(self._kicked.wait(), min(self.stall_s - stalled_for, 0.5) + 1e-3)
+                async with asyncio.timeout(min(self.stall_s - stalled_for, 0.5) + 1e-3):
+                    await self._kicked.wait()
         return False
 
     def kick(self) -> None:

@@ -148,16 +148,19 @@ def test_pacer_holds_generation_to_the_step_and_refunds_unusable_groups() -> Non
         finished, _ = await asyncio.wait({third}, timeout=0.3)
         assert not finished  # the step's two groups are out; nothing more during training
         pacer.refund()
-        assert await asyncio.wait_for(third, 5)
+        async with asyncio.timeout(5):
+            assert await third
         fourth = asyncio.create_task(pacer.acquire(version, done))
         finished, _ = await asyncio.wait({fourth}, timeout=0.3)
         assert not finished
         served = 1  # the next version (the version watch kicks the pacer): the next step's groups
         pacer.kick()
-        assert await asyncio.wait_for(fourth, 5)
+        async with asyncio.timeout(5):
+            assert await fourth
         assert await pacer.acquire(version, done)
         last = asyncio.create_task(pacer.acquire(version, done))
         done.set()
-        assert await asyncio.wait_for(last, 5) is False  # the run ended while it waited
+        async with asyncio.timeout(5):
+            assert await last is False  # the run ended while it waited
 
     asyncio.run(main())
