@@ -45,6 +45,10 @@ counting) instead of guessing, so a consumer can count and skip it. Version hist
   (``unknown_kind``), so old trainers skip it.
 * gateway state v1 (kind 5, topic ``gateways``): the first version. Only gateways read it (the
   coordination of several gateways, ``gateway/coordination.py``); any other reader refuses the kind.
+* gateway state v2: ``joined_offset`` instead of ``started_at`` and ``at``: the leader is the live gateway
+  that joined the log first, and liveness is judged by when the reader received a state, so no host's
+  clock is compared with another's. A v1 state reads as a gateway that joined at that state's offset; a
+  v1 gateway refuses v2 states (upgrade every gateway of a fleet together).
 """
 
 from __future__ import annotations
@@ -66,10 +70,10 @@ KIND_REWARD = 2
 KIND_POLICY = 3
 KIND_JUDGE_REQUEST = 4
 KIND_GATEWAY_STATE = 5
-SCHEMA_VERSIONS = {KIND_COMPLETION: 3, KIND_REWARD: 3, KIND_POLICY: 2, KIND_JUDGE_REQUEST: 1, KIND_GATEWAY_STATE: 1}
+SCHEMA_VERSIONS = {KIND_COMPLETION: 3, KIND_REWARD: 3, KIND_POLICY: 2, KIND_JUDGE_REQUEST: 1, KIND_GATEWAY_STATE: 2}
 """The version each kind is written in."""
 READABLE_VERSIONS = {KIND_COMPLETION: (1, 2, 3), KIND_REWARD: (1, 2, 3), KIND_POLICY: (1, 2),
-                     KIND_JUDGE_REQUEST: (1,), KIND_GATEWAY_STATE: (1,)}
+                     KIND_JUDGE_REQUEST: (1,), KIND_GATEWAY_STATE: (1, 2)}
 """The versions of each kind this module reads."""
 PURPOSES = ("train", "eval", "judge")
 """What a completion was generated for: only ``train`` completions are trained on (``eval``: held-out
@@ -234,8 +238,10 @@ class GatewayState:
     gateway_id: str
     policy_name: str
     """The policy name the gateway serves: gateways of other names on the same topics are ignored."""
-    started_at: float
-    """When the gateway process started: the oldest live one leads."""
+    joined_offset: int = -1
+    """The offset of the gateway's first state on the coordination topic once it has read it back; -1 in
+    that first state (whose own offset it is). The live gateway that joined first leads: an order every
+    reader of the log agrees on, no host's clock in it."""
     seen_offset: int = -1
     """The last offset of the coordination topic the gateway had read when it wrote this."""
     routed_version: int = 0
@@ -250,8 +256,6 @@ class GatewayState:
     it says so (a gateway just elected has not yet written what it took over)."""
     leaving: bool = False
     """Written once by a gateway stopping in order: it is not waited for (nor led by) any more."""
-    at: float = field(default_factory=time.time)
-    """When this state was written (a gateway silent for ``gateway_ttl_s`` is taken for dead)."""
 
 
 Record = CompletionRecord | RewardRecord | PolicyRecord | JudgeRequest | GatewayState
@@ -533,7 +537,7 @@ def _loaded(value: Any) -> tuple[LoadedVersion, ...]:
 
 def _offset(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-        raise RecordError("malformed", "seen_offset must be an int >= -1")
+        raise RecordError("malformed", "an offset must be an int >= -1")
     return value
 
 
@@ -551,8 +555,8 @@ def _flag(value: Any) -> bool:
 
 _GATEWAY_STATE_READERS: dict[str, Any] = {
     "gateway_id": lambda v: check_id(v, "gateway_id"), "policy_name": lambda v: check_id(v, "policy_name"),
-    "started_at": _time, "seen_offset": _offset, "routed_version": _policy_version, "in_use": _versions,
-    "loaded": _loaded, "retiring": _versions, "leader": _flag, "leaving": _flag, "at": _time,
+    "joined_offset": _offset, "seen_offset": _offset, "routed_version": _policy_version, "in_use": _versions,
+    "loaded": _loaded, "retiring": _versions, "leader": _flag, "leaving": _flag,
 }
 
 for _cls, _readers in ((CompletionRecord, _COMPLETION_READERS), (PolicyRecord, _POLICY_READERS),

@@ -129,7 +129,7 @@ class Gateway:
             self.tails = TailProcess(c.bootstrap_servers, security=c.kafka,
                                      client_id=f"streamrl-gateway-{self.gateway_id}")
             await self.tails.start()
-            coordination = Coordination(c, self.topics, self.tails, self.gateway_id, self.started_at)
+            coordination = Coordination(c, self.topics, self.tails, self.gateway_id)
             self.follower = PolicyFollower(c, self.pool, self.router, self.session, self.topics.policy,
                                            self.metrics, coordination, self.dashboard)
             await self.follower.start(c.policy_catch_up_s)

@@ -2,9 +2,18 @@
 
 Every gateway of one policy name writes its ``GatewayState`` to the one-partition topic
 ``<prefix>.gateways`` every ``heartbeat_s`` and reads everyone's, so every gateway sees the same states
-in the same order. A gateway is live while its latest state is younger than ``gateway_ttl_s`` (and not
-marked ``leaving``); the leader is the live gateway with the oldest ``started_at`` (ties: the smaller
-``gateway_id``), computed by each from the same log, no election round. What the states mean (who
+in the same order. No clock of one host is compared with another's:
+
+* Live: a gateway is live while this gateway received a state of it within the last ``gateway_ttl_s``
+  (its own monotonic clock) and that state is not marked ``leaving``.
+* Leader: the live gateway that joined the log first. A gateway's first state joins it (that record's
+  offset); once read back, every later state carries the offset as ``joined_offset``, so every reader,
+  however late it started reading, ranks the gateways alike, no election round. A gateway restarted
+  under the same id joins again, at the end.
+
+A gateway that starts reads the recent log at once, so a gateway that died just before looks live to it
+for up to ``gateway_ttl_s``; having joined last, it does not lead while any other looks live, so at worst
+the fleet's newest member waits that long before leading a fleet of one. What the states mean (who
 loads, who routes what, when a version may be unloaded) is ``hotswap.py``'s business; this module only
 keeps the log and the view.
 
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import time
@@ -41,10 +51,13 @@ def default_gateway_id(started_at: float) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Seen:
-    """A gateway's latest state and the offset it was read at."""
+    """A gateway's latest state, the offset it was read at, the offset the gateway joined at (the rank of
+    leadership) and when this gateway received it (``time.monotonic()``; liveness)."""
 
     state: GatewayState
     offset: int
+    joined: int
+    received: float
 
 
 class Coordination:
@@ -52,10 +65,11 @@ class Coordination:
     on the event loop after each batch of states read; ``applied_offset`` is the last offset whose state the
     callbacks have seen."""
 
-    def __init__(self, config: GatewayConfig, topics: Topics, tails: TailProcess, gateway_id: str,
-                 started_at: float) -> None:
+    def __init__(self, config: GatewayConfig, topics: Topics, tails: TailProcess, gateway_id: str) -> None:
         self.config, self.topics, self.topic, self.tails = config, topics, topics.gateways, tails
-        self.gateway_id, self.started_at = gateway_id, started_at
+        self.gateway_id = gateway_id
+        self.joined_offset = -1
+        """The offset of this gateway's first state, once read back (``ready``)."""
         self.seen: dict[str, Seen] = {}
         """The latest state of each gateway of this policy name, this one's included."""
         self.applied_offset = -1
@@ -89,6 +103,7 @@ class Coordination:
         if self.applied_offset >= offset:  # read back before the ack came
             self._own_back.set()
         await self._own_back.wait()
+        self.joined_offset = offset
         self.ready = True
 
     async def stop(self, last: GatewayState | None) -> None:
@@ -100,23 +115,29 @@ class Coordination:
                 log.warning("could not write the leaving state: %s", exc)
 
     async def write(self, state: GatewayState, timeout_s: float = 30.0) -> int:
-        """Send ``state`` and wait for its ack; returns its offset."""
-        state.at = time.time()
+        """Send ``state`` (stamped with this gateway's ``joined_offset``) and wait for its ack; returns its offset."""
+        state.joined_offset = self.joined_offset
         offset = await self.tails.write(self.topic, self.gateway_id.encode(), encode(state), timeout_s)
         self._own_offset = max(self._own_offset, offset)
         return offset
 
     # -- the view ------------------------------------------------------------------------------------
-    def live(self, now: float | None = None) -> list[GatewayState]:
-        """The live gateways' latest states (this one always counts as live)."""
-        now = time.time() if now is None else now
-        return [s.state for s in self.seen.values()
+    def _live(self, now: float) -> list[Seen]:
+        return [s for s in self.seen.values()
                 if s.state.gateway_id == self.gateway_id
-                or (not s.state.leaving and now - s.state.at <= self.config.gateway_ttl_s)]
+                or (not s.state.leaving and now - s.received <= self.config.gateway_ttl_s)]
+
+    def live(self, now: float | None = None) -> list[GatewayState]:
+        """The live gateways' latest states (this one always counts as live); ``now``: ``time.monotonic()``."""
+        return [s.state for s in self._live(time.monotonic() if now is None else now)]
 
     def leader(self, now: float | None = None) -> str:
-        ids = [(s.started_at, s.gateway_id) for s in self.live(now) if s.gateway_id != self.gateway_id]
-        return min([*ids, (self.started_at, self.gateway_id)])[1]
+        """The live gateway that joined first (ties, which one log cannot hold: the smaller id). This one
+        ranks last until it has joined."""
+        own = self.joined_offset if self.ready else math.inf
+        ranks = [(s.joined, s.state.gateway_id) for s in self._live(time.monotonic() if now is None else now)
+                 if s.state.gateway_id != self.gateway_id]
+        return min([*ranks, (own, self.gateway_id)])[1]
 
     @property
     def leading(self) -> bool:
@@ -127,7 +148,7 @@ class Coordination:
 
     def view(self) -> dict[str, object]:
         """For ``/health``: who this is, who leads, who is live."""
-        now = time.time()
+        now = time.monotonic()
         return {"gateway_id": self.gateway_id, "leader": self.leader(now),
                 "live": sorted(s.gateway_id for s in self.live(now)), "malformed_states": self.malformed}
 
@@ -146,9 +167,12 @@ class Coordination:
         self._apply(states, records[-1][0])
 
     def _apply(self, states: list[tuple[GatewayState, int]], last: int) -> None:
+        received = time.monotonic()
         for state, offset in states:
             if state.policy_name == self.config.policy_name:
-                self.seen[state.gateway_id] = Seen(state, offset)
+                # a first state (joined_offset -1) joins at its own offset; a restart under the same id joins anew
+                joined = state.joined_offset if state.joined_offset >= 0 else offset
+                self.seen[state.gateway_id] = Seen(state, offset, joined, received)
         self.applied_offset = max(self.applied_offset, last)
         if self._own_offset >= 0 and self.applied_offset >= self._own_offset:
             self._own_back.set()

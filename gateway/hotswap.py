@@ -178,7 +178,7 @@ class PolicyFollower:
 
     def _state(self) -> GatewayState:
         c = self.coordination
-        return GatewayState(gateway_id=c.gateway_id, policy_name=self.router.name, started_at=c.started_at,
+        return GatewayState(gateway_id=c.gateway_id, policy_name=self.router.name, joined_offset=c.joined_offset,
                             seen_offset=c.applied_offset, routed_version=self.router.version, in_use=self.in_use(),
                             loaded=tuple(self.loaded[v] for v in sorted(self.loaded)) if self.leading else (),
                             retiring=tuple(sorted(self.retiring)) if self.leading else (), leader=self.leading)

@@ -183,18 +183,21 @@ def test_a_judge_request_is_a_kind_of_its_own_and_purpose_judge_reads_back() -> 
 
 
 def test_gateway_state_round_trips_and_a_malformed_one_is_refused() -> None:
-    state = schema.GatewayState("gw-1", "policy", 1.5, seen_offset=41, routed_version=3, in_use=(2, 3),
+    state = schema.GatewayState("gw-1", "policy", joined_offset=7, seen_offset=41, routed_version=3, in_use=(2, 3),
                                 loaded=(schema.LoadedVersion(2, ("http://a", "http://b")),
                                         schema.LoadedVersion(3, ("http://a",))),
                                 retiring=(1,), leader=True)
     raw = encode(state)
-    assert (raw[3], raw[4]) == (schema.KIND_GATEWAY_STATE, 1) and decode(raw) == state
+    assert (raw[3], raw[4]) == (schema.KIND_GATEWAY_STATE, 2) and decode(raw) == state
     header = orjson.loads(raw[9:9 + struct.unpack_from("<3sBBI", raw)[3]])
     for field, bad in (("loaded", [{"version": 0, "replicas": []}]), ("loaded", [{"version": 2, "replicas": [1]}]),
                        ("in_use", [1.5]), ("seen_offset", -2), ("leader", 1), ("gateway_id", ""),
-                       ("started_at", float("inf"))):
+                       ("joined_offset", -2), ("joined_offset", 1.0)):
         with pytest.raises(RecordError):
             decode(schema._pack(schema.KIND_GATEWAY_STATE, {**header, field: bad}))
-    minimal = decode(schema._pack(schema.KIND_GATEWAY_STATE, {"gateway_id": "g", "policy_name": "p",
-                                                              "started_at": 1.0}))
+    minimal = decode(schema._pack(schema.KIND_GATEWAY_STATE, {"gateway_id": "g", "policy_name": "p"}))
     assert (minimal.loaded, minimal.in_use, minimal.leader, minimal.leaving) == ((), (), False, False)
+    # a v1 state (started_at and at, no joined_offset) reads as a gateway joining at that state's offset
+    v1 = orjson.dumps({"gateway_id": "g", "policy_name": "p", "started_at": 1.0, "at": 2.0, "routed_version": 3})
+    old = decode(struct.pack("<3sBBI", schema.MAGIC, schema.KIND_GATEWAY_STATE, 1, len(v1)) + v1)
+    assert (old.joined_offset, old.routed_version) == (-1, 3)
