@@ -3,7 +3,7 @@ to break it, against a real gateway in front of the real vLLM server and the rea
 a 5xx that vLLM itself does not give for the same request, every answer must be one the document declares,
 and the gateway must still serve afterwards.
 
-Bounded for the suite: ``max_tokens`` at most 4, a few short messages, 30 examples per route and mode."""
+Bounded for the suite: ``max_tokens`` at most 4, a few short messages, 20 examples per route and mode."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 
 TOPICS = Topics("fuzz")
-EXAMPLES = int(os.environ.get("STREAMRL_FUZZ_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("STREAMRL_FUZZ_EXAMPLES", "20"))
 EXPLORE = bool(os.environ.get("STREAMRL_FUZZ_EXPLORE"))
 """The suite runs the same examples every time (a finding must not be a flaky failure); set
 ``STREAMRL_FUZZ_EXPLORE=1`` (and more ``STREAMRL_FUZZ_EXAMPLES``) to look for new ones."""
