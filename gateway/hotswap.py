@@ -26,6 +26,9 @@ the leader's state says is loaded:
 
 An upstream that fails to load the routed version (or comes back empty after a restart) is retried by the
 leader and gets no policy requests until it has it.
+
+Every decision above that needs no I/O (what to route, load, retire, unload, sweep) is a pure function of
+``swap_plan.py``, which also draws a version's life; this class gathers the facts and does the I/O.
 """
 
 from __future__ import annotations
@@ -46,6 +49,16 @@ from .coordination import Coordination
 from .dashboard import Dashboard
 from .metrics import GatewayMetrics
 from .policy import PolicyRouter, VersionState
+from .swap_plan import (
+    EARLIER_LEADER,
+    NOT_WRITTEN,
+    Peer,
+    orphans,
+    version_to_load,
+    version_to_route,
+    versions_to_retire,
+    versions_to_unload,
+)
 from .trust import PolicyRejected, check_adapter, check_publisher
 from .upstreams import Upstream, UpstreamPool
 
@@ -225,7 +238,7 @@ class PolicyFollower:
             seen = self.coordination.state_of(self.coordination.leader())
             if seen is not None and seen.state.leader:
                 self.loaded = {lv.version: lv for lv in seen.state.loaded}
-                self.retiring = dict.fromkeys(seen.state.retiring, -1)
+                self.retiring = dict.fromkeys(seen.state.retiring, EARLIER_LEADER)
             self._route()
         else:
             self._check_retiring()
@@ -240,7 +253,7 @@ class PolicyFollower:
                    key=lambda s: s.offset, default=None)
         if last is not None:
             self.loaded = {lv.version: lv for lv in last.state.loaded}
-            self.retiring = dict.fromkeys(last.state.retiring)
+            self.retiring = dict.fromkeys(last.state.retiring, NOT_WRITTEN)
         await self.pool.check_all()  # what every upstream lists now
         for up in self.pool.upstreams:
             up.adapters = {self._served(v) for v in self.loaded if self._served(v) in up.models}
@@ -282,14 +295,10 @@ class PolicyFollower:
                     del self.router.versions[v]
             elif v in self.retiring:
                 state.unloading = True
-        healthy = {u.url for u in self.pool.upstreams if u.healthy}
-        for v in sorted(self.loaded, reverse=True):
-            state = self.router.versions.get(v)
-            if state is None or v in self.retiring or (healthy and not healthy & set(self.loaded[v].replicas)):
-                continue
-            if v != self.router.version:
-                self._switch(state)
-            break
+        v = version_to_route(self.loaded, self.retiring, self.router.versions,
+                             [u.url for u in self.pool.upstreams if u.healthy])
+        if v is not None and v != self.router.version:
+            self._switch(self.router.versions[v])
 
     def _switch(self, state: VersionState) -> None:
         now = time.time()
@@ -325,12 +334,8 @@ class PolicyFollower:
                 self.caught_up.set()
 
     async def _lead(self) -> None:
-        while True:
-            top = max(self.loaded, default=0)
-            wanted = [v for v in self.records if v > top and v not in self._refused]
-            if not wanted:
-                break
-            if not await self._swap_to(self.records[max(wanted)]) or not self._queue.empty():
+        while (v := version_to_load(self.records, self.loaded, self._refused)) is not None:
+            if not await self._swap_to(self.records[v]) or not self._queue.empty():
                 break
         if self._sweep_orphans and self._policy_caught_up:
             self._sweep_orphans = False
@@ -447,11 +452,10 @@ class PolicyFollower:
         routed = self.router.routed
         if routed is None or not self._led.is_set():
             return
-        previous = sorted((v for v in self.loaded if v < routed.record.version and v not in self.retiring),
-                          reverse=True)
-        retire = previous[self.config.keep_previous_versions:]
+        retire = versions_to_retire(self.loaded, self.retiring, routed.record.version,
+                                    self.config.keep_previous_versions)
         for v in retire:
-            self.retiring[v] = None
+            self.retiring[v] = NOT_WRITTEN
             state = self.router.versions.get(v)
             if state is not None:
                 state.unloading = True  # pinned requests stop resolving to it now
@@ -460,18 +464,12 @@ class PolicyFollower:
 
     def _check_retiring(self) -> None:
         """Unload each retiring version every live gateway has let go of."""
-        others = [s for s in self.coordination.live() if s.gateway_id != self.coordination.gateway_id]
-        for v, offset in list(self.retiring.items()):
-            if offset is None or v in self._unloading or v == self.router.version:
-                continue
-            mine = self.router.versions.get(v)
-            if mine is not None and mine.in_flight:
-                continue
-            if offset < 0:  # named by an earlier leader: wait for a state of this leader's naming it
-                continue
-            if all(s.seen_offset >= offset and v not in s.in_use for s in others):
-                self._unloading.add(v)
-                self._spawn(self._retire(v))
+        peers = [Peer(s.seen_offset, s.in_use) for s in self.coordination.live()
+                 if s.gateway_id != self.coordination.gateway_id]
+        in_flight = {v: s.in_flight for v, s in self.router.versions.items()}
+        for v in versions_to_unload(self.retiring, peers, in_flight, self.router.version, self._unloading):
+            self._unloading.add(v)
+            self._spawn(self._retire(v))
 
     async def _retire(self, version: int) -> None:
         state = self.router.versions.get(version) or (
@@ -505,12 +503,7 @@ class PolicyFollower:
     async def _unload_orphans(self) -> None:
         """Adapters of this policy name the upstreams list but no leader does, older than the newest loaded
         version: a dead leader's loads of versions overtaken since. No gateway routes them."""
-        top = max(self.loaded, default=0)
-        prefix = f"{self.router.name}@v"
-        orphans = {m for u in self.pool.upstreams for m in u.models
-                   if m.startswith(prefix) and m[len(prefix):].isdigit() and int(m[len(prefix):]) < top
-                   and int(m[len(prefix):]) not in self.loaded}
-        for name in sorted(orphans):
+        for name in orphans((m for u in self.pool.upstreams for m in u.models), self.router.name, self.loaded):
             await self._unload_name(name)
             log.info("unloaded %s (loaded by a leader that is gone, never routed)", name)
 
