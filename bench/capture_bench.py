@@ -93,7 +93,7 @@ class Load:
         if mode == "chat-logprobs-ids":
             return "chat", chat | {"logprobs": True, "return_token_ids": True}, headers
         if mode == "chat-capture":
-            from streamrl.engine_wire import CAPTURE_HEADER
+            from streamrl.engine.wire import CAPTURE_HEADER
 
             return "chat", chat, {CAPTURE_HEADER: "1"}
         if mode == "completions-ids":
@@ -107,7 +107,7 @@ class Load:
     async def run(self, mode: str, base_url: str, engine_url: str | None = None) -> dict[str, Any]:
         """One mode's load; with ``engine_url``, the engine's running requests are sampled meanwhile (a
         mode that keeps fewer requests in the engine than the load sends shows it here)."""
-        from streamrl.engine_wire import CAPTURE_HEADER, capture_counts, unframe
+        from streamrl.engine.wire import CAPTURE_HEADER, capture_counts, unframe
 
         a = self.args
         paths = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
@@ -243,7 +243,7 @@ def teacher_forced(captures: dict[int, bytes], engine_url: str, model: str) -> d
     a step's logprobs on the wrong request or token would be off by nats, batch-order noise by hundredths."""
     import httpx
 
-    from streamrl.engine_wire import decode_capture
+    from streamrl.engine.wire import decode_capture
 
     diffs: list[np.ndarray] = []
     for raw in captures.values():
@@ -529,7 +529,7 @@ def main() -> int:
 
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
-    from streamrl.engine import Engine, EngineConfig
+    from streamrl.engine.server import Engine, EngineConfig
 
     args.out.mkdir(parents=True, exist_ok=True)
     if args.model is None:

@@ -3,7 +3,7 @@
 vLLM's engine core sends each step's outputs (one ``EngineCoreOutput`` per running request) to the API
 server with its own msgpack encoder. This bench builds one step of ``--requests`` outputs of one new token
 each, encodes them with vLLM's ``MsgpackEncoder``, decodes them with its ``MsgpackDecoder`` and hands them
-to streamrl's capture hooks (``streamrl/vllm_capture.py``, with an output processor that does nothing), in
+to streamrl's capture hooks (``engine/capture.py``, with an output processor that does nothing), in
 three forms, and reports microseconds per request and step for each process:
 
   plain   no logprobs, nothing captured (what plain chat sends)
@@ -40,7 +40,7 @@ def step_outputs(form: str, requests: int, batch: Any, rows: dict[str, int]) -> 
     the model runner's ``req_id_to_index``, which exists whatever the form)."""
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
-    from streamrl.vllm_capture_scheduler import attach_step
+    from streamrl.engine.capture_scheduler import attach_step
 
     outputs = []
     for i in range(requests):
@@ -71,7 +71,7 @@ def capture_hooks(form: str, requests: int) -> Any:
     """The API server half with one captured call per request (none for plain chat)."""
     from types import SimpleNamespace
 
-    from streamrl.vllm_capture import _CURRENT, _Capture, _OutputProcessorHooks
+    from streamrl.engine.capture import _CURRENT, _Capture, _OutputProcessorHooks
 
     hooks = _OutputProcessorHooks(_NullProcessor())
     if form == "plain":

@@ -131,7 +131,7 @@ def stub_stream_events(want_lp: bool, want_ids: bool) -> list[bytes]:
 
 def stub_capture(seed: int) -> bytes:
     """The capture frame ``streamrl engine`` sends beside a reply of COMPLETION_TOKENS tokens."""
-    from streamrl.engine_wire import CAPTURE, encode_capture, frame
+    from streamrl.engine.wire import CAPTURE, encode_capture, frame
 
     ids, lps, _ = _tokens(seed)
     prompt = np.arange(1000, 1000 + PROMPT_TOKENS, dtype=np.int32)
@@ -142,7 +142,8 @@ def serve_stub(port: int) -> None:
     import uvloop
     from aiohttp import web
 
-    from streamrl.engine_wire import (
+    from streamrl.engine.capture_outbox import HEARTBEAT_S, Outbox, new_token
+    from streamrl.engine.wire import (
         BODY,
         CAPTURE_HEADER,
         DEFER_PREFIX,
@@ -154,7 +155,6 @@ def serve_stub(port: int) -> None:
         deferred_header,
         frame,
     )
-    from streamrl.vllm_capture_outbox import HEARTBEAT_S, Outbox, new_token
 
     bodies = stub_bodies("chat")
     streams = {(a, b): b"".join(stub_stream_events(a, b)) for a in (False, True) for b in (False, True)}

@@ -203,7 +203,7 @@ def main() -> None:
     from streamrl.broker.policy_log import PolicyLog, adapter_record
     from streamrl.broker.topics import Topics
     from streamrl.child import wait_http
-    from streamrl.engine import Engine, EngineConfig
+    from streamrl.engine.server import Engine, EngineConfig
     from streamrl.tiny_model import build_model, random_adapter
 
     work = Path(tempfile.mkdtemp(prefix="hotswap-bench-"))

@@ -72,7 +72,7 @@ def main() -> int:
     from streamrl.broker.embedded import EmbeddedBroker
     from streamrl.broker.schema import CompletionRecord, JudgeRequest, RewardRecord, decode, encode
     from streamrl.broker.topics import Topics
-    from streamrl.engine import Engine, EngineConfig
+    from streamrl.engine.server import Engine, EngineConfig
     from streamrl.judge.config import JudgeConfig
     from streamrl.judge.service import JudgeService
 

@@ -407,7 +407,7 @@ def start_shared_engines(preset: Preset, model: Path, out: Path) -> list:
     own API server process: with per-token logprobs that process, not the GPU, bounds a server's
     generated tokens/s, which replicas multiply. Started one after the other: vLLM sizes its KV cache
     from the memory it sees in use while it profiles, which another server starting beside it skews."""
-    from streamrl.engine import Engine, EngineConfig
+    from streamrl.engine.server import Engine, EngineConfig
 
     device, mem_frac, _ = LAYOUTS[preset.layout]
     engines = []

@@ -306,7 +306,7 @@ def main() -> int:
     if args.versions < 3 * (3 if args.gpu_neighbour else 2):
         p.error("--versions: at least 3 per phase")
 
-    from streamrl.engine import Engine, EngineConfig
+    from streamrl.engine.server import Engine, EngineConfig
 
     args.out.mkdir(parents=True, exist_ok=True)
     if args.model is None:

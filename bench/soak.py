@@ -49,7 +49,7 @@ from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import CompletionRecord, RewardRecord, decode
 from streamrl.broker.topics import Topics
 from streamrl.child import spawn, stop_group, wait_http
-from streamrl.engine import Engine, EngineConfig
+from streamrl.engine.server import Engine, EngineConfig
 from streamrl.tiny_model import build_model
 
 CHAT = [{"role": "user", "content": "Count with me: one, two"}]
@@ -250,7 +250,7 @@ def wait_for(check: Any, timeout_s: float, what: str) -> float:
 
 
 def engine_anomalies(engine_url: str) -> dict[str, int] | None:
-    """What ``streamrl engine`` counted as captures gone wrong (``streamrl/vllm_capture.py`` ANOMALIES);
+    """What ``streamrl engine`` counted as captures gone wrong (``engine/capture.py`` ANOMALIES);
     None from a plain vLLM."""
     r = httpx.get(f"{engine_url}/streamrl/capture", timeout=10)
     return r.json().get("anomalies") if r.status_code == 200 else None

@@ -21,7 +21,7 @@ import numpy as np
 import orjson
 
 from streamrl.broker.schema import CompletionRecord, encode
-from streamrl.engine_wire import WireError, decode_capture
+from streamrl.engine.wire import WireError, decode_capture
 
 from .wire import CHAT, COMPLETIONS, ENDPOINTS
 
@@ -310,7 +310,7 @@ def encode_engine_parts(context: bytes, body: bytes, capture: bytes) -> list[tup
 
 def encode_engine_records(ctx: CallContext, body: bytes | list[tuple[float, bytes]], capture: bytes | None,
                           total_s: float) -> list[tuple[bytes | None, bytes]]:
-    """The producer's job for one call served by ``streamrl engine`` (``streamrl/engine_wire.py``): token ids
+    """The producer's job for one call served by ``streamrl engine`` (``engine/wire.py``): token ids
     and logprobs from the engine's capture, text, tool calls and finish reason from what the client got
     (a non-streamed body, or a stream's event bytes with their arrival times)."""
     if capture is None:

@@ -1,7 +1,7 @@
 """Deferred captures, the gateway's producer side: each upstream's capture stream read, and every call's
 context joined with its capture there, off the gateway's event loop.
 
-With ``streamrl engine`` upstreams that offer it (``streamrl/engine_wire.py``, "Deferred capture"), a
+With ``streamrl engine`` upstreams that offer it (``engine/wire.py``, "Deferred capture"), a
 non-streamed call's answer comes back plain, naming its capture by a token, and the event loop hands its
 producer only the call's context, waiting for ``<upstream> <token>`` (``LogProducer.offer_parts(wait_for=)``).
 ``DeferredCaptures`` is that producer's ``Waiter``: one thread per upstream reads the stream of captures the
@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from streamrl.broker.delivery import INVALID
 from streamrl.broker.log_producer import Item, Waiting
-from streamrl.engine_wire import DEFERRED, STREAM_PATH, FrameSplitter, WireError, decode_deferred
+from streamrl.engine.wire import DEFERRED, STREAM_PATH, FrameSplitter, WireError, decode_deferred
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from streamrl.broker.log_producer import LogProducer
 from streamrl.broker.schema import RecordError, check_id, check_purpose
-from streamrl.engine_wire import (
+from streamrl.engine.wire import (
     BODY,
     CAPTURE_HEADER,
     DEFER_PREFIX,
@@ -155,7 +155,7 @@ class _Call:
         self.strip_ids = self.strip_logprobs = False
         """Plain-vLLM path: what the gateway asked for in the JSON on its own behalf, to set back to null."""
         self.engine_capture = False
-        """The upstream hands the tokens over in a capture frame (``streamrl/engine_wire.py``)."""
+        """The upstream hands the tokens over in a capture frame (``engine/wire.py``)."""
         self.deferred = False
         """... or, asked to, on its capture stream to the record producer (``capture_stream.py``)."""
         self.upstream: Upstream | None = None

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from streamrl.engine_wire import FORMAT_VERSION, PROBE_PATH
+from streamrl.engine.wire import FORMAT_VERSION, PROBE_PATH
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import httpx
 import openai
 from httpx_aiohttp import HttpxAiohttpClient
 
-from streamrl.broker.schema import RecordError, judge_request, reward_record
+from streamrl.broker.schema import PURPOSES, RecordError, judge_request, reward_record
 
 TRAJECTORY_HEADER = "X-Trajectory-Id"
 GROUP_HEADER = "X-Group-Id"
@@ -65,11 +65,38 @@ def _check(response: httpx.Response) -> None:
         raise RewardError(f"POST /v1/rewards -> {response.status_code}: {response.text[:500]}")
 
 
-def _tag_headers(trajectory_id: str, group_id: str | None) -> dict[str, str]:
+def _tag_headers(trajectory_id: str, group_id: str | None, purpose: str) -> dict[str, str]:
     headers = {TRAJECTORY_HEADER: trajectory_id}
     if group_id is not None:
         headers[GROUP_HEADER] = group_id
+    if purpose != "train":
+        headers[PURPOSE_HEADER] = purpose
     return headers
+
+
+class _Served:
+    """Which policy version served each open trajectory's calls, read from the responses' ``X-Policy-Version``
+    by a response hook on the gateway's HTTP client. An agent written with a framework never sees the
+    responses' headers; with this its episode still knows the version that played it (``t.version``),
+    whatever client the framework builds on the shared HTTP pool."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, _Episode] = {}
+
+    def note(self, request_headers: Any, response_headers: Any) -> None:
+        episode = self.open.get(request_headers.get(TRAJECTORY_HEADER, ""))
+        if episode is None:
+            return
+        episode.calls += 1
+        value = response_headers.get(VERSION_HEADER)
+        if value is not None and value.isdigit():
+            episode.version = int(value) if episode.version is None else max(episode.version, int(value))
+
+    def sync_hook(self, response: httpx.Response) -> None:
+        self.note(response.request.headers, response.headers)
+
+    async def async_hook(self, response: httpx.Response) -> None:
+        self.note(response.request.headers, response.headers)
 
 
 class Gateway:
@@ -77,15 +104,17 @@ class Gateway:
 
     def __init__(self, url: str, *, api_key: str = "unused", timeout: float = 600.0, max_retries: int = 0) -> None:
         self.base_url = _v1(url)
-        self.http = httpx.Client(timeout=timeout)
+        self.served = _Served()
+        self.http = httpx.Client(timeout=timeout, event_hooks={"response": [self.served.sync_hook]})
         self._auth = {"Authorization": f"Bearer {api_key}"}
         """Sent with rewards, as the openai client sends it with completions (a gateway with API keys)."""
         self.openai = openai.OpenAI(base_url=self.base_url, api_key=api_key, http_client=self.http,
                                     max_retries=max_retries)
 
     def trajectory(self, *, group_id: str | None = None, group_size: int | None = None,
-                   trajectory_id: str | None = None) -> Trajectory:
-        return Trajectory(self, group_id=group_id, group_size=group_size, trajectory_id=trajectory_id)
+                   trajectory_id: str | None = None, purpose: str = "train") -> Trajectory:
+        return Trajectory(self, group_id=group_id, group_size=group_size, trajectory_id=trajectory_id,
+                          purpose=purpose)
 
     def post_rewards(self, bodies: list[dict[str, Any]]) -> None:
         """Post rewards in one request (the gateway takes a list)."""
@@ -104,11 +133,22 @@ class Gateway:
 class _Episode:
     """What both trajectory flavours share: the ids, the pending reward and its request body."""
 
-    def __init__(self, group_id: str | None, group_size: int | None, trajectory_id: str | None) -> None:
+    def __init__(self, group_id: str | None, group_size: int | None, trajectory_id: str | None,
+                 purpose: str = "train") -> None:
+        if purpose not in PURPOSES:
+            raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}, not {purpose!r}")
         self.trajectory_id = trajectory_id or uuid.uuid4().hex
         self.group_id = group_id
         self.group_size = group_size
-        self.headers = _tag_headers(self.trajectory_id, group_id)
+        self.purpose = purpose
+        self.headers = _tag_headers(self.trajectory_id, group_id, purpose)
+        """The headers that tag a call as this trajectory's: for a framework's own client (``default_headers``,
+        ``extra_headers``) where ``client`` cannot be passed."""
+        self.version: int | None = None
+        """The newest policy version that served a call of this trajectory (inside its ``with`` block, through
+        the gateway's HTTP client: ``client``, or a framework's client built on ``http``); None before a call."""
+        self.calls = 0
+        """Calls of this trajectory answered so far (counted as ``version``)."""
         self._reward: float | None = None
         self._metrics: dict[str, float] = {}
         self._judge: dict[str, Any] | None = None
@@ -155,10 +195,12 @@ class Trajectory(_Episode):
     """One episode: every call through ``client`` is tagged with its ids; the reward is posted at exit."""
 
     def __init__(self, gateway: Gateway | str, *, group_id: str | None = None, group_size: int | None = None,
-                 trajectory_id: str | None = None) -> None:
-        super().__init__(group_id, group_size, trajectory_id)
+                 trajectory_id: str | None = None, purpose: str = "train") -> None:
+        super().__init__(group_id, group_size, trajectory_id, purpose)
         self._owns_gateway = isinstance(gateway, str)
         self.gateway = Gateway(gateway) if isinstance(gateway, str) else gateway
+        self.base_url = self.gateway.base_url
+        self.http = self.gateway.http
         self.client: openai.OpenAI = self.gateway.openai.with_options(default_headers=self.headers)
 
     def post(self) -> None:
@@ -167,10 +209,12 @@ class Trajectory(_Episode):
         self.posted = True
 
     def __enter__(self) -> Trajectory:
+        self.gateway.served.open[self.trajectory_id] = self
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        self.gateway.served.open.pop(self.trajectory_id, None)
         try:
             if self._should_post(exc_type):
                 self.post()
@@ -191,15 +235,18 @@ class AsyncGateway:
                  max_connections: int = 256, http_client: httpx.AsyncClient | None = None) -> None:
         """``http_client``: bring your own (proxies, TLS settings); it is closed with the gateway."""
         self.base_url = _v1(url)
+        self.served = _Served()
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.http = http_client or HttpxAiohttpClient(timeout=timeout, limits=limits)
+        self.http.event_hooks["response"].append(self.served.async_hook)
         self._auth = {"Authorization": f"Bearer {api_key}"}
         self.openai = openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, http_client=self.http,
                                          max_retries=max_retries)
 
     def trajectory(self, *, group_id: str | None = None, group_size: int | None = None,
-                   trajectory_id: str | None = None) -> AsyncTrajectory:
-        return AsyncTrajectory(self, group_id=group_id, group_size=group_size, trajectory_id=trajectory_id)
+                   trajectory_id: str | None = None, purpose: str = "train") -> AsyncTrajectory:
+        return AsyncTrajectory(self, group_id=group_id, group_size=group_size, trajectory_id=trajectory_id,
+                               purpose=purpose)
 
     async def post_rewards(self, bodies: list[dict[str, Any]]) -> None:
         _check(await self.http.post(f"{self.base_url}/rewards", json=bodies, headers=self._auth))
@@ -218,9 +265,13 @@ class AsyncTrajectory(_Episode):
     """``Trajectory`` for asyncio agents: ``async with gateway.trajectory(...) as t``."""
 
     def __init__(self, gateway: AsyncGateway, *, group_id: str | None = None, group_size: int | None = None,
-                 trajectory_id: str | None = None) -> None:
-        super().__init__(group_id, group_size, trajectory_id)
+                 trajectory_id: str | None = None, purpose: str = "train") -> None:
+        super().__init__(group_id, group_size, trajectory_id, purpose)
         self.gateway = gateway
+        self.base_url = gateway.base_url
+        self.http = gateway.http
+        """The gateway's HTTP pool: give it to a framework's own OpenAI client (``http_async_client=``) so that
+        its calls share the pool and count towards ``version``."""
         self.client: openai.AsyncOpenAI = gateway.openai.with_options(default_headers=self.headers)
 
     async def post(self) -> None:
@@ -228,9 +279,11 @@ class AsyncTrajectory(_Episode):
         self.posted = True
 
     async def __aenter__(self) -> AsyncTrajectory:
+        self.gateway.served.open[self.trajectory_id] = self
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
+        self.gateway.served.open.pop(self.trajectory_id, None)
         if self._should_post(exc_type):
             await self.post()

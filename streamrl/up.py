@@ -36,7 +36,7 @@ from streamrl.broker.topics import Topics, create_topics
 from streamrl.child import signal_group, spawn, wait_http
 from streamrl.config_file import check_fields, read_file
 from streamrl.config_flags import add_config_flags, given
-from streamrl.engine import Engine, EngineConfig
+from streamrl.engine.server import Engine, EngineConfig
 from streamrl.gateway.auth import check_bind, load_keys
 from streamrl.gateway.config import GatewayConfig
 from streamrl.packaged_models import MODELS, resolve, settings_for

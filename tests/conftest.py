@@ -18,7 +18,7 @@ from support.services import LOG_DIR, start_engine, start_gateway
 
 from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.topics import Topics, create_topics
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 from streamrl.gateway.server import GatewayServer
 from streamrl.tiny_model import build_model, random_adapter
 

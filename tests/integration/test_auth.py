@@ -19,7 +19,7 @@ from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.policy_log import PolicyLog, publish_version
 from streamrl.broker.schema import WEIGHTS_FILE, CompletionRecord, PolicyRecord, RewardRecord, sha256_file
 from streamrl.broker.topics import Topics, create_topics
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 from streamrl.gateway.auth import (
     ENV_VAR,
 )

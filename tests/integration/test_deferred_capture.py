@@ -1,4 +1,4 @@
-"""Deferred capture (``streamrl/engine_wire.py``, "Deferred capture") against real servers: the engine's
+"""Deferred capture (``engine/wire.py``, "Deferred capture") against real servers: the engine's
 outboxes and stream on the real vLLM CPU server, and the waiting records of ``LogProducer`` in a process and a
 thread (the wire format, the outbox and the producer's join on their own: ``tests/unit/test_deferred_wire.py``).
 The records' contents through the whole path are checked by ``test_engine_capture.py``, whose gateway runs
@@ -26,8 +26,8 @@ from streamrl.broker.log_producer import (
 )
 from streamrl.broker.schema import RewardRecord
 from streamrl.broker.topics import Topics, create_topics
-from streamrl.engine import Engine
-from streamrl.engine_wire import (
+from streamrl.engine.server import Engine
+from streamrl.engine.wire import (
     CAPTURE_HEADER,
     DEFERRED,
     PROBE_PATH,

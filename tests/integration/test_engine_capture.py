@@ -1,4 +1,4 @@
-"""Token capture in the engine (``streamrl/vllm_capture.py``) and its wire format (``streamrl/engine_wire.py``):
+"""Token capture in the engine (``engine/capture.py``) and its wire format (``engine/wire.py``):
 the real vLLM CPU server with the middleware, directly and through the gateway (the format and the hooks
 on their own: ``tests/unit/test_engine_wire.py``)."""
 
@@ -16,8 +16,8 @@ from support.gateway_calls import client, direct, of_request
 from support.services import start_gateway
 
 from streamrl.broker.schema import CompletionRecord
-from streamrl.engine import Engine
-from streamrl.engine_wire import (
+from streamrl.engine.server import Engine
+from streamrl.engine.wire import (
     CAPTURE_HEADER,
     FORMAT_VERSION,
     PROBE_PATH,
@@ -86,7 +86,7 @@ def _logprob_steps(engine: Engine) -> dict[str, int]:
 
 def test_engine_core_sends_the_gateways_logprobs_as_a_column(engine_gateway, engine, base_model, completions):
     """The engine core's ``capture_scheduler`` sends a captured request's logprobs in its step's column, not
-    vLLM's per-request numpy arrays (``streamrl/vllm_capture_scheduler.py``): every step of a gateway call is
+    vLLM's per-request numpy arrays (``engine/capture_scheduler.py``): every step of a gateway call is
     cut from a column;
     a client that asks for logprobs itself still gets vLLM's arrays, and they are what is logged."""
     before = _logprob_steps(engine)

@@ -6,7 +6,7 @@ import http.client
 import time
 from urllib.parse import urlsplit
 
-from streamrl.engine import KEEP_ALIVE_S, Engine
+from streamrl.engine.server import KEEP_ALIVE_S, Engine
 
 
 def test_idle_connection_outlives_vllms_default_keep_alive(engine: Engine) -> None:

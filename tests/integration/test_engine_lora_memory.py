@@ -1,4 +1,4 @@
-"""Adapters' host copies in pageable memory (``streamrl/vllm_lora_memory.py``): what the worker extension
+"""Adapters' host copies in pageable memory (``engine/lora_memory.py``): what the worker extension
 does on import, and that ``streamrl engine`` names it. The engine tests load adapters into real vLLM servers
 started with it (tests/integration/test_hotswap.py, tests/integration/test_trainer.py); what it is for, a load
 beside a GPU neighbour, is measured on the H200 (bench/lora_pin_bench.py, bench/lora_load_bench.py)."""
@@ -9,10 +9,10 @@ import pytest
 import vllm
 from vllm.lora import lora_model, model_manager
 
-from streamrl import vllm_lora_memory
-from streamrl.engine import Engine, EngineConfig
+from streamrl.engine import lora_memory as vllm_lora_memory
+from streamrl.engine.server import Engine, EngineConfig
 
-EXTENSION = "streamrl.vllm_lora_memory.PageableLoRAHostMemory"
+EXTENSION = "streamrl.engine.lora_memory.PageableLoRAHostMemory"
 
 
 def test_importing_the_extension_keeps_adapters_pageable(monkeypatch: pytest.MonkeyPatch) -> None:

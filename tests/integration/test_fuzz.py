@@ -20,7 +20,7 @@ from schemathesis import GenerationMode
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics, create_topics
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 

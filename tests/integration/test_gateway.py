@@ -17,7 +17,7 @@ from support.services import start_gateway
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import CompletionRecord, RecordError, RewardRecord, decode
 from streamrl.broker.topics import Topics
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 

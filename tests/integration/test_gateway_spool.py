@@ -22,7 +22,7 @@ from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import CompletionRecord, RewardRecord, decode
 from streamrl.broker.topics import Topics
 from streamrl.child import spawn, stop_group, wait_http
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 

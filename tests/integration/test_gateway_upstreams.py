@@ -26,8 +26,8 @@ from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.policy_log import publish_version
 from streamrl.broker.schema import CompletionRecord
 from streamrl.broker.topics import Topics, create_topics
-from streamrl.engine import Engine
-from streamrl.engine_wire import (
+from streamrl.engine.server import Engine
+from streamrl.engine.wire import (
     BODY,
     CAPTURE,
     CAPTURE_HEADER,

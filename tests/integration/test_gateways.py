@@ -30,7 +30,7 @@ from streamrl.broker.policy_log import publish_version
 from streamrl.broker.schema import CompletionRecord
 from streamrl.broker.topics import Topics
 from streamrl.child import spawn, stop_group, wait_http
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 

@@ -21,7 +21,7 @@ from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.policy_log import publish_version
 from streamrl.broker.schema import CompletionRecord, PolicyRecord, encode
 from streamrl.broker.topics import Topics
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 

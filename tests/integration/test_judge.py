@@ -30,7 +30,7 @@ from streamrl.broker.schema import (
     decode,
 )
 from streamrl.broker.topics import Topics, create_topics
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 from streamrl.judge.client import JudgeClient, JudgeFailed

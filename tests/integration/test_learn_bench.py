@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from support.up_run import processes_mentioning
 
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "learn_bench.py"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 from streamrl.packaged_models import MANIFEST, MODELS, ModelUnavailable, convert, fetch_wheel, verified
 
 SMOL = MODELS["smollm2-135m"]

@@ -17,7 +17,7 @@ from support.kafka_reader import TopicReader
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import CompletionRecord, RewardRecord
 from streamrl.broker.topics import Topics, create_topics
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 from streamrl.producers.calculator import CalculatorTask

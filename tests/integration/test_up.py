@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 from streamrl.up import DemoTrainer, Shutdown, SignalGate, Stack, console_worthy, load_config
 
 CONFIG = """

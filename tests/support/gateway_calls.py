@@ -10,7 +10,7 @@ import httpx
 import openai
 
 from streamrl.broker.schema import CompletionRecord
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 from streamrl.gateway.server import GatewayServer
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
-from streamrl.engine import Engine, EngineConfig
+from streamrl.engine.server import Engine, EngineConfig
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 

@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from streamrl.engine import Engine
+from streamrl.engine.server import Engine
 
 
 def engine_adapters(engine: Engine) -> set[str]:

@@ -11,7 +11,7 @@ import pytest
 
 from streamrl.cli import build_parser
 from streamrl.config_flags import _strip_none, field_docs, given
-from streamrl.engine import EngineConfig
+from streamrl.engine.server import EngineConfig
 from streamrl.gateway.cli import FLAG_NAMES as GATEWAY_NAMES
 from streamrl.gateway.config import GatewayConfig
 from streamrl.judge.config import JudgeConfig

@@ -1,4 +1,4 @@
-"""Deferred capture (``streamrl/engine_wire.py``, "Deferred capture") without a server: the wire format, the
+"""Deferred capture (``engine/wire.py``, "Deferred capture") without a server: the wire format, the
 engine's outboxes, the producer's join (``gateway/capture_stream.py``), and the frames of ``LogProducer``'s
 waiting records."""
 
@@ -18,7 +18,8 @@ from streamrl.broker.log_producer import (
     decode_item,
     parts_frame,
 )
-from streamrl.engine_wire import (
+from streamrl.engine.capture_outbox import MAX_QUEUED_BYTES, ORPHAN_AFTER_S, Outbox, _authorised
+from streamrl.engine.wire import (
     DEFERRED,
     HEARTBEAT,
     FrameSplitter,
@@ -30,7 +31,6 @@ from streamrl.engine_wire import (
     parse_deferred_header,
 )
 from streamrl.gateway.capture_stream import DeferredCaptures, wait_key
-from streamrl.vllm_capture_outbox import MAX_QUEUED_BYTES, ORPHAN_AFTER_S, Outbox, _authorised
 
 # -- the wire format ----------------------------------------------------------------------------------------
 
@@ -129,7 +129,7 @@ def test_waiting_frames_decode_with_their_key() -> None:
 def test_each_upstream_url_has_its_own_outbox_name() -> None:
     """Two URLs reaching one engine (a relay, an alias) must not share an outbox: their streams would take it
     from each other (``test_gateway_upstreams.py``'s relayed upstream is such a pair)."""
-    from streamrl.engine_wire import valid_consumer
+    from streamrl.engine.wire import valid_consumer
     from streamrl.gateway.capture_stream import consumer_for
 
     a, b = consumer_for("0123456789abcdef", "http://127.0.0.1:8000"), consumer_for("0123456789abcdef", "http://h:1")
@@ -138,7 +138,7 @@ def test_each_upstream_url_has_its_own_outbox_name() -> None:
 
 
 def test_outboxes_of_consumers_long_gone_are_forgotten() -> None:
-    from streamrl.vllm_capture_outbox import Outboxes
+    from streamrl.engine.capture_outbox import Outboxes
 
     anomalies: collections.Counter[str] = collections.Counter()
     boxes = Outboxes(anomalies)

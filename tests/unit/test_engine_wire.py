@@ -1,5 +1,5 @@
-"""Token capture's wire format (``streamrl/engine_wire.py``) on its own, and the capture hooks of
-``streamrl/vllm_capture.py`` fed as vLLM would feed them, without a server."""
+"""Token capture's wire format (``engine/wire.py``) on its own, and the capture hooks of
+``engine/capture.py`` fed as vLLM would feed them, without a server."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from streamrl.engine_wire import (
+from streamrl.engine.capture import _CURRENT, _Capture, _OutputProcessorHooks
+from streamrl.engine.capture_scheduler import TESTED_VERSIONS, version_ok
+from streamrl.engine.wire import (
     BODY,
     CAPTURE,
     FORMAT_VERSION,
@@ -28,8 +30,6 @@ from streamrl.gateway.capture import (
     encode_engine_records,
     engine_parts,
 )
-from streamrl.vllm_capture import _CURRENT, _Capture, _OutputProcessorHooks
-from streamrl.vllm_capture_scheduler import TESTED_VERSIONS, version_ok
 
 # -- the wire format on its own ------------------------------------------------------------------------
 
@@ -157,7 +157,7 @@ def test_marked_logprobs_reach_the_capture_as_vllm_would_slice_them(client_logpr
     from vllm.v1.outputs import LogprobsLists
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from streamrl.vllm_capture_scheduler import MARK, STEP_KEY, _CaptureMixin
+    from streamrl.engine.capture_scheduler import MARK, STEP_KEY, _CaptureMixin
 
     kept = {"a": 1, "b": 2, "c": 0, "d": 2}  # tokens each request keeps this step ("c": none, stopped)
     generated = {"a": 1, "b": 3, "c": 1, "d": 2} if speculative else {r: 1 for r in kept}
@@ -236,7 +236,7 @@ def test_capture_keeps_each_steps_tokens_as_vllm_left_them_after_the_step() -> N
     real engine cannot be made to lag on cue)."""
     from types import SimpleNamespace
 
-    from streamrl.vllm_capture_scheduler import STEP_KEY
+    from streamrl.engine.capture_scheduler import STEP_KEY
 
     hooks = _OutputProcessorHooks(processor := _Processor())
     capture = _captured(hooks, ["r-1"])

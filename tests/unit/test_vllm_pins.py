@@ -7,7 +7,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from streamrl.vllm_capture_scheduler import TESTED_VERSIONS, version_ok
+from streamrl.engine.capture_scheduler import TESTED_VERSIONS, version_ok
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 

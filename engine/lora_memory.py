@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from .vllm_capture_scheduler import TESTED_VERSIONS, version_ok
+from .capture_scheduler import TESTED_VERSIONS, version_ok
 
 log = logging.getLogger(f"vllm.{__name__}")
 """Under vLLM's logger: in the worker's process only vLLM's own logger has a handler (the engine's log)."""

@@ -1,8 +1,8 @@
 """Token capture inside vLLM's API server: sampled ids and sampling logprobs as arrays, at plain-serving cost.
 
 Loaded by ``streamrl engine`` through vLLM's own extension point, ``--middleware
-streamrl.vllm_capture.CaptureMiddleware``; the protocol it speaks to the gateway is in
-``streamrl/engine_wire.py``. Why it exists: a request with ``logprobs`` makes vLLM's API server process
+streamrl.engine.capture.CaptureMiddleware``; the protocol it speaks to the gateway is in
+``engine/wire.py``. Why it exists: a request with ``logprobs`` makes vLLM's API server process
 build Python objects per sampled token (a ``Logprob`` with its decoded string in the output processor,
 then pydantic models and JSON in the serving layer) and that process, not the GPU, bounded generation
 (docs/benchmarks.md, "Token capture"). Here a request marked by the gateway is served exactly as the plain
@@ -12,7 +12,7 @@ request it is (same body, same response bytes), while:
    the engine core, so the sampler returns the sampled token's logprob (under ``--logprobs-mode``), and
    its ``extra_args`` carry ``vllm_capture_scheduler.MARK``, so that the engine core's scheduler sends
    those logprobs as one column per step rather than numpy arrays per request
-   (``streamrl/vllm_capture_scheduler.py``);
+   (``engine/capture_scheduler.py``);
 2. each step's engine-core output of such a request gives up its new token ids here, and its logprobs are
    cut from the step's column, before the output processor would turn them into objects; vLLM's own
    logprob handling then sees none (unless the client asked for logprobs itself: then it gets them too,
@@ -39,7 +39,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from streamrl.engine_wire import (
+from streamrl.engine.capture_outbox import Outboxes, new_token
+from streamrl.engine.capture_scheduler import MARK, STEP_KEY, TESTED_VERSIONS, version_ok
+from streamrl.engine.wire import (
     BODY,
     CAPTURE,
     CAPTURE_HEADER,
@@ -55,8 +57,6 @@ from streamrl.engine_wire import (
     frame,
     valid_consumer,
 )
-from streamrl.vllm_capture_outbox import Outboxes, new_token
-from streamrl.vllm_capture_scheduler import MARK, STEP_KEY, TESTED_VERSIONS, version_ok
 
 log = logging.getLogger("vllm.streamrl_capture")
 """Under vLLM's logger: vLLM configures only its own namespace, so this is how these lines reach the engine's
@@ -79,7 +79,7 @@ Send = Callable[[Message], Awaitable[None]]
 _HEADER_KEY = CAPTURE_HEADER.lower().encode()
 _CONTENT_TYPE = b"content-type"
 OUTBOXES = Outboxes(ANOMALIES)
-"""Deferred captures waiting for their consumers' streams (``streamrl/vllm_capture_outbox.py``)."""
+"""Deferred captures waiting for their consumers' streams (``engine/capture_outbox.py``)."""
 _DONE = b"data: [DONE]\n\n"
 _CURRENT: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("streamrl_capture", default=None)
 """The capture of the HTTP request being served; read where vLLM adds the request's engine requests."""

@@ -1,6 +1,6 @@
 """Deferred captures inside the engine's API server: one outbox per consumer, and the stream that drains it.
 
-Part of ``streamrl/vllm_capture.py`` (the protocol is in ``streamrl/engine_wire.py``, "Deferred capture"). A
+Part of ``engine/capture.py`` (the protocol is in ``engine/wire.py``, "Deferred capture"). A
 gateway whose records are built in a producer process of its own asks for non-streamed answers to be served
 plain and their captures queued here; its producer process reads them on a long-lived stream. That keeps
 the capture (and a copy of the body, which the record's text comes from) off the gateway's event loop: it
@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs
 
-from streamrl.engine_wire import HEARTBEAT, deferred_frame, frame, valid_consumer
+from streamrl.engine.wire import HEARTBEAT, deferred_frame, frame, valid_consumer
 
 Message = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]

@@ -45,11 +45,11 @@ class EngineConfig:
     """Parser for `tools` with tool_choice="auto"; the tiny model's chat template uses hermes tags."""
     seed: int = 0
     token_capture: bool = True
-    """Serve token ids and sampling logprobs to the gateway as arrays (``streamrl/vllm_capture.py``); off, the
+    """Serve token ids and sampling logprobs to the gateway as arrays (``engine/capture.py``); off, the
     engine is a plain vLLM server and the gateway asks for them in the JSON (half the generation speed)."""
     pin_lora_memory: bool = False
     """Let vLLM pin adapters' host copies (its default). Off, they stay pageable: beside a trainer on the same
-    GPU a load then takes 1/5 of the time (``streamrl/vllm_lora_memory.py``)."""
+    GPU a load then takes 1/5 of the time (``engine/lora_memory.py``)."""
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -76,10 +76,10 @@ class Engine:
             "--max-model-len", str(c.max_model_len), "--seed", str(c.seed),
         ]
         if c.token_capture:
-            cmd += ["--middleware", "streamrl.vllm_capture.CaptureMiddleware",
-                    "--scheduler-cls", "streamrl.vllm_capture_scheduler.capture_scheduler"]
+            cmd += ["--middleware", "streamrl.engine.capture.CaptureMiddleware",
+                    "--scheduler-cls", "streamrl.engine.capture_scheduler.capture_scheduler"]
         if not c.pin_lora_memory:
-            cmd += ["--worker-extension-cls", "streamrl.vllm_lora_memory.PageableLoRAHostMemory"]
+            cmd += ["--worker-extension-cls", "streamrl.engine.lora_memory.PageableLoRAHostMemory"]
         if c.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
         if c.served_model_name:

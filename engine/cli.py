@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import threading
 
-from .child import serve_until_stopped, stop_on_signals
-from .config_flags import add_config_flags, given
-from .engine import Engine, EngineConfig
-from .usage import UsageError, as_usage_error, check_model, check_port_free
+from streamrl.child import serve_until_stopped, stop_on_signals
+from streamrl.config_flags import add_config_flags, given
+from streamrl.engine.server import Engine, EngineConfig
+from streamrl.usage import UsageError, as_usage_error, check_model, check_port_free
 
 DESCRIPTION = """\
 A vLLM OpenAI server set up for streamrl: runtime LoRA loading (the gateway loads each published version),

@@ -1,7 +1,7 @@
 """Token capture's engine-core half: a step's sampled-token logprobs leave the engine core as one column.
 
 ``streamrl engine`` names :func:`capture_scheduler` in vLLM's own ``--scheduler-cls`` option; the API
-server half is ``streamrl/vllm_capture.py``. Why it exists: the engine core's one thread is what bounds
+server half is ``engine/capture.py``. Why it exists: the engine core's one thread is what bounds
 generation at hundreds of requests in flight (py-spy: busy in every sample), and for a request with
 ``logprobs`` vLLM's scheduler gives every step's output of every request its own ``LogprobsLists`` (three
 numpy arrays), which its msgpack encoder and decoder handle in Python, per request and step, in both

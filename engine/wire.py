@@ -3,7 +3,7 @@
 The gateway needs, for every choice, the prompt's token ids, the sampled token ids and their sampling
 logprobs. Asking vLLM's OpenAI server for them (``logprobs`` + ``return_token_ids``) makes it build a
 JSON object per sampled token, which halved its generation speed on an H200 (docs/benchmarks.md). An
-engine started by ``streamrl engine`` carries ``streamrl.vllm_capture.CaptureMiddleware`` instead, which
+engine started by ``streamrl engine`` carries ``streamrl.engine.capture.CaptureMiddleware`` instead, which
 takes the arrays from the engine's output before any per-token object is made, and sends them beside
 vLLM's own response bytes:
 

@@ -1,0 +1,1 @@
+"""A tool agent written with the OpenAI Agents SDK (README.md)."""

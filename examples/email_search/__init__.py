@@ -1,0 +1,1 @@
+"""Email search (ART•E's task): an agent answers questions from a generated mailbox (README.md)."""

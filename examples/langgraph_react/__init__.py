@@ -1,0 +1,1 @@
+"""A ReAct agent written with LangGraph (README.md)."""

@@ -1,0 +1,1 @@
+"""Tic-tac-toe against a scripted opponent (README.md)."""
