@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.frame_pipe import FRAME
-from streamrl.broker.log_producer import LogProducer, builder_name, parts_frame
+from streamrl.broker.log_producer import LogProducer, parts_frame
 from streamrl.broker.topics import Topics
 from streamrl.gateway.capture import CallContext, engine_parts
 from streamrl.gateway.capture_stream import wait_key
@@ -79,19 +79,19 @@ def main() -> None:
 
     ctxs = contexts(args.calls)
     with EmbeddedBroker(topics=Topics("bench")) as broker:
-        producer = LogProducer(broker.bootstrap_servers, process=True)
+        build = _self().no_records
+        producer = LogProducer(broker.bootstrap_servers, process=True, builders=(build,))
         if not producer.wait_ready(60):
             raise SystemExit("the record producer process did not start")
         pipe = producer._pipe  # the bare write goes into the very pipe the hand-off uses
         assert pipe is not None
         # as Proxy._emit_deferred, the key the context waits for as its last part (here a part like the others)
-        build = _self().no_records
 
         def hand_off(ctx: CallContext) -> Callable[[], object]:
             return lambda: producer.offer_parts(TOPIC, build, (engine_parts(ctx, 0.01),
                                                                wait_key(ctx.upstream, "0123456789abcdef")), 1)
 
-        chunks = parts_frame(TOPIC, builder_name(build), (engine_parts(ctxs[0], 0.01),
+        chunks = parts_frame(TOPIC, 0, (engine_parts(ctxs[0], 0.01),
                                                           wait_key(ctxs[0].upstream, "0123456789abcdef")), 1)
         frame = (FRAME.pack(sum(map(len, chunks))), *chunks)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
-import importlib
 import logging
 import multiprocessing
 import os
@@ -100,34 +99,32 @@ Build = Callable[[], list[tuple[bytes | None, bytes]]]
 Item = tuple[str, bytes | None, bytes | Build, int]
 
 PartsBuild = Callable[..., list[tuple[bytes | None, bytes]]]
-"""``build(*parts)`` makes (key, value) pairs from byte strings (``LogProducer.offer_parts``); a module-level
-function, named in the frame that carries the parts to the producer process."""
+"""``build(*parts)`` makes (key, value) pairs from byte strings (``LogProducer.offer_parts``): a module-level
+function the server declares up front (``LogProducer(builders=...)``); a frame of parts names it by its place
+in that list, and the producer process gets the list itself at its start (pickled by reference)."""
 
 _PARTS = 0x50
 """First byte of a frame of parts (a pickle frame's first byte is the PROTO opcode, 0x80)."""
 _WAITING_PARTS = 0x51
 """First byte of a frame of parts whose last part is the key of the side input they wait for (``Waiter``)."""
 _PARTS_HEAD = struct.Struct("<BIHHB")
-"""A frame of parts: kind, records, topic length, builder name length, number of parts; then each part's
-length (u32), the topic, the builder's ``module:qualname`` and the parts."""
+"""A frame of parts: kind, records, topic length, the builder's place in the declared builders, number of
+parts; then each part's length (u32), the topic and the parts."""
 
 
-def builder_name(build: PartsBuild) -> str:
-    """``module:qualname`` of a module-level function; ``ValueError`` for anything the producer process could
-    not import by that name (a lambda, a closure, a bound method)."""
-    name = f"{getattr(build, '__module__', None)}:{getattr(build, '__qualname__', '')}"
-    if _resolve(name) is not build:
-        raise ValueError(f"{build!r} is not a module-level function")
-    return name
-
-
-@functools.cache
-def _resolve(name: str) -> PartsBuild | None:
-    module, _, qualname = name.partition(":")
-    try:
-        return getattr(importlib.import_module(module), qualname, None)
-    except ImportError:
-        return None
+def check_builders(builders: Sequence[PartsBuild]) -> tuple[PartsBuild, ...]:
+    """The builders as the producer process will get them; ``ValueError`` for one it could not (a lambda, a
+    closure, a bound method: pickle passes functions by their module and name)."""
+    for build in builders:
+        try:
+            same = pickle.loads(pickle.dumps(build)) is build
+        except Exception:
+            same = False
+        if not same:
+            raise ValueError(f"{build!r} is not a module-level function")
+    if len(builders) > 0xFFFF:
+        raise ValueError("too many builders")
+    return tuple(builders)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,17 +152,14 @@ class Waiter(Protocol):
 
 @dataclass(frozen=True)
 class WaiterSpec:
-    """How the producer makes its ``Waiter``: ``factory`` (``module:qualname``) is called as
-    ``factory(deliver, counts, *args)``; ``args`` must be picklable."""
+    """How the producer makes its ``Waiter``: ``factory`` (a module-level function, passed to the producer
+    process by reference) is called as ``factory(deliver, counts, *args)``; ``args`` must be picklable."""
 
-    factory: str
+    factory: Callable[..., Waiter]
     args: tuple[Any, ...] = ()
 
     def make(self, deliver: Callable[[Item], None], counts: Any) -> Waiter:
-        factory = _resolve(self.factory)
-        if factory is None:
-            raise ValueError(f"no waiter factory {self.factory!r}")
-        return factory(deliver, counts, *self.args)
+        return self.factory(deliver, counts, *self.args)
 
 
 @functools.cache
@@ -174,34 +168,34 @@ def _parts_head(n: int) -> struct.Struct:
     return struct.Struct(_PARTS_HEAD.format + f"{n}I")
 
 
-def parts_frame(topic: str, name: str, parts: Sequence[bytes], count: int,
+def parts_frame(topic: str, builder: int, parts: Sequence[bytes], count: int,
                 wait_for: bytes | None = None) -> tuple[bytes, ...]:
-    """The chunks of one frame of parts, to be written as they are (``PipeWriter.put_chunks``)."""
-    t, n = topic.encode(), name.encode()
+    """The chunks of one frame of parts (``builder``: its place in the declared builders), to be written as
+    they are (``PipeWriter.put_chunks``)."""
+    t = topic.encode()
     kind = _PARTS
     if wait_for is not None:
         kind, parts = _WAITING_PARTS, (*parts, wait_for)
-    head = _parts_head(len(parts)).pack(kind, count, len(t), len(n), len(parts), *map(len, parts))
-    return (head + t + n, *parts)
+    head = _parts_head(len(parts)).pack(kind, count, len(t), builder, len(parts), *map(len, parts))
+    return (head + t, *parts)
 
 
-def decode_item(data: bytes) -> Item | Waiting:
-    """A frame from the server: a pickled item, or parts with the builder that turns them into records.
-    ``ValueError`` (or a pickle error) for a frame that is neither."""
+def decode_item(data: bytes, builders: Sequence[PartsBuild] = ()) -> Item | Waiting:
+    """A frame from the server: a pickled item, or parts with the builder (of ``builders``) that turns them
+    into records. ``ValueError`` (or a pickle error) for a frame that is neither."""
     if data[:1] not in (bytes((_PARTS,)), bytes((_WAITING_PARTS,))):
         return pickle.loads(data)
     n = _PARTS_HEAD.unpack_from(data)[-1]
     head = _parts_head(n)
-    kind, count, topic_len, name_len, _, *sizes = head.unpack_from(data)
+    kind, count, topic_len, builder, _, *sizes = head.unpack_from(data)
     pos = head.size
     topic = data[pos:pos + topic_len].decode()
-    name = data[pos + topic_len:pos + topic_len + name_len].decode()
-    pos += topic_len + name_len
+    pos += topic_len
     if pos + sum(sizes) != len(data):
         raise ValueError(f"a frame of parts of {len(data)} bytes does not hold its {n} parts")
-    build = _resolve(name)
-    if build is None:
-        raise ValueError(f"no builder {name!r} in the producer process")
+    if builder >= len(builders):
+        raise ValueError(f"no builder #{builder} among the {len(builders)} declared")
+    build = builders[builder]
     parts = []
     for size in sizes:
         parts.append(data[pos:pos + size])
@@ -323,7 +317,7 @@ def background_priority() -> bool:
 
 
 def _child_main(conn: Any, config: SenderConfig, counts: Any, waiter: WaiterSpec | None = None,
-                ready: Any = None) -> None:
+                ready: Any = None, builders: tuple[PartsBuild, ...] = ()) -> None:
     """The producer process: receives pickled items until an empty frame, then flushes and exits. ``ready`` is
     set once it reads the pipe."""
     # The parent decides when to stop: a Ctrl-C or a SIGTERM sent to the whole process group must not
@@ -338,7 +332,7 @@ def _child_main(conn: Any, config: SenderConfig, counts: Any, waiter: WaiterSpec
     try:
         for data in FrameReader(conn.fileno()):
             try:
-                item = decode_item(data)
+                item = decode_item(data, builders)
             except Exception as exc:  # a bug in the server: one frame lost and counted, never the process
                 counts[INVALID] += 1
                 log.warning("unreadable frame from the server: %s", exc)
@@ -362,7 +356,7 @@ class LogProducer:
                  client_id: str = "streamrl-gateway", process: bool = False, spool_dir: str | Path | None = None,
                  spool_max_bytes: int = 1 << 30, spool_after_ms: int = 2_000,
                  security: KafkaSecurity = PLAINTEXT, waiter: WaiterSpec | None = None,
-                 client: ProducerClient = "librdkafka") -> None:
+                 client: ProducerClient = "librdkafka", builders: Sequence[PartsBuild] = ()) -> None:
         self.bootstrap_servers, self.security = bootstrap_servers, security
         self.config = config = SenderConfig(bootstrap_servers, compression, send_timeout_ms, client_id,
                                             None if spool_dir is None else str(spool_dir), spool_max_bytes,
@@ -373,7 +367,8 @@ class LogProducer:
         self._process = None
         self._closed = False
         self._pipe: PipeWriter | None = None
-        self._builders: dict[PartsBuild, str] = {}
+        declared = check_builders(builders)
+        self._builders: dict[PartsBuild, int] = {b: i for i, b in enumerate(declared)}
         self._queue: queue.Queue[Item | Waiting | None] = queue.Queue(max_buffered)
         if process:
             ctx = multiprocessing.get_context("spawn")
@@ -381,7 +376,7 @@ class LogProducer:
             reader, writer = ctx.Pipe(duplex=False)
             self._ready: Any = ctx.Event()
             self._process = ctx.Process(target=_child_main, name="streamrl-log-producer", daemon=True,
-                                        args=(reader, config, self._counts, waiter, self._ready))
+                                        args=(reader, config, self._counts, waiter, self._ready, declared))
             self._process.start()
             reader.close()
             self._pipe = PipeWriter(writer, max_buffered, max_buffered_bytes)
@@ -422,9 +417,10 @@ class LogProducer:
     def offer_parts(self, topic: str, build: PartsBuild, parts: Sequence[bytes], count: int,
                     wait_for: bytes | None = None) -> bool:
         """Queue ``count`` records that ``build(*parts)`` makes later, off the caller's thread, like
-        ``offer_deferred``; the parts travel to the producer process as they are, beside the builder's name,
-        which costs the caller a fraction of pickling them (a gateway call's body and capture: 14 KB).
-        ``build`` must be a module-level function; if it raises, the records are counted as invalid.
+        ``offer_deferred``; the parts travel to the producer process as they are, beside the builder's place
+        in ``builders``, which costs the caller a fraction of pickling them (a gateway call's body and capture:
+        14 KB). In a producer process ``build`` must be one of the ``builders`` it was made with (else the
+        records are refused, counted invalid); if it raises, the records are counted as invalid.
         With ``wait_for``, the producer's ``Waiter`` builds them once the side input of that key is in
         (``build(*parts, *side_input)``)."""
         if self._pipe is None:
@@ -432,13 +428,12 @@ class LogProducer:
                 return self._put(Waiting(topic, build, tuple(parts), count, wait_for))  # type: ignore[arg-type]
             return self._put((topic, None, functools.partial(build, *parts), count))
         self._offered += count
-        try:
-            name = self._builders.get(build) or self._builders.setdefault(build, builder_name(build))
-        except ValueError as exc:
+        builder = self._builders.get(build)
+        if builder is None:
             self._unsendable += count
-            log.warning("records not handed to the producer process: %s", exc)
+            log.warning("records not handed to the producer process: %r is not among its declared builders", build)
             return False
-        if not self._pipe.put_chunks(parts_frame(topic, name, parts, count, wait_for), count):
+        if not self._pipe.put_chunks(parts_frame(topic, builder, parts, count, wait_for), count):
             self._dropped += count
             return False
         return True

@@ -25,11 +25,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from streamrl.broker.delivery import FAILED, NCOUNTS, Delivery
-from streamrl.broker.log_producer import LogProducer, ProducerStats, WaiterSpec, builder_name
+from streamrl.broker.log_producer import LogProducer, ProducerStats, WaiterSpec
 from streamrl.broker.tail_process import TailProcess
 from streamrl.broker.topics import Topics
 
 from .auth import AuthMiddleware, check_bind, has_scope, load_keys, request_key
+from .capture import RECORD_BUILDERS
 from .capture_stream import deferred_captures
 from .config import GatewayConfig
 from .coordination import Coordination, default_gateway_id
@@ -109,7 +110,7 @@ class Gateway:
             waiter = None
             if c.token_capture and c.deferred_capture:  # the producer reads the engines' capture streams
                 consumer = os.urandom(8).hex()
-                waiter = WaiterSpec(builder_name(deferred_captures),
+                waiter = WaiterSpec(deferred_captures,
                                     (consumer, dict(c.extra_headers), c.deferred_capture_wait_s))
                 self.proxy.defer_to(consumer)
             self.producer = LogProducer(c.bootstrap_servers, max_buffered=c.max_buffered_records,
@@ -117,7 +118,7 @@ class Gateway:
                                         send_timeout_ms=c.producer_send_timeout_ms, process=c.producer_process,
                                         spool_dir=c.spool_path, spool_max_bytes=c.spool_max_bytes,
                                         spool_after_ms=c.spool_after_ms, security=c.kafka, waiter=waiter,
-                                        client=c.producer_client)
+                                        client=c.producer_client, builders=RECORD_BUILDERS)
             self.reward_delivery = self.producer.config.delivery(self.reward_counts, "rewards", linger_ms=0)
         self.proxy.producer = self.producer
         self.proxy.session = self.session

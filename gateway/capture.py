@@ -337,3 +337,8 @@ def encode_engine_records(ctx: CallContext, body: bytes | list[tuple[float, byte
         captures.append(c)
     key = ctx.trajectory_id.encode()
     return [(key, encode(r)) for r in build_records(ctx, captures, total_s)]
+
+
+RECORD_BUILDERS = (encode_engine_parts,)
+"""What the gateway hands its log producer as parts (``LogProducer(builders=...)``): the producer process
+builds records only with these."""

@@ -129,8 +129,8 @@ def test_records_waiting_for_a_side_input_are_built_by_the_waiter(broker: Embedd
     create_topics(broker.bootstrap_servers, topics, partitions=1)
     reader = TopicReader(broker.bootstrap_servers, topics.rewards)
     tag = os.urandom(4).hex()
-    spec = WaiterSpec(f"{__name__}:instant_waiter", (b"xyz",))
-    producer = LogProducer(broker.bootstrap_servers, process=process, waiter=spec)
+    spec = WaiterSpec(instant_waiter, (b"xyz",))
+    producer = LogProducer(broker.bootstrap_servers, process=process, waiter=spec, builders=(reward_parts,))
     try:
         for i in range(5):
             assert producer.offer_parts(topics.rewards, reward_parts, (f"{tag}-{i}".encode(),), 1, wait_for=b"k")

@@ -16,7 +16,7 @@ from support.kafka_reader import TopicReader
 
 from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.frame_pipe import FRAME, FrameReader, PipeWriter
-from streamrl.broker.log_producer import LogProducer, builder_name, decode_item, parts_frame
+from streamrl.broker.log_producer import LogProducer, check_builders, decode_item, parts_frame
 from streamrl.broker.schema import RewardRecord, decode, encode
 from streamrl.broker.topics import Topics, create_topics
 
@@ -40,19 +40,19 @@ def _reward_parts(tag: bytes, rewards: bytes) -> list[tuple[bytes | None, bytes]
 @pytest.mark.parametrize("process", [True, False], ids=["process", "thread"])
 def test_records_offered_as_parts_are_delivered_or_counted(broker: EmbeddedBroker, process: bool) -> None:
     """``offer_parts``: byte strings and a module-level builder travel to the producer (process or thread);
-    the records it builds are delivered; a builder that raises counts its records invalid, one that cannot be
-    named is refused at the door."""
+    the records it builds are delivered; a builder that raises counts its records invalid, one not declared
+    to a producer process is refused at the door."""
     topics = Topics("log-producer-parts")
     create_topics(broker.bootstrap_servers, topics, partitions=1)
     reader = TopicReader(broker.bootstrap_servers, topics.rewards)
     tag = os.urandom(4).hex()
-    producer = LogProducer(broker.bootstrap_servers, process=process)
+    producer = LogProducer(broker.bootstrap_servers, process=process, builders=(_reward_parts, _fails))
     try:
         for i in range(20):
             assert producer.offer_parts(topics.rewards, _reward_parts, (f"{tag}-{i}".encode(), bytes(range(3))), 3)
         assert producer.offer_parts(topics.rewards, _fails, (b"x" * 100_000,), 2)
         refused = producer.offer_parts(topics.rewards, lambda *parts: [], (b"x",), 4)
-        assert refused is not process  # a lambda cannot be named in the process's frame; a thread takes it
+        assert refused is not process  # not declared to the process (a lambda could not be); a thread takes it
     finally:
         producer.close()
     stats = producer.stats
@@ -64,21 +64,24 @@ def test_records_offered_as_parts_are_delivered_or_counted(broker: EmbeddedBroke
 
 
 def test_frames_of_parts_decode_and_malformed_ones_are_refused() -> None:
-    """A frame of parts comes out as the topic, the builder bound to the parts, and the record count; a frame
-    cut short, or naming a builder the process cannot import, is a ``ValueError`` (the process counts it)."""
+    """A frame of parts comes out as the topic, the declared builder bound to the parts, and the record count;
+    a frame cut short, or naming a builder not declared, is a ``ValueError`` (the process counts it)."""
     parts = (b"tag", bytes([1, 2]))
-    frame = b"".join(parts_frame("t.rewards", builder_name(_reward_parts), parts, 2))
-    topic, key, build, count = decode_item(frame)
+    builders = (_fails, _reward_parts)
+    frame = b"".join(parts_frame("t.rewards", 1, parts, 2))
+    topic, key, build, count = decode_item(frame, builders)
     assert (topic, key, count) == ("t.rewards", None, 2)
     assert [k for k, _ in build()] == [b"tag-0", b"tag-1"]
     assert decode_item(pickle.dumps(("t", b"k", b"v", 1), protocol=5)) == ("t", b"k", b"v", 1)
     with pytest.raises(ValueError, match="parts"):
-        decode_item(frame[:-1])
-    unknown = b"".join(parts_frame("t", "no_such_module_here:build", parts, 2))
+        decode_item(frame[:-1], builders)
+    unknown = b"".join(parts_frame("t", 2, parts, 2))
     with pytest.raises(ValueError, match="builder"):
-        decode_item(unknown)
+        decode_item(unknown, builders)
     with pytest.raises(ValueError, match="module-level"):
-        builder_name(lambda: [])
+        check_builders([lambda: []])
+    with pytest.raises(ValueError, match="module-level"):
+        LogProducer("127.0.0.1:1", process=True, builders=(_reward_parts, lambda: []))
 
 
 def test_process_producer_delivers_plain_and_deferred_records(broker: EmbeddedBroker) -> None:

@@ -14,7 +14,6 @@ from support.records import reward_parts
 from streamrl.broker.delivery import INVALID, NCOUNTS
 from streamrl.broker.log_producer import (
     Waiting,
-    builder_name,
     decode_item,
     parts_frame,
 )
@@ -122,8 +121,8 @@ def test_a_context_without_its_capture_is_counted_invalid_and_a_lone_capture_for
 
 
 def test_waiting_frames_decode_with_their_key() -> None:
-    data = b"".join(parts_frame("t.rewards", builder_name(reward_parts), (b"tag",), 1, wait_for=b"up tok"))
-    assert decode_item(data) == Waiting("t.rewards", reward_parts, (b"tag",), 1, b"up tok")
+    data = b"".join(parts_frame("t.rewards", 0, (b"tag",), 1, wait_for=b"up tok"))
+    assert decode_item(data, (reward_parts,)) == Waiting("t.rewards", reward_parts, (b"tag",), 1, b"up tok")
 
 
 def test_each_upstream_url_has_its_own_outbox_name() -> None:
