@@ -69,7 +69,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from streamrl.tiny_model import SHAPES  # noqa: E402
-from streamrl.trainer.batch import TrainSequence  # noqa: E402
+from streamrl.trainer.batch import Batch, sequences_batch  # noqa: E402
 from streamrl.trainer.config import TrainerConfig  # noqa: E402
 from streamrl.trainer.learner import Learner  # noqa: E402
 from streamrl.trainer.model import attach_lora  # noqa: E402
@@ -180,10 +180,13 @@ def baseline(model, seq_len: int, warmup: int, steps: int, device: torch.device)
         peft_model.unload()
 
 
-def sequences(n: int, seq_len: int, vocab: int) -> list[TrainSequence]:
+def sequences(n: int, seq_len: int, vocab: int) -> Batch:
+    """A step's batch of ``n`` fully sampled sequences (the trainer's Arrow batch)."""
     rng = np.random.default_rng(0)
-    return [TrainSequence(rng.integers(0, vocab, seq_len), np.ones(seq_len, bool), np.full(seq_len, -12.0, np.float32),
-                          float(rng.choice([-1, 1]))) for _ in range(n)]
+    return Batch.of(sequences_batch([rng.integers(0, vocab, seq_len).astype(np.int32) for _ in range(n)],
+                                    [np.ones(seq_len, np.int8) for _ in range(n)],
+                                    behaviour_logprobs=[np.full(seq_len, -12.0, np.float32) for _ in range(n)],
+                                    advantage=[float(rng.choice([-1, 1])) for _ in range(n)]))
 
 
 def ours(model, variant: Variant, rows: int, seq_len: int, n_seqs: int, warmup: int, steps: int,

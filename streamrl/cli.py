@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("streamrl.up", "start broker, vLLM, gateway and trainer together (the whole loop on one machine)"),
     "gateway": ("streamrl.gateway.cli", "the OpenAI-compatible gateway that logs every completion to Kafka"),
     "trainer": ("streamrl.trainer.cli", "the streaming GRPO trainer daemon"),
+    "batches": ("streamrl.trainer.batches_cli", "the trainer's batch stream as Arrow IPC, for a learner of your own"),
     "sft": ("streamrl.trainer.sft", "supervised fine-tuning of a LoRA adapter on chats or an export (the trainer's code)"),
     "engine": ("streamrl.engine.cli", "a vLLM OpenAI server with runtime LoRA loading and token capture"),
     "broker": ("streamrl.broker.cli", "the embedded Kafka-protocol broker, with streamrl's topics"),

@@ -16,7 +16,7 @@ CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'tool' %}<|im_start|>tool\n{{ message['content'] }}<|im_end|>\n"
     "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}<|im_start|>assistant\n"
-    "{%- if message['content'] %}{{ message['content'] }}{%- endif %}"
+    "{% if message['content'] %}{{ message['content'] }}{%- endif %}"
     "{%- for call in message['tool_calls'] %}<tool_call>{{ call['function'] | tojson }}</tool_call>{%- endfor %}"
     "<|im_end|>\n"
     "{%- else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{%- endif %}"

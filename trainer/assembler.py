@@ -89,16 +89,37 @@ class ReadyGroup:
 
 @dataclass
 class Sequence:
-    """One training sequence: tokens, which of them were sampled, and their behaviour logprobs."""
+    """One training sequence: tokens, which of them were sampled, and their behaviour logprobs. The mask and
+    the logprobs are kept as the calls gave them (span lengths, each call's logprobs) until the step's batch
+    writes every sequence's into its Arrow buffers at once (``batch.step_batch``)."""
 
     token_ids: np.ndarray
-    loss_mask: np.ndarray
-    behaviour_logprobs: np.ndarray
+    spans: list[int]
+    """Lengths of the sequence's alternating unsampled (prompt, tool results) and sampled spans, unsampled first."""
+    sampled_logprobs: list[np.ndarray]
+    """The sampler's logprobs of each sampled span (float32)."""
     request_ids: list[str]
     policy_version: int
     """The oldest version among the calls merged into this sequence (staleness is judged by it)."""
     temperature: float = 1.0
     """The sampling temperature of its calls (all equal: a change of temperature starts a new sequence)."""
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        """1 where the token was sampled (int8)."""
+        return span_mask(self.spans)
+
+    @property
+    def behaviour_logprobs(self) -> np.ndarray:
+        """The sampler's logprob of each sampled token, 0 elsewhere (float32)."""
+        out = np.zeros(len(self.token_ids), np.float32)
+        out[self.loss_mask == 1] = np.concatenate(self.sampled_logprobs)
+        return out
+
+
+def span_mask(spans: list[int]) -> np.ndarray:
+    """The loss mask of alternating unsampled / sampled span lengths (int8)."""
+    return np.repeat(np.tile(np.array([0, 1], np.int8), len(spans) // 2), spans)
 
 
 GREEDY_BELOW = 1e-5
@@ -134,10 +155,10 @@ def filtered_sampling(record: CompletionRecord) -> bool:
 
 @dataclass
 class _Open:
-    """A sequence being built by ``merge_calls``: its parts so far and the tokens a continuation starts with."""
+    """A sequence being built by ``merge_calls``: its tokens so far (what a continuation starts with), its
+    spans and sampled logprobs."""
 
-    tokens: list[np.ndarray]
-    masks: list[np.ndarray]
+    spans: list[int]
     logprobs: list[np.ndarray]
     current: np.ndarray
     request_ids: list[str]
@@ -145,9 +166,8 @@ class _Open:
     temperature: float
 
     def extend(self, prompt_tail: np.ndarray, completion: np.ndarray, logprobs: np.ndarray) -> None:
-        self.tokens += [prompt_tail, completion]
-        self.masks += [np.zeros(len(prompt_tail), np.int8), np.ones(len(completion), np.int8)]
-        self.logprobs += [np.zeros(len(prompt_tail), np.float32), logprobs.astype(np.float32)]
+        self.spans += [len(prompt_tail), len(completion)]
+        self.logprobs.append(logprobs.astype(np.float32, copy=False))
         self.current = np.concatenate([self.current, prompt_tail, completion])
 
     def continued_by(self, prompt: np.ndarray, temperature: float) -> bool:
@@ -155,8 +175,8 @@ class _Open:
         return temperature == self.temperature and len(prompt) >= n and np.array_equal(prompt[:n], self.current)
 
     def sequence(self) -> Sequence:
-        return Sequence(np.concatenate(self.tokens), np.concatenate(self.masks), np.concatenate(self.logprobs),
-                        self.request_ids, self.version, self.temperature)
+        return Sequence(self.current.astype(np.int32, copy=False), self.spans, self.logprobs, self.request_ids,
+                        self.version, self.temperature)
 
 
 def merge_calls(completions: list[CompletionRecord]) -> list[Sequence]:
@@ -177,7 +197,7 @@ def merge_calls(completions: list[CompletionRecord]) -> list[Sequence]:
         p, temp = c.prompt_token_ids, sampling_temperature(c)
         into = max((o for o in open_ if o.continued_by(p, temp)), key=lambda o: len(o.current), default=None)
         if into is None:
-            into = _Open([], [], [], np.empty(0, np.int32), [c.request_id], c.policy_version, temp)
+            into = _Open([], [], np.empty(0, np.int32), [c.request_id], c.policy_version, temp)
             open_.append(into)
         else:
             into.request_ids = [*into.request_ids, c.request_id]

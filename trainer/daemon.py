@@ -1,9 +1,12 @@
-"""The trainer loop: take groups, train one step, publish a version, checkpoint, commit. Repeat.
+"""The trainer loop: take a step's batch, train it, publish a version, checkpoint, acknowledge. Repeat.
 
-Order of effects per published version (what makes restarts exact): adapter directory (atomic) ->
-checkpoint (atomic; offsets + pending records + optimizer) -> policy record -> Kafka offset commit.
-A crash before the checkpoint retrains the same groups into the same version number; a crash after it
-re-announces the version on restart if the policy topic does not have it yet.
+The daemon is one user of the batch stream (``stream.py``), as any learner is: ``next()`` hands it a
+step's Arrow batch, ``ack(batch, version)`` follows its checkpoint. Order of effects per published
+version (what makes restarts exact): adapter directory (atomic) -> checkpoint (atomic; weights, optimizer,
+version) -> policy record -> ``ack`` (the stream's position, then the Kafka offset commit). A crash
+before the checkpoint retrains the same groups into the same version number; a crash after it resumes
+the stream after the batch (the checkpoint's version is newer than the acknowledgement) and re-announces
+the version if the policy topic does not have it yet.
 """
 
 from __future__ import annotations
@@ -15,36 +18,34 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import pyarrow as pa
 import torch
 import torch.distributed as dist
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
 from streamrl.child import stop_on_signals
 
-from .batch import GroupBatch, TrainSequence, save_batch
+from .batch import Batch, group_slices
+from .batch_io import save_parquet
 from .config import TrainerConfig
 from .divergence import EXIT_DIVERGED, DivergenceDetector, Verdict
-from .feed import GroupSource, ReplayGroups, StreamGroups
+from .feed_state import FeedState
 from .learner import Learner
 from .metrics import Metrics, batch_metrics
 from .model import load_policy, pick_device
 from .publish import prune, write_adapter
 from .state import TrainerState, load_state, save_state
+from .stream import BatchStream
 from .tracking import open_trackers
 
 log = logging.getLogger("streamrl.trainer")
 
 
-def open_source(c: TrainerConfig, state: TrainerState) -> GroupSource:
-    if c.replay:
-        return ReplayGroups(c.replay, state.offsets)
-    from streamrl.broker.topics import Topics
-
-    from .source import KafkaRecordSource
-
-    records = KafkaRecordSource(c.bootstrap_servers, Topics(c.topic_prefix), c.group_id, state.offsets,
-                                security=c.kafka)
-    return StreamGroups(records, c, restore=state.pending, done=state.done, published=state.published)
+def legacy_position(state: TrainerState) -> FeedState | None:
+    """The stream position a checkpoint written before the stream kept its own (``feed_state.py``) holds."""
+    if not (state.pending or state.done or state.published):  # written empty since: only offsets, for the record
+        return None
+    return FeedState(dict(state.offsets), list(state.pending), list(state.done), dict(state.published))
 
 
 def cpu_threads(c: TrainerConfig) -> int:
@@ -57,8 +58,8 @@ class StepWork:
     """What rank 0 tells every rank before each step (other ranks read nothing from Kafka)."""
 
     stop: bool
-    sequences: list[TrainSequence]
-    """The step's sequences; none when no group was ready in time (no step, ask again)."""
+    batch: pa.RecordBatch | None
+    """The step's batch; None when no group was ready in time (no step, ask again)."""
 
 
 class Trainer:
@@ -86,14 +87,16 @@ class Trainer:
                 dist.broadcast(p.data, src=0)
         log.info("rank %d/%d on %s, resuming at version %d step %d", self.rank, self.world, device,
                  self.state.version, self.state.step)
-        self.source: GroupSource | None = None
+        self.stream: BatchStream | None = None
         self.metrics: Metrics | None = None
         self.divergence = DivergenceDetector(c.divergence, c.learning_rate, c.max_lag, c.backlog)
+        self.trained: list[tuple[int, Batch]] = []
+        """(step, batch) of each step trained since the last published version."""
         self.halted = False
         """Set by rank 0 when ``stop_on_divergence`` stops the run: every rank is told to stop at the next step."""
         self.policy_log = None
         if self.rank == 0:
-            self.source = open_source(c, self.state)
+            self.stream = BatchStream(c, version=self.state.version, initial=legacy_position(self.state), stop=stop)
             trackers = open_trackers(c.report_to, c.tracking_path, c.run_name or c.name,
                                      {**asdict(c), "kafka": c.kafka.redacted()}) if c.report_to else []
             self.metrics = Metrics(c.metrics_port, c.history, trackers)
@@ -113,40 +116,42 @@ class Trainer:
         idle_since = time.monotonic()
         try:
             while True:
-                batches, work = self._next_work()
+                work = self._next_work()
                 if work.stop:
                     return EXIT_DIVERGED if self.halted else 0
-                if not work.sequences:
-                    if self.metrics is not None and self.source is not None:
-                        self.metrics.count(self.source.counts)
+                if work.batch is None:
+                    if self.metrics is not None and self.stream is not None:
+                        self.metrics.count(self.stream.counts)
                     continue
                 timings = {"wait_s": time.monotonic() - idle_since}
                 t = time.monotonic()
-                stats = self.learner.step(work.sequences)
+                batch = Batch.of(work.batch)
+                stats = self.learner.step(batch)
                 timings["step_s"] = time.monotonic() - t
                 state.step += 1
                 if self.rank == 0:
-                    numbers = {**batch_metrics(batches, state.version), **asdict(stats)}
+                    numbers = {**batch_metrics(batch, state.version), **asdict(stats)}
                     verdict = self._judge(numbers)
                     if verdict.diverging and c.stop_on_divergence:
                         self._halt()
-                    elif state.step % c.publish_every == 0:
-                        self._publish(batches, numbers, verdict, timings)
+                    else:
+                        self.trained.append((state.step, batch))
+                        if state.step % c.publish_every == 0:
+                            self._publish(work.batch, numbers, verdict, timings)
                 idle_since = time.monotonic()
         finally:
             self.close()
 
-    def _next_work(self) -> tuple[list[GroupBatch], StepWork]:
-        """Rank 0 takes the step's groups and sends every rank the same ``StepWork``."""
-        c, source = self.c, self.source
+    def _next_work(self) -> StepWork:
+        """Rank 0 takes the step's batch from the stream and sends every rank the same ``StepWork``."""
+        c, stream = self.c, self.stream
         stop = self.stop.is_set() or self.halted or (c.max_steps is not None and self.state.step >= c.max_steps)
-        batches = [] if stop or source is None else source.next_groups(c.groups_per_step, self.state.version,
-                                                                       c.poll_timeout_s)
-        stop = stop or (source is not None and source.exhausted and not batches)
-        message = [StepWork(stop, [s for b in batches for s in b.sequences])]
+        batch = None if stop or stream is None else stream.next()
+        stop = stop or (stream is not None and stream.exhausted and batch is None)
+        message = [StepWork(stop, batch)]
         if self.world > 1:
             dist.broadcast_object_list(message, src=0)
-        return batches, message[0]
+        return message[0]
 
     def _judge(self, numbers: dict[str, Any]) -> Verdict:
         """Judge the step just taken (every step, published or not: the window holds steps); a diverging one
@@ -165,9 +170,9 @@ class Trainer:
                   "it continues from v%d and retrains the groups since", self.state.version + 1,
                   self.c.learning_rate, self.state.version)
 
-    def _publish(self, batches: list[GroupBatch], numbers: dict[str, Any], verdict: Verdict,
+    def _publish(self, batch: pa.RecordBatch, numbers: dict[str, Any], verdict: Verdict,
                  timings: dict[str, float]) -> None:
-        """Adapter, checkpoint, policy record, offsets: in this order (see the module docstring). The
+        """Adapter, checkpoint, policy record, acknowledgement: in this order (see the module docstring). The
         seconds each takes go into the step's history line, with ``wait_s`` (waiting for groups) and
         ``step_s`` (the optimizer step, packing included), so that a step's wall-clock can be read whole.
         ``numbers``: the step's batch metrics and ``StepStats``; ``verdict`` goes in as ``diverging`` (1.0 or
@@ -175,15 +180,16 @@ class Trainer:
         (``staleness_tokens``, a histogram, and text stay in the history line)."""
         from streamrl.broker.schema import PolicyRecord
 
-        c, state, source, metrics = self.c, self.state, self.source, self.metrics
-        assert source is not None and metrics is not None
-        groups = [b.group_id for b in batches]
-        step = {"version": state.version + 1, "step": state.step, "groups": len(batches), **numbers,
+        c, state, stream, metrics = self.c, self.state, self.stream, self.metrics
+        assert stream is not None and metrics is not None
+        trained, self.trained = self.trained, []
+        groups = [g for _, b in trained for g in b.group_ids]
+        step = {"version": state.version + 1, "step": state.step, "groups": len(groups), **numbers,
                 "tokens_per_s": numbers["tokens"] / max(numbers["seconds"], 1e-9),
                 "diverging": float(verdict.diverging)}
         if verdict.diverging:
             step["divergence"] = verdict.message
-        lag = source.lag()
+        lag = stream.lag()
         if lag is not None:
             step["kafka_lag"] = lag
         t = time.monotonic()
@@ -193,9 +199,8 @@ class Trainer:
         state.version += 1
         record = PolicyRecord(c.name, state.version, str(path.resolve()), c.model, state.step, sha,
                               {k: float(v) for k, v in step.items() if isinstance(v, int | float)})
-        offsets = source.offsets()
-        state.offsets, state.pending, state.done = offsets, source.pending_raw(), source.done_ids()
-        state.published = {**source.published(), state.version: time.time()}
+        # the stream keeps its position (feed_state.py); the offsets read through are recorded here too
+        state.offsets, state.pending, state.done, state.published = stream.offsets, [], [], {}
         state.policy = {f: getattr(record, f) for f in record.__slots__}
         state.lora = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(self.model).items()}
         state.optimizer = self.learner.optimizer.state_dict()
@@ -208,18 +213,19 @@ class Trainer:
             except Exception as exc:  # broker away: the next version supersedes this one; a restart re-announces
                 log.error("could not announce %s: %s", record.served_name, exc)
         timings["announce_s"] = time.monotonic() - t
-        source.commit(offsets)
+        stream.ack(batch, state.version)
         prune(c.policy_dir, c.keep_versions)
-        if c.save_batches:
-            for i, b in enumerate(batches):
-                save_batch(b, c.save_batches, f"{state.step:08d}-{i:03d}")
-        metrics.report({**step, **timings, "group_ids": groups, "path": str(path)}, source.counts)
+        if c.save_batches:  # one Parquet file per group, as trained (zero-copy slices of the step's batch)
+            for step_no, b in trained:
+                for i, part in enumerate(group_slices(b.record)):
+                    save_parquet(part, c.save_batches, f"{step_no:08d}-{i:03d}")
+        metrics.report({**step, **timings, "group_ids": groups, "path": str(path)}, stream.counts)
 
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
-        if self.source is not None:
-            self.source.close()
+        if self.stream is not None:
+            self.stream.close()
         if self.policy_log is not None:
             self.policy_log.close()
 

@@ -1,4 +1,5 @@
-"""What the daemon trains on: ready groups as ``GroupBatch``es, from the live log or from saved Parquet.
+"""Where a step's batch comes from: ready groups from the live log, or saved Parquet batches; the policies
+that choose them. ``stream.py`` hands the batches out (the daemon and ``streamrl.batches`` alike).
 
 ``StreamGroups`` decodes raw records (bad ones counted as ``bad_<reason>`` and skipped), feeds the
 assembler and queues each group that becomes ready. Staleness is judged when a group becomes ready and
@@ -35,48 +36,47 @@ A step takes ``groups_per_step`` groups at least and, when more are ready, more 
 ``max_step_tokens`` tokens. Counted for the share of generated tokens trained on: ``tokens_generated``
 (completion tokens of every group that became ready) and ``tokens_trained`` (of the groups handed out).
 
-Groups still queued keep their raw records, which are part of ``pending_raw()`` so that a checkpoint
-loses nothing; a dropped (stale or overload) group's records leave with it (its id stays among the closed groups),
-so a restart neither retrains nor resurrects it. Pausing never moves an offset: ``offsets()`` counts
+Groups still queued keep their raw records, which are part of ``state()`` so that a stream's saved
+position (``feed_state.py``) loses nothing; a dropped (stale or overload) group's records leave with it (its id stays among the closed groups),
+so a restart neither retrains nor resurrects it. Pausing never moves an offset: ``state()``'s offsets count
 only records returned by ``poll``, all of which are fed.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
 
+import pyarrow as pa
+
 from streamrl.broker.schema import CompletionRecord, JudgeRequest, RecordError, RewardRecord, decode
 
 from .assembler import COMPLETION, Assembler, ReadyGroup
-from .batch import GroupBatch, group_batch, group_tokens, load_batches, usable_group
+from .batch import BatchError, group_tokens, step_batch, usable_group
+from .batch_io import batch_files, read_parquet
 from .config import TrainerConfig
+from .feed_state import FeedState
 from .source import RecordSource
+
+log = logging.getLogger("streamrl.trainer")
 
 
 class GroupSource(ABC):
     counts: Counter[str]
 
     @abstractmethod
-    def next_groups(self, n: int, current_version: int, timeout_s: float) -> list[GroupBatch]:
-        """Exactly ``n`` group batches once that many are ready, else ``[]`` after at most ``timeout_s``."""
+    def next_batch(self, n: int, current_version: int, timeout_s: float) -> pa.RecordBatch | None:
+        """The batch of at least ``n`` groups once that many are ready, else None after at most ``timeout_s``."""
 
     @property
     def exhausted(self) -> bool:
         return False
 
-    def offsets(self) -> dict[str, int]:
-        return {}
-
-    def pending_raw(self) -> list[tuple[str, bytes]]:
-        return []
-
-    def done_ids(self) -> list[str]:
-        return []
-
-    def published(self) -> dict[int, float]:
-        return {}
+    @abstractmethod
+    def state(self) -> FeedState:
+        """The position after the last batch handed out: what a restart continues from."""
 
     def lag(self) -> int | None:
         """Records in Kafka not yet read (``kafka_lag`` in each step's metrics); None when not known."""
@@ -95,9 +95,9 @@ clocks of the machines that wrote them (gateways) and of the trainer to differ."
 
 
 class StreamGroups(GroupSource):
-    def __init__(self, records: RecordSource, config: TrainerConfig,
-                 restore: list[tuple[str, bytes]] = (), done: list[str] = (),
-                 published: dict[int, float] | None = None, skip_margin_s: float = SKIP_MARGIN_S) -> None:
+    def __init__(self, records: RecordSource, config: TrainerConfig, start: FeedState | None = None,
+                 skip_margin_s: float = SKIP_MARGIN_S) -> None:
+        start = start or FeedState()
         self.records = records
         self.config = config
         self.assembler = Assembler(group_size=config.group_size, group_timeout_s=config.group_timeout_s,
@@ -110,13 +110,13 @@ class StreamGroups(GroupSource):
         """When reads were last paused (monotonic clock); None while reading."""
         self._paused_s = 0.0
         """Seconds paused before the current pause."""
-        self._seen_at: dict[int, float] = dict(published or {})
+        self._seen_at: dict[int, float] = dict(start.published)
         """When each policy version was published (epoch seconds): from the checkpoint, then the time it
         was first trained against here (right after its publication)."""
         self.skip_margin_s = skip_margin_s
-        for stream, value in restore:  # before mark_done: groups ready but untrained were closed already
+        for stream, value in start.pending:  # before mark_done: groups ready but untrained were closed already
             self._feed(stream, value)
-        self.assembler.mark_done(list(done))
+        self.assembler.mark_done(list(start.done))
 
     def _feed(self, stream: str, value: bytes | None) -> None:
         try:
@@ -136,9 +136,9 @@ class StreamGroups(GroupSource):
             return
         self.assembler.add(record, value, now=self._clock())  # type: ignore[arg-type]
 
-    def next_groups(self, n: int, current_version: int, timeout_s: float) -> list[GroupBatch]:
-        """At least ``n`` group batches once that many are ready (more up to ``max_step_tokens``), else
-        ``[]`` after at most ``timeout_s``."""
+    def next_batch(self, n: int, current_version: int, timeout_s: float) -> pa.RecordBatch | None:
+        """The batch of at least ``n`` groups once that many are ready (more up to ``max_step_tokens``), else
+        None after at most ``timeout_s``."""
         # A caller asking for more than the bound (the daemon never does: the config forbids
         # max_ready_groups < groups_per_step) must not be starved by a pause it cannot drain.
         bound = max(self.config.max_ready_groups, n)
@@ -161,9 +161,9 @@ class StreamGroups(GroupSource):
                 out = self._take(n, newest_first=freshest)
                 if not freshest:
                     self._hold(len(self.ready) >= bound)
-                return [group_batch(g, std_norm=self.config.advantage_std_norm, counts=self.counts) for g in out]
+                return step_batch(out, std_norm=self.config.advantage_std_norm, counts=self.counts)
             if time.monotonic() >= deadline:
-                return []
+                return None
 
     def _skip_stale(self, version: int) -> None:
         """At a new version, move past what was written before version ``version - max_lag`` was
@@ -264,14 +264,9 @@ class StreamGroups(GroupSource):
             else:
                 self._enqueue(g, version, fresh=False)
 
-    def offsets(self) -> dict[str, int]:
-        return self.records.offsets()
-
-    def pending_raw(self) -> list[tuple[str, bytes]]:
-        return [r for g, _ in self.ready for r in g.raw] + self.assembler.pending_raw()
-
-    def done_ids(self, limit: int = 20_000) -> list[str]:
-        return list(self.assembler.done)[-limit:]
+    def state(self, done_limit: int = 20_000) -> FeedState:
+        return FeedState(self.records.offsets(), [r for g, _ in self.ready for r in g.raw] + self.assembler.pending_raw(),
+                         list(self.assembler.done)[-done_limit:], self.published())
 
     def commit(self, offsets: dict[str, int]) -> None:
         self.records.commit(offsets)
@@ -283,24 +278,33 @@ class StreamGroups(GroupSource):
         self.records.close()
 
 
-class ReplayGroups(GroupSource):
-    """Saved batches (``--save-batches``), in file order; advantages as saved, staleness not re-judged."""
+class ReplayBatches(GroupSource):
+    """Saved batches (``--save-batches``), in file-name order, ``n`` files per step, their rows as saved
+    (advantages as saved, staleness not judged again). A file that is not a readable batch is counted
+    ``bad_<reason>`` (``bad_batch_unknown_version``, ``bad_batch_malformed``, ...) and skipped."""
 
-    def __init__(self, directory: str, start: dict[str, int] | None = None) -> None:
-        self.consumed = (start or {}).get("replay", 0)
-        self.batches = load_batches(directory)[self.consumed:]
+    def __init__(self, directory: str, start: FeedState | None = None) -> None:
+        self.consumed = (start.offsets if start else {}).get("replay", 0)
+        self.files = batch_files(directory)[self.consumed:]
         self.counts: Counter[str] = Counter()
 
-    def next_groups(self, n: int, current_version: int, timeout_s: float) -> list[GroupBatch]:
-        """The next ``n`` saved batches (fewer at the very end of the directory)."""
-        out, self.batches = self.batches[:n], self.batches[n:]
-        self.consumed += len(out)
-        self.counts["groups_ready"] += len(out)
-        return out
+    def next_batch(self, n: int, current_version: int, timeout_s: float) -> pa.RecordBatch | None:
+        """The rows of the next ``n`` readable files as one batch (fewer at the very end)."""
+        records = []
+        while self.files and len(records) < n:
+            path = self.files.pop(0)
+            self.consumed += 1
+            try:
+                records.append(read_parquet(path))
+            except (BatchError, pa.ArrowException, OSError) as exc:
+                self.counts[f"bad_{exc.reason}" if isinstance(exc, BatchError) else "bad_batch_unreadable"] += 1
+                log.error("skipping %s: %s", path, exc)
+        self.counts["groups_ready"] += len(records)
+        return pa.concat_batches(records) if records else None
 
-    def offsets(self) -> dict[str, int]:
-        return {"replay": self.consumed}
+    def state(self) -> FeedState:
+        return FeedState({"replay": self.consumed})
 
     @property
     def exhausted(self) -> bool:
-        return len(self.batches) < 1
+        return not self.files

@@ -11,14 +11,15 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from .batch import TrainSequence
+from .batch import Batch
 from .config import TrainerConfig
 from .loss import grpo_loss, sft_loss
 from .model import packed_logprobs, packed_predictions, trainable_parameters
-from .packing import deal, pack, sampled_tokens
+from .packing import deal, pack
 
 TOTALS = ("loss", "sampled_tokens", "ratio_sum", "truncated", "kl_behaviour_sum", "kl_ref_sum", "tokens")
 """What each micro-batch adds to its step's totals, in the order of the one tensor summed across ranks."""
@@ -55,8 +56,8 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, betas=config.adam_betas,
                                            weight_decay=config.weight_decay)
 
-    def step(self, sequences: list[TrainSequence], loss: Literal["grpo", "sft"] = "grpo") -> StepStats:
-        """One optimizer step. ``loss="sft"`` (``streamrl sft``): the same packing, accumulation and optimizer
+    def step(self, batch: Batch | pa.RecordBatch, loss: Literal["grpo", "sft"] = "grpo") -> StepStats:
+        """One optimizer step over a step's batch (``BATCH_SCHEMA``). ``loss="sft"`` (``streamrl sft``): the same packing, accumulation and optimizer
         with the NLL of the masked tokens (``sft_loss``) instead of GRPO's; no sampler, so the ratio and KL
         statistics stay 0 and ``kl_coef`` does not apply."""
         if loss not in ("grpo", "sft"):
@@ -64,8 +65,9 @@ class Learner:
         c = self.config
         start = time.perf_counter()
         world, rank = _world()
-        total_tokens = sampled_tokens(sequences)
-        mine = deal(pack(sequences, c.micro_batch_tokens, c.row_tokens), world, rank)
+        batch = batch if isinstance(batch, Batch) else Batch.of(batch)
+        total_tokens, n_sequences = batch.sampled_tokens(), batch.rows
+        mine = deal(pack(batch, c.micro_batch_tokens, c.row_tokens), world, rank)
         self.model.train()
         for p in self.params:  # zeros, not None: a rank without micro-batches still joins the all-reduce
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
@@ -80,7 +82,7 @@ class Learner:
                                    recompute=c.recompute_logits, compiled_head=bool(c.compile))
             if loss == "sft":
                 value, st = sft_loss(logp, mb.sequence_index, normalize=c.normalize, total_tokens=total_tokens,
-                                     total_sequences=len(sequences))
+                                     total_sequences=n_sequences)
                 value.backward()
                 sums += torch.tensor([value.item(), st.tokens, 0, 0, 0, 0, mb.real_tokens], dtype=torch.float64)
                 continue
@@ -92,7 +94,7 @@ class Learner:
                                           compiled_head=bool(c.compile))
             loss, st = grpo_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.sequence_index, mode=c.is_mode,
                                  is_cap=c.is_cap, clip_eps=c.clip_eps, normalize=c.normalize, ref_logprobs=ref,
-                                 kl_coef=c.kl_coef, total_tokens=total_tokens, total_sequences=len(sequences))
+                                 kl_coef=c.kl_coef, total_tokens=total_tokens, total_sequences=n_sequences)
             loss.backward()
             sums += torch.tensor([loss.item(), st.tokens, st.ratio_sum, st.truncated, st.kl_behaviour_sum,
                                   st.kl_ref_sum, mb.real_tokens], dtype=torch.float64)
@@ -113,21 +115,21 @@ class Learner:
         k = max(t["sampled_tokens"], 1.0)
         return StepStats(
             loss=t["loss"], tokens=int(t["tokens"]), sampled_tokens=int(t["sampled_tokens"]),
-            sequences=len(sequences), micro_batches=len(mine), ratio_mean=t["ratio_sum"] / k,
+            sequences=n_sequences, micro_batches=len(mine), ratio_mean=t["ratio_sum"] / k,
             truncated_frac=t["truncated"] / k, kl_behaviour=t["kl_behaviour_sum"] / k, kl_ref=t["kl_ref_sum"] / k,
             grad_norm=float(grad_norm), seconds=time.perf_counter() - start,
         )
 
     @torch.no_grad()
-    def evaluate(self, sequences: list[TrainSequence]) -> tuple[float, float, int]:
-        """Held-out (token-mean NLL, token accuracy, target tokens) of ``sequences``, packed as a step is;
+    def evaluate(self, batch: Batch | pa.RecordBatch) -> tuple[float, float, int]:
+        """Held-out (token-mean NLL, token accuracy, target tokens) of ``batch``'s sequences, packed as a step is;
         all of them in this process (SFT runs single-process)."""
         c = self.config
         was_training = self.model.training
         self.model.eval()  # no LoRA dropout while measuring
         nll, hits, n = 0.0, 0, 0
         try:
-            for mb in pack(sequences, c.micro_batch_tokens, c.row_tokens):
+            for mb in pack(batch if isinstance(batch, Batch) else Batch.of(batch), c.micro_batch_tokens, c.row_tokens):
                 mb = mb.to(self.device)
                 logp, correct = packed_predictions(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
                                                    chunk=c.logit_chunk_tokens)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .batch import GroupBatch
+from .batch import Batch
 from .tracking import Tracker, numbers
 
 log = logging.getLogger("streamrl.trainer")
@@ -25,25 +25,24 @@ FEED_COUNTERS = {
 """Counts that are not record outcomes get their own Prometheus counters (``<name>_total``)."""
 
 
-def batch_metrics(batches: list[GroupBatch], version: int) -> dict[str, Any]:
-    """Reward and staleness statistics of a step's groups (one reward per trajectory).
+def batch_metrics(batch: Batch, version: int) -> dict[str, Any]:
+    """Reward and staleness statistics of a step's batch (one reward per trajectory).
 
     ``staleness_tokens`` counts the step's sampled tokens by staleness (``{"0": n0, "1": n1, ...}``), so that
     staleness per sampled token (mean, quantiles, max) over a run is exact; the per-sequence mean cannot give it.
     It is the one non-number here: consumers that want numbers filter by type (policy record, /metrics)."""
-    rewards: dict[str, float] = {}
-    lags = []
+    lags = version - batch.policy_version.astype(np.int64)
+    sampled = batch.loss_mask.row_sums()
     tokens: Counter[int] = Counter()
-    for b in batches:
-        for s in b.sequences:
-            lag = version - s.policy_version
-            lags.append(lag)
-            tokens[lag] += int(np.count_nonzero(s.loss_mask))
-            rewards.setdefault(s.trajectory_id, s.reward)
+    for lag, n in zip(lags.tolist(), sampled.tolist(), strict=True):
+        tokens[lag] += n
+    rewards: dict[str, float] = {}
+    for tid, reward in zip(batch.trajectory_ids, batch.reward.tolist(), strict=True):
+        rewards.setdefault(tid, reward)
     r = list(rewards.values())
     return {
         "reward_mean": float(np.mean(r)), "reward_std": float(np.std(r)),
-        "trajectories": len(r), "staleness_mean": float(np.mean(lags)), "staleness_max": float(max(lags)),
+        "trajectories": len(r), "staleness_mean": float(np.mean(lags)), "staleness_max": float(lags.max()),
         "staleness_tokens": {str(lag): n for lag, n in sorted(tokens.items())},
     }
 

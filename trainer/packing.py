@@ -1,4 +1,5 @@
-"""Pack an optimizer step's sequences into micro-batches with minimal padding.
+"""Pack an optimizer step's sequences (the rows of its ``Batch``, read from the Arrow buffers without a
+Python object per row) into micro-batches with minimal padding.
 
 Two levels, both first-fit decreasing:
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .batch import TrainSequence
+from .batch import Batch
 
 
 @dataclass
@@ -46,11 +47,12 @@ class MicroBatch:
                           self.temperatures.to(device))
 
 
-def _first_fit(items: list, size, capacity: int) -> list[list]:
-    bins: list[list] = []
+def _first_fit(sizes: np.ndarray, capacity: int) -> list[list[int]]:
+    """Indices into ``sizes`` in bins of at most ``capacity`` (an item larger than that gets its own)."""
+    bins: list[list[int]] = []
     room: list[int] = []
-    for item in sorted(items, key=size, reverse=True):
-        n = size(item)
+    for item in np.argsort(-sizes, kind="stable").tolist():
+        n = int(sizes[item])
         for i, r in enumerate(room):
             if n <= r:
                 bins[i].append(item)
@@ -62,49 +64,59 @@ def _first_fit(items: list, size, capacity: int) -> list[list]:
     return bins
 
 
-def _row_length(row: list[TrainSequence]) -> int:
-    return sum(len(s.token_ids) for s in row)
-
-
-def _make(rows: list[list[TrainSequence]]) -> MicroBatch:
-    width = max(_row_length(r) for r in rows)
+def _make(batch: Batch, rows: list[list[int]], lengths: np.ndarray) -> MicroBatch:
+    """The micro-batch of ``rows`` (each a list of the batch's row indices), read from the batch's buffers:
+    token slices copied straight from the Arrow values, the sampled targets found in one vectorised pass."""
+    per_row = [len(row) for row in rows]
+    order = [i for row in rows for i in row]
+    row_of = np.repeat(np.arange(len(rows)), per_row)
+    n = lengths[order].astype(np.int64)
+    ends = np.cumsum(n)
+    starts = ends - n
+    last = np.cumsum(per_row) - 1  # each row's last sequence, in ``order``
+    row_starts = np.concatenate([[0], ends[last][:-1]])
+    widths = ends[last] - row_starts
+    width = int(widths.max())
+    col = starts - row_starts[row_of]  # where each sequence starts in its row
+    # padding (after a row's last sequence) continues that sequence's positions; real tokens overwrite the rest
+    pos = np.arange(width, dtype=np.int64)[None, :] + (n[last] - widths)[:, None]
     ids = np.zeros((len(rows), width), np.int64)
-    pos = np.zeros((len(rows), width), np.int64)
-    tgt, beh, adv, sidx, temp = [], [], [], [], []
-    k = 0
-    for r, row in enumerate(rows):
-        col = 0
-        for s in row:
-            n = len(s.token_ids)
-            ids[r, col:col + n] = s.token_ids
-            pos[r, col:col + n] = np.arange(n)
-            where = np.flatnonzero(s.loss_mask)
-            where = where[where > 0]  # position 0 has no context; never sampled in practice
-            tgt.append(r * width + col + where)
-            beh.append(np.asarray(s.behaviour_logprobs, np.float32)[where])
-            adv.append(np.full(len(where), s.advantage, np.float32))
-            sidx.append(np.full(len(where), k))
-            temp.append(np.full(len(where), s.temperature, np.float32))
-            col += n
-            k += 1
-        pos[r, col:] = np.arange(width - col) + (pos[r, col - 1] + 1 if col else 0)  # padding continues
+    offsets, tokens = batch.token_ids.offsets, batch.token_ids.values
+    mask, behaviour = batch.loss_mask.values, batch.behaviour_logprobs.values
+    positions = np.arange(int(n.max()), dtype=np.int64)
+    masks, behaviours = [], []
+    for r, c, length, i in zip(row_of.tolist(), col.tolist(), n.tolist(), order, strict=True):
+        o = int(offsets[i])
+        ids[r, c:c + length] = tokens[o:o + length]
+        pos[r, c:c + length] = positions[:length]
+        masks.append(mask[o:o + length])
+        behaviours.append(behaviour[o:o + length])
+    idx = np.flatnonzero(np.concatenate(masks))  # sampled tokens, in the sequences' placement order
+    idx = idx[np.isin(idx, starts, invert=True)]  # position 0 has no context; never sampled in practice
+    per_seq = np.diff(np.searchsorted(idx, np.append(starts, ends[-1])))  # sampled tokens of each sequence
+    chosen = np.asarray(order, np.int64)
     return MicroBatch(torch.from_numpy(ids), torch.from_numpy(pos),
-                      torch.from_numpy(np.concatenate(tgt).astype(np.int64)),
-                      torch.from_numpy(np.concatenate(beh)), torch.from_numpy(np.concatenate(adv)),
-                      torch.from_numpy(np.concatenate(sidx).astype(np.int64)), k,
-                      sum(_row_length(r) for r in rows), torch.from_numpy(np.concatenate(temp)))
+                      torch.from_numpy(idx + np.repeat(row_of * width + col - starts, per_seq)),
+                      torch.from_numpy(np.concatenate(behaviours)[idx].astype(np.float32, copy=False)),
+                      torch.from_numpy(np.repeat(batch.advantage[chosen].astype(np.float32), per_seq)),
+                      torch.from_numpy(np.repeat(np.arange(len(order), dtype=np.int64), per_seq)), len(order),
+                      int(ends[-1]), torch.from_numpy(np.repeat(batch.temperature[chosen].astype(np.float32), per_seq)))
 
 
-def pack(sequences: list[TrainSequence], budget: int, row_tokens: int | None = None) -> list[MicroBatch]:
+def pack(batch: Batch, budget: int, row_tokens: int | None = None) -> list[MicroBatch]:
     """Pack a step's sequences into micro-batches of about ``budget`` tokens."""
-    rows = _first_fit(sequences, lambda s: len(s.token_ids), row_tokens or budget)
-    micro: list[list[list[TrainSequence]]] = []
-    for row in sorted(rows, key=_row_length, reverse=True):
-        if micro and (len(micro[-1]) + 1) * _row_length(micro[-1][0]) <= budget:
-            micro[-1].append(row)
+    lengths = batch.token_ids.lengths
+    rows = _first_fit(lengths, row_tokens or budget)
+    row_len = [int(lengths[r].sum()) for r in rows]
+    micro: list[list[list[int]]] = []
+    width = 0
+    for j in sorted(range(len(rows)), key=lambda j: -row_len[j]):
+        if micro and (len(micro[-1]) + 1) * width <= budget:
+            micro[-1].append(rows[j])
         else:
-            micro.append([row])
-    return [_make(m) for m in micro]
+            micro.append([rows[j]])
+            width = row_len[j]
+    return [_make(batch, m, lengths) for m in micro]
 
 
 def deal(micro_batches: list[MicroBatch], world_size: int, rank: int) -> list[MicroBatch]:
@@ -119,5 +131,3 @@ def deal(micro_batches: list[MicroBatch], world_size: int, rank: int) -> list[Mi
     return mine
 
 
-def sampled_tokens(sequences: list[TrainSequence]) -> int:
-    return int(sum(int(np.asarray(s.loss_mask)[1:].sum()) for s in sequences))

@@ -157,7 +157,7 @@ def run_sft(sft: SftConfig, c: TrainerConfig) -> dict:
     from .learner import Learner
     from .model import load_policy, pick_device
     from .publish import write_adapter_files
-    from .sft_data import load_sft_data
+    from .sft_data import examples_batch, load_sft_data
     from .state import TrainerState, load_state, save_state
     from .tracking import numbers, open_trackers
 
@@ -196,10 +196,12 @@ def run_sft(sft: SftConfig, c: TrainerConfig) -> dict:
         for t in trackers:
             t.log(numbers(entry), entry["step"])
 
+    held_batch = examples_batch(held)
+
     def evaluate() -> None:
         if not held:
             return
-        loss, accuracy, tokens = learner.evaluate(held)
+        loss, accuracy, tokens = learner.evaluate(held_batch)
         summary.setdefault("eval_loss_first", loss)
         summary.update(eval_loss=loss, eval_accuracy=accuracy)
         record({"step": state.step, "eval_loss": loss, "eval_accuracy": accuracy, "eval_tokens": tokens})
@@ -221,7 +223,7 @@ def run_sft(sft: SftConfig, c: TrainerConfig) -> dict:
             if index >= len(steps):
                 epoch, index = epoch + 1, 0
                 continue
-            stats = learner.step(steps[index], loss="sft")
+            stats = learner.step(examples_batch(steps[index]), loss="sft")
             index += 1
             state.step += 1
             state.offsets = {"epoch": epoch, "batch": index}

@@ -1,4 +1,5 @@
-"""SFT examples as the trainer's ``TrainSequence``: token ids plus a loss mask of the tokens to learn.
+"""SFT examples (``Example``): token ids plus a loss mask of the tokens to learn; each step's examples
+become one batch of the trainer's schema (``batch.sequences_batch``) for the learner.
 
 Three sources, told apart by what each row holds (so one file may even mix them):
 
@@ -23,13 +24,29 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
-from .batch import TrainSequence
+from .batch import sequences_batch
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """One demonstration: its tokens and which of them are learnt."""
+
+    token_ids: np.ndarray
+    """int32."""
+    loss_mask: np.ndarray
+    """int8, 1 on the tokens to learn."""
+
+
+def examples_batch(examples: list[Example]) -> pa.RecordBatch:
+    """A step's (or the held-out set's) examples as the learner's batch."""
+    return sequences_batch([e.token_ids for e in examples], [e.loss_mask for e in examples])
 
 
 @dataclass
 class SftData:
-    sequences: list[TrainSequence] = field(default_factory=list)
+    sequences: list[Example] = field(default_factory=list)
     rows: int = 0
     skipped: Counter = field(default_factory=Counter)
     """Reason -> rows skipped for it."""
@@ -49,10 +66,8 @@ class RowError(ValueError):
         self.reason = reason
 
 
-def _sequence(ids: list[int], mask: list[int]) -> TrainSequence:
-    n = len(ids)
-    return TrainSequence(token_ids=np.asarray(ids, np.int32), loss_mask=np.asarray(mask, np.int8),
-                         behaviour_logprobs=np.zeros(n, np.float32), advantage=0.0)
+def _sequence(ids: list[int], mask: list[int]) -> Example:
+    return Example(token_ids=np.asarray(ids, np.int32), loss_mask=np.asarray(mask, np.int8))
 
 
 def _clean(value: Any) -> Any:
@@ -72,7 +87,7 @@ def _render(tokenizer: Any, messages: list[dict], tools: list | None, *, generat
 
 
 def chat_example(tokenizer: Any, messages: list[dict], tools: list | None = None, *,
-                 final_turn_only: bool = False) -> TrainSequence:
+                 final_turn_only: bool = False) -> Example:
     """The whole conversation's ids, the mask set on each assistant turn's tokens (only the last one's with
     ``final_turn_only``). A turn's span is found by rendering the conversation up to it (with the generation
     prompt, as a request for that turn would be rendered) and up to its end, each of which must be a prefix
@@ -106,7 +121,7 @@ def chat_example(tokenizer: Any, messages: list[dict], tools: list | None = None
     return _sequence(full, mask)
 
 
-def export_examples(row: dict) -> list[TrainSequence]:
+def export_examples(row: dict) -> list[Example]:
     """A ``streamrl export`` row: each call's prompt and completion ids as logged, the completion masked;
     a call whose prompt starts with everything before it extends that sequence (a later turn)."""
     calls = row.get("calls") or []
@@ -129,7 +144,7 @@ def export_examples(row: dict) -> list[TrainSequence]:
     return [_sequence(ids, mask) for ids, mask in out]
 
 
-def row_examples(row: dict, tokenizer: Any, *, final_turn_only: bool = False) -> list[TrainSequence]:
+def row_examples(row: dict, tokenizer: Any, *, final_turn_only: bool = False) -> list[Example]:
     if not isinstance(row, dict):
         raise RowError("not_an_object")
     if row.get("calls") is not None:

@@ -1,11 +1,10 @@
 """The trainer's checkpoint, written atomically with each published version.
 
-Exactly-once across crashes: the checkpoint holds, together, the LoRA weights, the optimizer state, the
-version counter, the next offset per partition consumed so far, and the raw bytes of every record
-consumed but not yet trained (the assembler's pending trajectories and ready-but-untrained groups),
-plus the ids of recently trained groups. A restart loads it, re-feeds the pending records and seeks
-to the stored offsets, so every record is trained at most and at least once. Kafka group offsets are
-committed only after this file is on disk, for monitoring.
+It holds the LoRA weights, the optimizer state and the version counter; where the batch stream stands
+(offsets, records consumed but not yet trained, closed group ids) is the stream's own
+(``feed_state.py``), acknowledged with this version right after this file is on disk, so a restart
+that finds this checkpoint newer than the acknowledgement continues after the batch it holds
+(exactly-once; docs/trainer.md).
 
 The file is our own (written by this module), read with ``torch.load(weights_only=False)``.
 """
@@ -27,7 +26,11 @@ class TrainerState:
     version: int = 0
     step: int = 0
     offsets: dict[str, int] = field(default_factory=dict)
-    """Next offset per partition; for ``streamrl sft`` its position in the data: ``epoch`` and ``batch``."""
+    """The next offset of every partition the checkpoint's version has read through (a record: the stream
+    keeps its own position); for ``streamrl sft`` its position in the data: ``epoch`` and ``batch``. A trainer
+    checkpoint written before the stream kept its own position holds that position here, with ``pending``,
+    ``done`` and ``published``: read once to start the stream there (``daemon.legacy_position``); they are
+    written empty since."""
     pending: list[tuple[str, bytes]] = field(default_factory=list)
     done: list[str] = field(default_factory=list)
     policy: dict[str, Any] | None = None
@@ -35,8 +38,6 @@ class TrainerState:
     lora: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer: dict[str, Any] = field(default_factory=dict)
     published: dict[int, float] = field(default_factory=dict)
-    """When the last versions were published (epoch seconds): after a restart the feed can still skip
-    what was written before version ``V - max_lag`` without reading it (``trainer/feed.py``)."""
 
 
 def save_state(directory: Path, state: TrainerState) -> Path:

@@ -8,6 +8,7 @@ import time
 import uuid
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from support.kafka_reader import produce
 from support.records import call
@@ -31,11 +32,12 @@ def stream(bootstrap: str, topics: Topics, **cfg) -> StreamGroups:
     return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}"), config)
 
 
-def await_groups(s: StreamGroups, n: int, timeout: float = 30.0, version: int = 0) -> list:
+def await_batch(s: StreamGroups, n: int, timeout: float = 30.0, version: int = 0) -> pa.RecordBatch:
+    """The next step's batch of ``n`` groups."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        got = s.next_groups(n, version, 0.5)
-        if got:
+        got = s.next_batch(n, version, 0.5)
+        if got is not None:
             return got
     raise AssertionError(f"no {n} groups within {timeout}s; counts {dict(s.counts)}")
 
@@ -56,10 +58,9 @@ def test_records_through_kafka_become_the_expected_batch(broker) -> None:
     produce(broker.bootstrap_servers, topics, recs)
     s = stream(broker.bootstrap_servers, topics)
     try:
-        [batch] = await_groups(s, 1)
+        table = await_batch(s, 1)
     finally:
         s.close()
-    table = batch.to_arrow()
     assert table.schema.equals(BATCH_SCHEMA)
     rows = sorted(table.to_pylist(), key=lambda r: (r["trajectory_id"], r["token_ids"]))
     assert [(r["trajectory_id"], r["token_ids"], r["loss_mask"]) for r in rows] == [
@@ -96,10 +97,10 @@ def test_bad_records_are_counted_and_skipped(broker) -> None:
     produce(broker.bootstrap_servers, topics, good_records, raw)
     s = stream(broker.bootstrap_servers, topics)
     try:
-        [batch] = await_groups(s, 1)  # the good records still make their group
+        batch = await_batch(s, 1)  # the good records still make their group
     finally:
         s.close()
-    assert len(batch.sequences) == 2
+    assert batch.num_rows == 2
     assert {k: v for k, v in s.counts.items() if k.startswith("bad_")} == {
         "bad_malformed": 1, "bad_unknown_version": 1, "bad_nan_logprob": 1, "bad_length_mismatch": 1,
         "bad_non_finite_reward": 1, "bad_wrong_kind": 1}
@@ -125,27 +126,25 @@ def test_staleness_is_judged_again_when_taken(broker) -> None:
     try:
         deadline = time.monotonic() + 30
         while s.counts["rewards"] < 8 or s.counts["completions"] < 8:  # everything consumed, nothing taken
-            assert s.next_groups(100, 0, 0.5) == [] and time.monotonic() < deadline, dict(s.counts)
+            assert s.next_batch(100, 0, 0.5) is None and time.monotonic() < deadline, dict(s.counts)
         assert s.counts["groups_ready"] == 4
         assert [g.group_id for g, _ in s.ready] == ["g0", "g1", "g2", "g3"]
-        [batch] = s.next_groups(1, 2, 0.5)
-        assert [s.group_id for s in batch.sequences] == ["g2", "g2"]
-        assert max(2 - s.policy_version for s in batch.sequences) <= 1
+        batch = s.next_batch(1, 2, 0.5)
+        assert batch is not None and batch.column("group_id").to_pylist() == ["g2", "g2"]
+        assert max(2 - v for v in batch.column("policy_version").to_pylist()) <= 1
         assert s.counts["stale_trajectories"] == 4 and s.counts["groups_dropped_stale"] == 2
         # the checkpoint holds only g3's records; every group is closed (dropped ones too)
-        pending = s.pending_raw()
-        assert len(pending) == 4
-        assert {"g0", "g1", "g2", "g3"} <= set(s.done_ids())
-        offsets, done = s.offsets(), s.done_ids()
+        saved = s.state()
+        assert len(saved.pending) == 4
+        assert {"g0", "g1", "g2", "g3"} <= set(saved.done)
     finally:
         s.close()
     # restart from that state: g3 comes back, the dropped g0 and g1 are neither retrained nor lost again
-    again = StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", offsets), config,
-                         restore=pending, done=done)
+    again = StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", saved.offsets), config, saved)
     try:
-        [batch] = again.next_groups(1, 2, 5.0)
-        assert [s.group_id for s in batch.sequences] == ["g3", "g3"]
-        assert again.next_groups(1, 2, 1.0) == []
+        batch = again.next_batch(1, 2, 5.0)
+        assert batch is not None and batch.column("group_id").to_pylist() == ["g3", "g3"]
+        assert again.next_batch(1, 2, 1.0) is None
         assert again.counts["late"] == 0 and again.counts["groups_ready"] == 1
     finally:
         again.close()

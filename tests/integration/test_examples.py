@@ -127,8 +127,8 @@ def train_on(rewards: TopicReader, group: dict[str, list[CompletionRecord]],
     counts: Counter[str] = Counter()
     batch = build_batch(ready, current_version=0, max_lag=4, std_norm=True, counts=counts)
     assert batch is not None, f"the group carries no signal: {dict(counts)}"
-    stats = learner.step(batch.sequences)
-    assert stats.sequences == len(batch.sequences) and stats.grad_norm > 0
+    stats = learner.step(batch)
+    assert stats.sequences == batch.num_rows and stats.grad_norm > 0
 
 
 # -------------------------------------------------------------------------------------------- tic-tac-toe

@@ -201,17 +201,17 @@ def test_a_group_posted_without_rewards_is_judged_and_trained(broker, engine, ba
     source = KafkaRecordSource(broker.bootstrap_servers, topics, "judge-e2e-trainer")
     feed = StreamGroups(source, config)
     try:
-        batches = []
+        batch = None
         deadline = time.monotonic() + 60
-        while not batches and time.monotonic() < deadline:
-            batches = feed.next_groups(1, 0, 0.5)
-        assert batches, dict(feed.counts)
+        while batch is None and time.monotonic() < deadline:
+            batch = feed.next_batch(1, 0, 0.5)
+        assert batch is not None, dict(feed.counts)
     finally:
         feed.close()
-    [batch] = batches
-    assert batch.group_id == gid
-    assert sorted(s.trajectory_id for s in batch.sequences) == tids
-    assert {s.trajectory_id: s.reward for s in batch.sequences} == {r.trajectory_id: r.reward for r in judged}
+    rows = batch.to_pylist()
+    assert {r["group_id"] for r in rows} == {gid}
+    assert sorted(r["trajectory_id"] for r in rows) == tids
+    assert {r["trajectory_id"]: r["reward"] for r in rows} == pytest.approx({r.trajectory_id: r.reward for r in judged})
     assert feed.counts["not_trained_judge"] == len(judge_calls)
     assert feed.counts["not_trained_judge_request"] == 3
 

@@ -9,6 +9,7 @@ import time
 from support.kafka_reader import produce
 from support.trainer_records import BOUND, group, one_partition_topics, open_feed, produce_groups
 
+from streamrl.trainer.batch import Batch
 from streamrl.trainer.feed import StreamGroups
 
 
@@ -17,11 +18,11 @@ def take(s: StreamGroups, version: int = 0, timeout: float = 30.0) -> str:
     while the ready queue is full and that the consumer's positions are the feed's offsets."""
     deadline = time.monotonic() + timeout
     while True:
-        got = s.next_groups(1, version, 0.5)
+        got = s.next_batch(1, version, 0.5)
         check_pause_state(s)
-        if got:
-            [batch] = got
-            return batch.group_id
+        if got is not None:
+            [gid] = Batch.of(got).group_ids
+            return gid
         assert time.monotonic() < deadline, f"no group within {timeout}s; counts {dict(s.counts)}"
 
 
@@ -31,7 +32,7 @@ def check_pause_state(s: StreamGroups) -> None:
     assert s.paused == full, (len(s.ready), s.paused)
     assert consumer.paused() == (consumer.assignment() if full else set()), (len(s.ready), consumer.paused())
     positions = {f"{tp.topic}:{tp.partition}": consumer.position(tp) for tp in consumer.assignment()}
-    assert positions == s.offsets()
+    assert positions == s.state().offsets
 
 
 def take_until_paused(s: StreamGroups, taken: list[str]) -> None:
@@ -60,7 +61,7 @@ def test_full_ready_queue_pauses_reads_and_drops_nothing(broker) -> None:
         while len(taken) < len(first + second):
             taken.append(take(s))
         assert taken == first + second  # every group exactly once, in log order
-        assert s.next_groups(1, 0, 1.0) == [] and not s.ready
+        assert s.next_batch(1, 0, 1.0) is None and not s.ready
         assert s.counts["groups_ready"] == 12 and s.counts["groups_dropped_overflow"] == 0
         assert s.counts["groups_dropped_stale"] == 0 and s.counts["incomplete_dropped"] == 0
         assert s.counts["reads_paused"] >= 1 and s.counts["reads_paused_s"] > 0
@@ -83,19 +84,20 @@ def test_restart_from_a_checkpoint_taken_while_paused_is_exact(broker) -> None:
         produce_groups(bootstrap, topics, groups[6:])  # unread while paused
         taken.append(take(s))
         assert s.paused  # still full, so the checkpoint below is taken with reads paused
-        offsets, pending, done = s.offsets(), s.pending_raw(), s.done_ids()
+        saved = s.state()
+        offsets = saved.offsets
         # offsets cover exactly what was read (all of it fed), none of what was produced while paused
         assert sum(offsets.values()) == s.counts["completions"] + s.counts["rewards"] <= 6 * 2 * 2
     finally:
         s.close()
-    again = open_feed(bootstrap, topics, offsets, pending, done)
+    again = open_feed(bootstrap, topics, saved)
     try:
         while len(taken) < len(groups):
             taken.append(take(again))
         assert taken == groups  # none twice, none skipped, in order
-        assert again.next_groups(1, 0, 1.0) == []
+        assert again.next_batch(1, 0, 1.0) is None
         assert again.counts["late"] == 0 and again.counts["groups_dropped_overflow"] == 0
-        assert sum(again.offsets().values()) == len(groups) * 2 * 2
+        assert sum(again.state().offsets.values()) == len(groups) * 2 * 2
     finally:
         again.close()
 

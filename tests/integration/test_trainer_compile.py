@@ -5,13 +5,15 @@ Skipped where inductor cannot build code on this machine (no C++ compiler or Pyt
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
 from peft import get_peft_model_state_dict
 from torch._dynamo.utils import counters
 
-from streamrl.trainer.batch import TrainSequence
+from streamrl.trainer.batch import Batch, sequences_batch
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.learner import Learner
 from streamrl.trainer.model import load_policy, packed_logprobs, trainable_parameters
@@ -38,9 +40,26 @@ def policy(tiny_model, compile_: bool | str) -> tuple[TrainerConfig, torch.nn.Mo
     return config, model
 
 
-def seq(n: int, n_prompt: int, adv: float, rng: np.random.Generator, temperature: float = 1.0) -> TrainSequence:
-    return TrainSequence(rng.integers(10, 2000, n), np.arange(n) >= n_prompt, np.full(n, -7.6, np.float32), adv,
-                         temperature)
+@dataclass
+class Seq:
+    """A test's sequence, before it joins a batch (``as_batch``)."""
+
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    behaviour_logprobs: np.ndarray
+    advantage: float
+    temperature: float = 1.0
+
+
+def as_batch(seqs: list[Seq]) -> Batch:
+    return Batch.of(sequences_batch([s.token_ids.astype(np.int32) for s in seqs],
+                                    [s.loss_mask.astype(np.int8) for s in seqs],
+                                    behaviour_logprobs=[s.behaviour_logprobs for s in seqs],
+                                    advantage=[s.advantage for s in seqs], temperature=[s.temperature for s in seqs]))
+
+
+def seq(n: int, n_prompt: int, adv: float, rng: np.random.Generator, temperature: float = 1.0) -> Seq:
+    return Seq(rng.integers(10, 2000, n), np.arange(n) >= n_prompt, np.full(n, -7.6, np.float32), adv, temperature)
 
 
 def graphs() -> int:
@@ -63,7 +82,7 @@ def test_compiled_layers_match_eager(tiny_model, inductor) -> None:
     # two sequences packed into one row (block-diagonal mask: the daemon's micro-batches), sampled at
     # temperatures, logits recomputed in the backward pass. One graph of each kind keeps this test short
     # on two cores; the bench's path (several rows, one sequence each) is another graph.
-    [mb] = pack([seq(40, 5, 1.0, rng), seq(29, 3, -1.0, rng)], budget=80)
+    [mb] = pack(as_batch([seq(40, 5, 1.0, rng), seq(29, 3, -1.0, rng)]), budget=80)
     assert tuple(mb.input_ids.shape) == (1, 69)
     temps = torch.linspace(0.6, 1.4, len(mb.target_positions))
     results = []
@@ -86,7 +105,7 @@ def test_compiled_layers_match_eager(tiny_model, inductor) -> None:
     for lengths in ((30, 21, 12), (37, 18)):  # the second step: a new row length
         seqs = [seq(n, 4, adv, rng, t) for n, adv, t in zip(lengths, (1.0, -1.0, 0.5), (0.7, 1.0, 1.2), strict=False)]
         before = graphs()
-        want_stats, got_stats = (learner.step(seqs) for learner in learners)
+        want_stats, got_stats = (learner.step(as_batch(seqs)) for learner in learners)
         assert graphs() == before  # rows, length and targets are symbolic: new lengths compile nothing new
         assert got_stats.loss == pytest.approx(want_stats.loss, rel=1e-5, abs=1e-7)
         assert got_stats.grad_norm == pytest.approx(want_stats.grad_norm, rel=1e-4)

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from streamrl.broker.embedded import free_port
 from streamrl.broker.schema import CompletionRecord, RewardRecord
 from streamrl.trainer.assembler import Assembler
-from streamrl.trainer.batch import build_batch, save_batch
+from streamrl.trainer.batch import build_batch
+from streamrl.trainer.batch_io import save_parquet
 
 
 def write_batches(directory: Path, n_groups: int = 4) -> None:
@@ -30,7 +31,7 @@ def write_batches(directory: Path, n_groups: int = 4) -> None:
                                    logprobs=rng.normal(-7.6, 0.1, n)), b"", now=0)
             a.add(RewardRecord(tid, float(rng.random()), group_id=f"g{g}"), b"", now=0)
     for i, group in enumerate(a.poll(now=0)):
-        save_batch(build_batch(group, current_version=0, max_lag=4, std_norm=True, counts=Counter()), directory, f"{i:04d}")
+        save_parquet(build_batch(group, current_version=0, max_lag=4, std_norm=True, counts=Counter()), directory, f"{i:04d}")
 
 
 def replay(tiny_model: Path, batches: Path, adapters: Path, nproc: int) -> dict[str, torch.Tensor]:

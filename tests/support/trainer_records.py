@@ -12,6 +12,7 @@ from streamrl.broker.schema import CompletionRecord, PolicyRecord, RewardRecord,
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.feed import SKIP_MARGIN_S, StreamGroups
+from streamrl.trainer.feed_state import FeedState
 from streamrl.trainer.source import KafkaRecordSource
 from support.kafka_reader import produce
 
@@ -69,14 +70,14 @@ def one_partition_topics(bootstrap: str) -> Topics:
     return t
 
 
-def open_feed(bootstrap: str, topics: Topics, start=None, restore=(), done=(), published=None,
+def open_feed(bootstrap: str, topics: Topics, start: FeedState | None = None,
               skip_margin_s: float = SKIP_MARGIN_S, **cfg) -> StreamGroups:
     """A feed in ``backlog = "wait"`` with fixed one-group steps and a queue bound of ``BOUND``, unless
     ``cfg`` (TrainerConfig fields) says otherwise; the rest as a restart passes it (``StreamGroups``)."""
     cfg = {"backlog": "wait", "groups_per_step": 1, "max_step_tokens": 0, "max_ready_groups": BOUND, **cfg}
     config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, **cfg)
-    return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", start), config,
-                        restore=restore, done=done, published=published, skip_margin_s=skip_margin_s)
+    return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", start.offsets if start else None),
+                        config, start, skip_margin_s=skip_margin_s)
 
 
 def policy_records(bootstrap: str, topics: Topics) -> list[PolicyRecord]:

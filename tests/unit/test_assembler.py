@@ -8,14 +8,12 @@ import math
 from collections import Counter
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from support.records import call
 
 from streamrl.broker.schema import RewardRecord, decode, encode
 from streamrl.trainer.assembler import Assembler, merge_calls, sampling_temperature
-from streamrl.trainer.batch import build_batch, load_batches, save_batch
+from streamrl.trainer.batch import build_batch
 from streamrl.trainer.config import TrainerConfig
 
 
@@ -104,7 +102,7 @@ def test_stale_and_signal_free_groups_are_skipped_and_counted() -> None:
     [g] = a.poll(now=0)
     counts: Counter[str] = Counter()
     batch = build_batch(g, current_version=6, max_lag=2, std_norm=True, counts=counts)
-    assert batch is not None and sorted(s.trajectory_id for s in batch.sequences) == ["b", "c"]
+    assert batch is not None and sorted(batch.column("trajectory_id").to_pylist()) == ["b", "c"]
     assert counts["stale_trajectories"] == 1
     assert build_batch(g, current_version=9, max_lag=2, std_norm=True, counts=counts) is None
     assert counts["groups_dropped_stale"] == 1
@@ -132,12 +130,13 @@ def test_sampling_temperature_from_the_logged_request_goes_into_the_batch() -> N
     counts: Counter[str] = Counter()
     batch = build_batch(g, current_version=0, max_lag=2, std_norm=False, counts=counts)
     assert batch is not None
-    got = {s.trajectory_id: s.temperature for s in batch.sequences}
+    rows = batch.to_pylist()
+    got = {r["trajectory_id"]: r["temperature"] for r in rows}
     assert got == pytest.approx({"a": 0.7, "b": 1.0, "d": 1.3})  # greedy c and invalid e skipped
     assert counts["greedy_trajectories"] == 1 and counts["bad_temperature_trajectories"] == 1
     assert counts["filtered_sampling"] == 1  # d: top_p < 1, its ratios are approximate
     # advantages over the kept three only: rewards 1, 0, 0 -> mean 1/3
-    adv = {s.trajectory_id: s.advantage for s in batch.sequences}
+    adv = {r["trajectory_id"]: r["advantage"] for r in rows}
     assert adv == pytest.approx({"a": 2 / 3, "b": -1 / 3, "d": -1 / 3})
 
 
@@ -159,34 +158,6 @@ def test_all_greedy_group_is_dropped_and_counted() -> None:
     counts: Counter[str] = Counter()
     assert build_batch(g, current_version=0, max_lag=2, std_norm=True, counts=counts) is None
     assert counts["greedy_trajectories"] == 2 and counts["groups_dropped_unusable"] == 1
-
-
-def two_trajectory_batch():
-    """One group of two one-call trajectories with rewards 1 and 0, as its batch."""
-    a = asm()
-    for t, r in [("a", 1.0), ("b", 0.0)]:
-        a.add(call(t, [1, 2], [3, 4]), b"", now=0)
-        a.add(RewardRecord(t, r, group_id="g"), b"", now=0)
-    [g] = a.poll(now=0)
-    return build_batch(g, current_version=0, max_lag=2, std_norm=False, counts=Counter())
-
-
-def test_version_1_batch_files_load_at_temperature_one(tmp_path) -> None:
-    batch = two_trajectory_batch()
-    old = pa.Table.from_batches([batch.to_arrow()]).drop_columns(["temperature"])
-    pq.write_table(old, tmp_path / "00000001-000.parquet")
-    [back] = load_batches(tmp_path)
-    assert [s.temperature for s in back.sequences] == [1.0, 1.0]
-    assert back.to_arrow().drop_columns(["temperature"]).equals(batch.to_arrow().drop_columns(["temperature"]))
-
-
-def test_parquet_round_trip(tmp_path) -> None:
-    batch = two_trajectory_batch()
-    save_batch(batch, tmp_path, "00000001-000")
-    [back] = load_batches(tmp_path)
-    assert back.to_arrow().equals(batch.to_arrow()) and back.group_id == batch.group_id == "g"
-    s = back.sequences[0]  # numpy arrays of the loss's types, as the live path hands them over
-    assert (s.token_ids.dtype, s.loss_mask.dtype, s.behaviour_logprobs.dtype) == (np.int32, np.int8, np.float32)
 
 
 def test_max_ready_groups_defaults_to_what_could_still_be_trained_in_time() -> None:

@@ -1,0 +1,173 @@
+"""`streamrl batches --to DIR|-`: the batch stream for a learner in another process or language, as Arrow IPC.
+
+Each step's batch is written as ``DIR/<seq>.arrow`` (an IPC file, renamed into place whole) or, with
+``--to -``, as the next message of one IPC stream on stdout (its sequence number in the message's custom
+metadata). The learner acknowledges by writing a small JSON file, ``{"seq": N, "version": V}``, renamed
+into place (``DIR/ack.json``, or ``--ack FILE``), after its checkpoint of version ``V`` holding batch
+``N`` is durable; the next batch follows the acknowledgement. The batch handed out last is kept in the
+stream's state directory until it is acknowledged, so a restarted ``streamrl batches`` hands out that same
+batch again: whichever side is killed, every group is trained once. docs/trainer.md, "Out of process".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from streamrl.config_flags import add_config_flags, given
+from streamrl.usage import UsageError, as_usage_error, check_bootstrap_servers, check_dir
+
+from .config import TrainerConfig
+
+log = logging.getLogger("streamrl.batches")
+
+DESCRIPTION = """\
+The trainer's batch stream for a learner of your own in another process: each step's Arrow batch (the
+schema of docs/trainer.md) as an IPC file per step in DIR, or one IPC stream on stdout; the learner
+acknowledges each batch after its checkpoint by writing {"seq": N, "version": V} to the ack file.
+
+  streamrl batches --to ./steps --bootstrap-servers HOST:9092 --state-dir ./stream-state
+  streamrl batches --to - --ack ./ack.json --bootstrap-servers HOST:9092 --state-dir ./stream-state | learner
+
+Docs: docs/trainer.md, "Bring your own learner"."""
+
+FEED_FIELDS = ("bootstrap_servers", "topic_prefix", "kafka", "key_ids", "consumer_group", "state_dir", "adapters",
+               "name", "replay", "group_size", "groups_per_step", "group_timeout_s", "trajectory_ttl_s",
+               "max_pending_trajectories", "max_lag", "max_ready_groups", "backlog", "max_step_tokens",
+               "advantage_std_norm", "poll_timeout_s", "max_steps")
+"""The TrainerConfig fields that choose the batches (``max_steps``: stop after this many acknowledged)."""
+
+ACK_POLL_S = 0.05
+"""How often the acknowledgement file is looked at while a batch is out."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--to", required=True, metavar="DIR|-", help="directory for one IPC file per step, or - for stdout")
+    p.add_argument("--ack", type=Path, help="the acknowledgement file (default DIR/ack.json; required with --to -)")
+    p.add_argument("--config", help="TOML or JSON file of TrainerConfig fields (flags override it)")
+    add_config_flags(p, TrainerConfig, skip=tuple(f.name for f in fields(TrainerConfig) if f.name not in FEED_FIELDS),
+                     names={"group_timeout_s": "group-timeout"})
+
+
+def read_ack(path: Path) -> tuple[int, int] | None:
+    """(seq, version) of the learner's last acknowledgement, or None before the first."""
+    try:
+        ack = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    return int(ack["seq"]), int(ack["version"])
+
+
+class Sink:
+    """Where batches go: files in a directory, or one IPC stream on stdout."""
+
+    def __init__(self, to: str) -> None:
+        from .batch_io import IpcStreamWriter
+
+        self.directory = None if to == "-" else Path(to)
+        self.stream = IpcStreamWriter(sys.stdout.buffer) if self.directory is None else None
+
+    def emit(self, record) -> None:
+        from .batch import batch_seq
+        from .batch_io import write_ipc_file
+
+        if self.directory is not None:
+            write_ipc_file(record, self.directory / f"{batch_seq(record):010d}.arrow")
+        else:
+            assert self.stream is not None
+            self.stream.write(record)
+
+    def acknowledged(self, seq: int) -> None:
+        """Files of acknowledged batches are the learner's now: removed (the newest one stays)."""
+        if self.directory is not None:
+            for p in self.directory.glob("*.arrow"):
+                if p.stem.isdigit() and int(p.stem) < seq:
+                    p.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+
+
+def serve(config: TrainerConfig, to: str, ack_path: Path, stop: threading.Event) -> int:
+    """Hand out batches until ``stop``, ``max_steps`` acknowledged or the end of a replay; returns batches acknowledged."""
+    from .batch import batch_seq
+    from .batch_io import read_ipc_file, write_ipc_file
+    from .stream import BatchStream
+
+    outstanding_path = config.state_path / "outstanding.arrow"
+    learner = read_ack(ack_path)
+    outstanding = read_ipc_file(outstanding_path) if outstanding_path.exists() else None
+    out_seq = batch_seq(outstanding) if outstanding is not None else 0
+    acked_seq = max(learner[0] if learner else 0, out_seq)
+    stream = BatchStream(config, version=learner[1] if learner else None, acked_seq=acked_seq, stop=stop)
+    sink = Sink(to)
+    done = 0
+
+    def wait_for_ack(seq: int) -> int | None:
+        while not stop.is_set():
+            got = read_ack(ack_path)
+            if got is not None and got[0] >= seq:
+                return got[1]
+            time.sleep(ACK_POLL_S)
+        return None
+
+    def hand_out(record) -> bool:
+        nonlocal done
+        sink.emit(record)
+        version = wait_for_ack(batch_seq(record))
+        if version is None:
+            return False
+        stream.ack(record, version)
+        sink.acknowledged(batch_seq(record))
+        done += 1
+        return True
+
+    try:
+        if outstanding is not None and out_seq > (learner[0] if learner else 0):
+            log.info("handing out batch %d again: it was not acknowledged", out_seq)
+            if not hand_out(outstanding):
+                return done
+        while not stop.is_set() and (config.max_steps is None or done < config.max_steps):
+            record = stream.next()
+            if record is None:
+                if stream.exhausted:
+                    break
+                continue
+            write_ipc_file(record, outstanding_path)
+            if not hand_out(record):
+                break
+    finally:
+        sink.close()
+        stream.close()
+    return done
+
+
+def run(args: argparse.Namespace) -> int:
+    from streamrl.child import stop_on_signals
+
+    stop = threading.Event()
+    stop_on_signals(stop)
+    config = TrainerConfig.load(args.config, **given(args, TrainerConfig))
+    if args.to == "-":
+        if args.ack is None:
+            raise UsageError("--to - needs --ack FILE: where the learner acknowledges each batch")
+        ack_path = args.ack
+    else:
+        Path(args.to).mkdir(parents=True, exist_ok=True)
+        ack_path = args.ack or Path(args.to) / "ack.json"
+    if config.replay:
+        check_dir(config.replay, "--replay")
+    else:
+        check_bootstrap_servers(config.bootstrap_servers, "--bootstrap-servers")
+        with as_usage_error():
+            config.kafka.client_kwargs()
+    n = serve(config, args.to, ack_path, stop)
+    log.info("%d batches acknowledged", n)
+    return 0
