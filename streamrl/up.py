@@ -36,7 +36,7 @@ from streamrl.broker.topics import Topics, create_topics
 from streamrl.child import signal_group, spawn, wait_http
 from streamrl.config_file import check_fields, read_file
 from streamrl.config_flags import add_config_flags, given
-from streamrl.engine.server import Engine, EngineConfig
+from streamrl.engine.server import Engine, EngineConfig, check_vllm_release, installed_vllm
 from streamrl.gateway.auth import check_bind, load_keys
 from streamrl.gateway.config import GatewayConfig
 from streamrl.packaged_models import MODELS, resolve, settings_for
@@ -421,6 +421,8 @@ class Stack:
             raise UsageError("the demo producer sends no API key: run --demo on a gateway without api_keys")
         with as_usage_error("[engine]"):
             engine = c.engine_config(c.model or "model")
+        if not c.upstreams:
+            check_vllm_release(engine, installed_vllm())  # before anything starts, not at the engine's turn
         check_port_free(c.host, c.port, "--port (the gateway)")
         if not c.bootstrap_servers:
             check_port_free(c.host, c.broker_port, "--broker-port (the embedded broker)")
