@@ -109,6 +109,9 @@ class Trainer:
                                             security=c.kafka, publisher=c.publisher)
                 if self.state.policy and self.policy_log.last_version(c.name) < self.state.version:
                     self.policy_log.publish(PolicyRecord(**self.state.policy))
+                elif not self.state.policy:  # no version of ours yet: ours follow the topic's newest (an SFT
+                    self.state.version = self.policy_log.last_version(c.name)  # --publish, say), whose samples
+                    self.stream.version = max(self.stream.version, self.state.version)  # are not from the future
 
     def run(self) -> int:
         """Step until told to stop, ``max_steps`` is reached or a replay ends."""

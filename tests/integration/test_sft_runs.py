@@ -1,21 +1,50 @@
 """`streamrl sft` on the tiny model: a fixed mapping ("say X" -> "X") lowers the held-out loss, the adapter
-in OUT loads with peft, and a second run resumes from OUT's checkpoint at the saved step."""
+in OUT loads with peft, and a second run resumes from OUT's checkpoint at the saved step; ``--publish`` makes a
+gateway in front of the real engine serve it, RL started from it publishes the next version, and an export of
+the log trains with its token ids as logged (issue #42's tests)."""
 
 from __future__ import annotations
 
 import json
 import random
+import threading
+import uuid
 
+import httpx
+import numpy as np
+import pyarrow.parquet as pq
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
+from support.kafka_reader import produce, wait_until
+from support.records import call
+from support.trainer_records import group, new_topics, policy_records
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from streamrl.broker.embedded import free_port
+from streamrl.broker.schema import WEIGHTS_FILE, RewardRecord, sha256_file
 from streamrl.cli import main
+from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.server import GatewayServer
+from streamrl.trainer.config import TrainerConfig
+from streamrl.trainer.daemon import run_trainer
 from streamrl.trainer.publish import META_FILE
 from streamrl.trainer.sft import HISTORY_FILE
+from streamrl.trainer.sft_data import load_sft_data
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "table", "music", "light", "paper", "winter", "orange",
          "silver", "garden", "rocket"]
+
+
+def say_data(path):
+    """One "say X" -> "X" chat per word."""
+    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"say {w}"},
+                                                       {"role": "assistant", "content": w}]}) for w in WORDS))
+    return path
+
+
+def publish_flags(bootstrap: str, topics, name: str) -> tuple[str, ...]:
+    return "--publish", "--name", name, "--bootstrap-servers", bootstrap, "--topic-prefix", topics.prefix
 
 
 def run(capsys, data, model, out, *flags: str) -> dict:
@@ -81,7 +110,6 @@ def test_publish_makes_the_adapter_the_next_version(broker, tmp_path, tiny_model
     import uuid
 
     from streamrl.broker.policy_log import PolicyLog, adapter_record
-    from streamrl.broker.schema import WEIGHTS_FILE, sha256_file
     from streamrl.broker.topics import Topics, create_topics
 
     topics = Topics(f"sft-{uuid.uuid4().hex[:6]}")
@@ -106,3 +134,101 @@ def _fake_adapter(root, weights_file: str):
     root.mkdir(parents=True)
     (root / weights_file).write_bytes(b"an older version")
     return root
+
+
+def test_publish_makes_the_gateway_serve_the_version(broker, engine, tmp_path, tiny_model, capsys) -> None:
+    """A gateway following ``--name``'s policy, in front of the real engine: it loads and routes the published
+    SFT adapter, and a chat completion for the policy is answered by that version."""
+    topics = new_topics(broker.bootstrap_servers)
+    name = f"sftgw{uuid.uuid4().hex[:6]}"
+    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
+                           topic_prefix=topics.prefix, policy_name=name, health_interval_s=0.5)
+    assert config.follow_policy
+    out = tmp_path / "adapter"
+    try:
+        with GatewayServer(config) as gw:
+            assert httpx.get(f"{gw.url}/health").json()["policy"]["version"] == 0
+            summary = run(capsys, say_data(tmp_path / "say.jsonl"), tiny_model, out, "--max-steps", "2",
+                          "--eval-fraction", "0", *publish_flags(broker.bootstrap_servers, topics, name))
+            version = summary["published"]["version"]
+            assert version == 1
+            # the engine takes the adapter's rank (vLLM refuses a LoRA over --max-lora-rank)
+            assert json.loads((out / "adapter_config.json").read_text())["r"] <= engine.config.max_lora_rank
+            wait_until(lambda: httpx.get(f"{gw.url}/health").json()["policy"]["version"] == version,
+                       f"the gateway routes v{version}", 60)
+            r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=120,
+                           json={"model": name, "messages": [{"role": "user", "content": "say green"}],
+                                 "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-policy-version"] == str(version)
+            assert r.json()["model"] == f"{name}@v{version}"  # the engine answered with the SFT adapter
+    finally:  # leave the shared engine without this test's adapter
+        httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": f"{name}@v1"})
+
+
+def test_rl_from_the_sft_adapter_publishes_the_next_version(broker, tmp_path, tiny_model, capsys) -> None:
+    """``--init-adapter``: the trainer's first version is numbered after the SFT's on the policy topic, and
+    is the SFT adapter moved by one optimizer step (not a LoRA trained from its zero start)."""
+    topics = new_topics(broker.bootstrap_servers)
+    sft_out = tmp_path / "sft"
+    # a large SFT learning rate: its weights stand far from a fresh LoRA, a single RL step stays near them
+    summary = run(capsys, say_data(tmp_path / "say.jsonl"), tiny_model, sft_out, "--max-steps", "2",
+                  "--eval-fraction", "0", "--learning-rate", "0.05",
+                  *publish_flags(broker.bootstrap_servers, topics, "policy"))
+    n = summary["published"]["version"]
+    produce(broker.bootstrap_servers, topics, group("g0", version=n))  # sampled from the SFT version
+    config = TrainerConfig(model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers, device="cpu",
+                           adapters=str(tmp_path / "rl"), topic_prefix=topics.prefix, init_adapter=str(sft_out),
+                           groups_per_step=1, max_step_tokens=0, max_steps=1, metrics_port=free_port())
+    stop = threading.Event()
+    thread = threading.Thread(target=run_trainer, args=(config, stop), daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: not thread.is_alive(), "the trainer's one step", 120)
+    finally:
+        stop.set()
+        thread.join(60)
+    records = policy_records(broker.bootstrap_servers, topics)
+    assert [(r.name, r.version) for r in records] == [("policy", n), ("policy", n + 1)]
+    rl = records[-1]
+    assert rl.step == 1 and rl.path == str((config.policy_dir / f"v{n + 1}").resolve())
+    assert rl.sha256 == sha256_file(config.policy_dir / f"v{n + 1}" / WEIGHTS_FILE) != records[0].sha256
+    sft, trained = load_file(sft_out / WEIGHTS_FILE), load_file(config.policy_dir / f"v{n + 1}" / WEIGHTS_FILE)
+    assert sft.keys() == trained.keys()
+    moved = max((trained[k].float() - sft[k].float()).abs().max().item() for k in sft)
+    largest = max(sft[k].float().abs().max().item() for k in sft if "lora_B" in k)
+    # Adam's first update moves a weight by at most about the learning rate (x the scaling folded into B)
+    scaling = config.lora_alpha / config.lora_rank
+    assert 0 < moved <= 1.5 * scaling * config.learning_rate < largest / 4
+
+
+def test_export_round_trip_trains_on_the_logged_token_ids(broker, tmp_path, tiny_model, capsys) -> None:
+    """Records through ``streamrl export`` (Parquet and JSONL), then ``streamrl sft`` on the file: the
+    sequences are the logged prompt and completion ids (a two-call trajectory merged into one), masked on
+    the completions, and the step trains on exactly those tokens."""
+    topics = new_topics(broker.bootstrap_servers)
+    rng = np.random.default_rng(7)
+    ids = lambda n: rng.integers(10, 2000, n).tolist()  # noqa: E731
+    p1, c1, tool, c2, p3, c3 = ids(9), ids(5), ids(3), ids(4), ids(7), ids(6)
+    records = [call("a", p1, c1, gid="ga"), call("a", p1 + c1 + tool, c2, gid="ga"), call("b", p3, c3, gid="gb"),
+               RewardRecord("a", 1.0, group_id="ga"), RewardRecord("b", 0.5, group_id="gb")]
+    produce(broker.bootstrap_servers, topics, records)
+    expected = sorted([(p1 + c1 + tool + c2, [0] * 9 + [1] * 5 + [0] * 3 + [1] * 4),
+                       (p3 + c3, [0] * 7 + [1] * 6)])
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    for name in ("log.parquet", "log.jsonl"):
+        assert main(["export", str(tmp_path / name), "--bootstrap-servers", broker.bootstrap_servers,
+                     "--topic-prefix", topics.prefix, "--no-progress"]) == 0
+        assert json.loads(capsys.readouterr().out)["rows"] == 2
+        data = load_sft_data(tmp_path / name, tokenizer)
+        assert data.rows == 2 and not data.skipped
+        assert sorted((s.token_ids.tolist(), s.loss_mask.tolist()) for s in data.sequences) == expected
+    exported = {r["trajectory_id"]: r["calls"] for r in pq.read_table(tmp_path / "log.parquet").to_pylist()}
+    assert [c["completion_token_ids"] for c in exported["a"]] == [c1, c2]
+
+    out = tmp_path / "adapter"
+    summary = run(capsys, tmp_path / "log.parquet", tiny_model, out, "--max-steps", "1", "--eval-fraction", "0")
+    assert summary["steps"] == 1 and summary["sequences"] == 2 and np.isfinite(summary["loss"])
+    step = json.loads((out / HISTORY_FILE).read_text().splitlines()[-1])
+    assert step["tokens"] == len(expected[0][0]) + len(expected[1][0])  # both sequences, in one step
+    assert step["target_tokens"] == 5 + 4 + 6
