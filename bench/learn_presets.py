@@ -47,7 +47,8 @@ class Preset:
     layout: str = "two-gpu"
     """two-gpu, one-gpu or cpu (where vLLM and the trainer go)."""
     task: str = "numbers"
-    """The demo task: numbers, calculator or arithmetic (only arithmetic has a held-out set)."""
+    """The demo task: numbers, calculator or arithmetic, or an agent task as ``module:attr`` (examples/); the
+    score is the held-out evaluation where the task has a held-out set (arithmetic, the examples' agents)."""
     max_tokens: int = 64
     """Reply tokens per call at most."""
     context_words: int = 0
@@ -125,14 +126,12 @@ LONG_TAIL = replace(
 )
 AGENT = replace(
     SHORT, name="agent",
-    description="The multi-turn tool-using calculator agent (producers/calculator.py, up to 4 turns of up to "
-                "128 tokens) on SmolLM2-135M. The calculator task has no held-out set, so the score is the "
-                "reward each version served to training traffic (not success on held-out episodes); missing for "
-                "the issue's target: a held-out episode set for the task and a multi-turn evaluator, and a packaged "
-                "model that writes well-formed tool calls (SmolLM2-135M writes none, docs/loop.md: its groups "
-                "then carry no signal).",
-    task="calculator", eval_every=0, max_model_len=2048, max_seconds=300.0,
-    levels=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8), times_s=(60.0, 120.0, 180.0, 240.0, 300.0),
+    description="A multi-turn agent: tic-tac-toe against a scripted opponent of strength 0.5 "
+                "(examples/tictactoe/, one chat turn per move, up to 5 moves), on SmolLM2-135M. Reward win 1, "
+                "draw 0.5, loss 0, an illegal move -1 (+0.2 per legal move before it). Held-out: 32 games from "
+                "fixed seeds, each played whole by one version (the score is their mean reward).",
+    task="examples.tictactoe.agent:TicTacToeTask", max_tokens=16, max_seconds=300.0,
+    levels=(0.0, 0.2, 0.4, 0.6), times_s=(60.0, 120.0, 180.0, 240.0, 300.0),
 )
 TINY = Preset(
     name="tiny",
