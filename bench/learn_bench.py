@@ -41,6 +41,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -68,11 +69,17 @@ class Mode:
     name: str
     synchronous: bool
     """Nothing generated while the trainer trains (the demo pacer's ``max_ahead = 0``)."""
+    warm_start: bool = False
+    """RL starts from an SFT warm-up: ``streamrl sft`` on the task's own correct answers (the preset's ``sft_*``),
+    then the trainer's ``init_adapter``, which it publishes before its first step. The SFT's wall time (data,
+    start-up, training) is added to the run's clock: its curve starts that much later."""
 
 
-MODES = {"pipeline": Mode("pipeline", synchronous=False), "sync": Mode("sync", synchronous=True)}
+MODES = {"pipeline": Mode("pipeline", synchronous=False), "sync": Mode("sync", synchronous=True),
+         "sft-pipeline": Mode("sft-pipeline", synchronous=False, warm_start=True),
+         "sft-sync": Mode("sft-sync", synchronous=True, warm_start=True)}
 BASELINE = "sync"
-"""Speedups are this mode's time over each other mode's."""
+"""Speedups are this mode's time over each other mode's, unless ``--baseline`` names another."""
 
 
 def parse_modes(text: str) -> list[str]:
@@ -143,6 +150,10 @@ class GpuSampler(threading.Thread):
                 for i, xs in enumerate(per_gpu)]
 
 
+def mode_of(spec: RunSpec) -> Mode:
+    return MODES[spec.mode.removesuffix("-json")]
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One timed run: a mode with a seed, at its place in the bench's order."""
@@ -157,10 +168,61 @@ class RunSpec:
         return f"{self.mode}-s{self.seed}"
 
 
+def demonstrations(preset: Preset, seed: int, path: Path) -> int:
+    """The preset's task writes ``sft_examples`` correct answers to training problems (drawn with ``seed``) as
+    chat rows of JSONL; returns how many."""
+    task = make_task(preset)
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(preset.sft_examples):
+            f.write(json.dumps({"messages": task.demonstration(task.sample(rng))}) + "\n")
+    return preset.sft_examples
+
+
+def make_task(preset: Preset) -> Any:
+    """The preset's demo task, as the demo builds it; ValueError when it writes no demonstrations."""
+    from streamrl.producers.demo_cli import DemoConfig
+
+    task = DemoConfig(task=preset.task, max_tokens=preset.max_tokens, context_words=preset.context_words,
+                      eval_problems=preset.eval_problems).make_task()
+    if not callable(getattr(task, "demonstration", None)):
+        raise ValueError(f"task {preset.task!r} writes no demonstrations (a `demonstration(problem)` method): "
+                         "the sft-* modes need them")
+    return task
+
+
+def warm_start(preset: Preset, spec: RunSpec, model: Path, run_dir: Path) -> dict[str, Any]:
+    """``streamrl sft`` on the task's demonstrations, into ``run_dir/sft``; its summary, wall time and adapter."""
+    t = time.monotonic()
+    data, adapter = run_dir / "sft.jsonl", run_dir / "sft"
+    demonstrations(preset, spec.seed, data)
+    trainer_device = LAYOUTS[preset.layout][2]
+    cmd = [sys.executable, "-m", "streamrl.cli", "sft", str(data), "--model", str(model), "--out", str(adapter),
+           "--epochs", str(preset.sft_epochs), "--learning-rate", str(preset.sft_learning_rate),
+           "--step-tokens", str(preset.sft_step_tokens), "--lora-rank", str(preset.lora_rank),
+           "--seed", str(spec.seed), "--eval-fraction", "0.05", "--no-progress",
+           *(["--device", trainer_device] if trainer_device else [])]
+    with open(run_dir / "sft.log", "wb") as log:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"streamrl sft failed (exit {done.returncode}): see {run_dir / 'sft.log'}")
+    summary = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    return {"adapter": str(adapter), "seconds": round(time.monotonic() - t, 2), "summary": summary}
+
+
+def shift_clock(result: dict[str, Any], seconds: float) -> None:
+    """A warm-started run's series moved ``seconds`` later: its clock starts when the warm-up started."""
+    for key in ("curve", "evaluation", "reward_curve"):
+        result[key] = [(round(p[0] + seconds, 2), *p[1:]) for p in result.get(key) or []]
+    for key in ("end_s", "time_to_target_s"):
+        if result.get(key) is not None:
+            result[key] = round(result[key] + seconds, 2)
+
+
 def up_config(preset: Preset, spec: RunSpec, model: Path, run_dir: Path, port: int, trainer_port: int,
-              upstreams: list[str]) -> dict[str, Any]:
+              upstreams: list[str], init_adapter: str | None = None) -> dict[str, Any]:
     """The ``streamrl up`` configuration of one run (its tables, as JSON)."""
-    mode = MODES[spec.mode.removesuffix("-json")] if spec.mode != "warmup" else MODES[BASELINE]
+    mode = mode_of(spec) if spec.mode != "warmup" else MODES[BASELINE]
     engine_device, mem_frac, trainer_device = LAYOUTS[preset.layout]
     config: dict[str, Any] = {
         "up": {"model": str(model), "port": port, "work_dir": str(run_dir), "trainer_device": trainer_device,
@@ -182,6 +244,8 @@ def up_config(preset: Preset, spec: RunSpec, model: Path, run_dir: Path, port: i
     }
     if config["trainer"]["row_tokens"] is None:
         del config["trainer"]["row_tokens"]
+    if init_adapter:
+        config["trainer"]["init_adapter"] = init_adapter
     if spec.mode == "warmup":  # one trained version served, not timed
         config["demo"].update(until_version=1, until_reward=None, max_ahead=0, max_seconds=300.0)
     if preset.replica_gpus:  # one vLLM replica per GPU named, each taking the layout's memory fraction of it
@@ -209,9 +273,10 @@ def run_one(spec: RunSpec, preset: Preset, model: Path, out: Path, upstreams: li
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     gateway_port, trainer_port = (free_port(), free_port()) if port == 0 else (port, port + 1)
+    warm = warm_start(preset, spec, model, run_dir) if spec.mode != "warmup" and mode_of(spec).warm_start else None
     cfg = run_dir / "config.json"
-    cfg.write_text(json.dumps(up_config(preset, spec, model, run_dir, gateway_port, trainer_port, upstreams),
-                              indent=2))
+    cfg.write_text(json.dumps(up_config(preset, spec, model, run_dir, gateway_port, trainer_port, upstreams,
+                                        warm["adapter"] if warm else None), indent=2))
     gpus = GpuSampler()
     started, started_at = time.monotonic(), time.time()
     with open(run_dir / "up.log", "wb") as log:
@@ -260,6 +325,9 @@ def run_one(spec: RunSpec, preset: Preset, model: Path, out: Path, upstreams: li
         span = engine_samples[-1][0] - engine_samples[0][0]
         result["engine_idle_s"] = result["engine"]["idle_s"]
         result["engine_idle_frac"] = result["engine"]["idle_s"] / span if span > 0 else None
+    if warm is not None:
+        shift_clock(result, warm["seconds"])
+        result["warm_start"] = warm
     result.update(started_at=started_at, wall_s=round(time.monotonic() - started, 2), cut=cut)
     if cut:
         result.update(complete=False, why="cut short by the time budget")
@@ -628,7 +696,16 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def run(args: argparse.Namespace, preset: Preset, modes: list[str], seeds: list[int]) -> int:
+def choose_baseline(name: str | None, modes: list[str]) -> str:
+    """``--baseline``: one of the modes run; by default sync when it runs, else the first mode."""
+    if name is None:
+        return BASELINE if BASELINE in modes else modes[0]
+    if name not in modes:
+        raise ValueError(f"--baseline {name} is not among --modes ({', '.join(modes)})")
+    return name
+
+
+def run(args: argparse.Namespace, preset: Preset, modes: list[str], seeds: list[int], baseline: str) -> int:
     """``run``: the model, the shared engine, then every (seed, mode) in order, the JSON rewritten after each."""
     bench_start = time.monotonic()
     budget_end = bench_start + args.budget_s if args.budget_s else None
@@ -637,7 +714,7 @@ def run(args: argparse.Namespace, preset: Preset, modes: list[str], seeds: list[
     json_path = Path(args.json) if args.json else out / RESULT_FILE
     model = build_model(preset, Path(args.model_cache), out)
     order = run_order(seeds, modes)
-    result: dict[str, Any] = {"bench": "learn_bench", "preset": dataclasses.asdict(preset), "baseline": BASELINE,
+    result: dict[str, Any] = {"bench": "learn_bench", "preset": dataclasses.asdict(preset), "baseline": baseline,
                               "modes": modes, "seeds": seeds, "order": [[s, m] for s, m in order],
                               "model": str(model), "command": sys.argv, "started_at": time.time(),
                               "runs": [], "skipped": []}
@@ -665,16 +742,17 @@ def run(args: argparse.Namespace, preset: Preset, modes: list[str], seeds: list[
             record = run_one(RunSpec(mode, seed, i), preset, model, out, urls, args.port, args.grace_s, budget_end)
             for url in urls:
                 unload_adapters(url, f"{record['policy']}@")
-            if record.get("demo_seconds"):
-                overheads.append(record["wall_s"] - record["demo_seconds"])
+            if record.get("demo_seconds"):  # start-up and stop, and a warm start's SFT
+                overheads.append(record["wall_s"] + record.get("warm_start", {}).get("seconds", 0.0)
+                                 - record["demo_seconds"])
                 overhead_s = max(overheads) + 15.0
             result["runs"].append(record)
-            result["stats"] = learn_stats.compute(result["runs"], preset.levels, preset.times_s, BASELINE)
+            result["stats"] = learn_stats.compute(result["runs"], preset.levels, preset.times_s, baseline)
             write_result(result, json_path)
     finally:
         for engine in engines:
             engine.stop()
-    result["stats"] = learn_stats.compute(result["runs"], preset.levels, preset.times_s, BASELINE)
+    result["stats"] = learn_stats.compute(result["runs"], preset.levels, preset.times_s, baseline)
     write_result(result, json_path)
     report(result, Path(args.plot) if args.plot else json_path.with_suffix(".png"))
     print(f"\n{json_path}")
@@ -721,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--preset-file", help="TOML, one table per preset (learn_presets.py; `presets` prints examples)")
     r.add_argument("--seeds", "--seed", default="0", help="comma-separated seeds (trainer and task sampling)")
     r.add_argument("--modes", default="pipeline,sync", help=f"comma-separated: {', '.join(MODES)} (each also -json)")
+    r.add_argument("--baseline", help="the mode speedups are measured against (default: sync when run, else the first)")
     r.add_argument("--out", default="runs/learn-bench", help="run directories, the model, engine logs")
     r.add_argument("--json", help=f"the result file (default OUT/{RESULT_FILE}), rewritten after every run")
     r.add_argument("--plot", help="the plot (default: the result file's name with .png)")
@@ -748,7 +827,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:  # a user's mistake is one line, before anything starts
         if args.command == "run":
-            setup = choose_preset(args), parse_modes(args.modes), parse_seeds(args.seeds)
+            preset, modes = choose_preset(args), parse_modes(args.modes)
+            if any(MODES[m.removesuffix("-json")].warm_start for m in modes):
+                make_task(preset)  # writes demonstrations, or the error now
+            setup = preset, modes, parse_seeds(args.seeds), choose_baseline(args.baseline, modes)
         elif args.command == "merge":
             return merge(args)
         else:

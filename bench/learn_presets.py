@@ -92,6 +92,13 @@ class Preset:
     """Comma-separated GPUs, one trainer rank each (torchrun, NCCL)."""
     warmup: bool = False
     """First an untimed run to one trained version, so that first-use costs land in no timed run."""
+    sft_examples: int = 512
+    """Modes that start from an SFT warm-up (``sft-pipeline``, ``sft-sync``): how many correct answers the task
+    writes itself (its ``demonstration``; training problems only, never held-out ones) for ``streamrl sft``."""
+    sft_epochs: int = 2
+    sft_learning_rate: float = 1e-3
+    sft_step_tokens: int = 2048
+    """Tokens per SFT optimizer step (a few hundred short answers are then some twenty steps)."""
     levels: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
     """Score levels whose first crossing is timed."""
     times_s: tuple[float, ...] = (30.0, 60.0, 90.0, 120.0)
@@ -105,6 +112,8 @@ class Preset:
                              "(shared_engine = false, --no-shared-engine)")
         if not self.levels or not self.times_s:
             raise ValueError("levels and times_s must not be empty")
+        if self.sft_examples < 1 or self.sft_epochs < 1 or self.sft_step_tokens < 1 or self.sft_learning_rate <= 0:
+            raise ValueError("sft_examples, sft_epochs, sft_step_tokens and sft_learning_rate must be positive")
 
 
 SHORT = Preset(
@@ -133,6 +142,13 @@ AGENT = replace(
     task="examples.tictactoe.agent:TicTacToeTask", max_tokens=16, max_seconds=300.0,
     levels=(0.0, 0.2, 0.4, 0.6), times_s=(60.0, 120.0, 180.0, 240.0, 300.0),
 )
+WARM_START = replace(
+    SHORT, name="warm-start",
+    description="short's settings in runs of 70 s, for RL from an SFT warm-up against RL from the base model "
+                "(--modes pipeline,sft-pipeline): the warm-up is streamrl sft on 512 correct answers the task writes "
+                "itself, its wall time on the run's clock. Held-out: 256 problems.",
+    max_seconds=70.0, levels=(0.3, 0.5, 0.7), times_s=(15.0, 30.0, 45.0, 60.0, 70.0),
+)
 TINY = Preset(
     name="tiny",
     description="The CPU smoke run: the tiny random model (streamrl tiny-model's, sharpened like the demo "
@@ -143,7 +159,7 @@ TINY = Preset(
     max_seconds=12.0, until_reward=2.0, max_model_len=1024,
     levels=(0.5, 0.6, 0.7), times_s=(4.0, 8.0, 12.0),
 )
-PRESETS: dict[str, Preset] = {p.name: p for p in (SHORT, LONG_TAIL, AGENT, TINY)}
+PRESETS: dict[str, Preset] = {p.name: p for p in (SHORT, LONG_TAIL, AGENT, WARM_START, TINY)}
 """The named presets, by name."""
 
 

@@ -38,8 +38,9 @@ class PolicyLog:
         self.producer.send(self.topic, key=record.name.encode(), value=encode(record)).get(timeout=30)
         return record
 
-    def last_version(self, name: str, timeout_s: float = 5.0) -> int:
-        """The highest version of ``name`` on the topic (0 when none), read from the beginning to the end."""
+    def newest(self, name: str, timeout_s: float = 5.0) -> PolicyRecord | None:
+        """The record of the highest version of ``name`` on the topic (None when none), read from the beginning
+        to the end."""
         consumer = make_consumer(self.bootstrap_servers, group_id=None, security=self.security,
                                  client_id="streamrl-policy-log")
         try:
@@ -47,7 +48,7 @@ class PolicyLog:
             consumer.assign(tps)
             consumer.seek_to_beginning(*tps)
             end = consumer.end_offsets(tps)
-            best = 0
+            best: PolicyRecord | None = None
             deadline = time.monotonic() + timeout_s
             # to the end offsets, then until a poll comes back empty: some brokers (tansu) under-report
             # the end of a multi-record batch
@@ -59,13 +60,19 @@ class PolicyLog:
                             rec = decode(r.value)
                         except RecordError:
                             continue
-                        if isinstance(rec, PolicyRecord) and rec.name == name:
-                            best = max(best, rec.version)
+                        if isinstance(rec, PolicyRecord) and rec.name == name and (
+                                best is None or rec.version > best.version):
+                            best = rec
                 if not polled and all(consumer.position(tp) >= end[tp] for tp in tps):
                     break
             return best
         finally:
             consumer.close()
+
+    def last_version(self, name: str, timeout_s: float = 5.0) -> int:
+        """The highest version of ``name`` on the topic, 0 when none (``newest``'s version)."""
+        record = self.newest(name, timeout_s)
+        return record.version if record is not None else 0
 
     def close(self) -> None:
         self.producer.flush(timeout=10)

@@ -117,6 +117,10 @@ class ArithmeticTask:
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"{problem.question} {INSTRUCTION}"}]
 
+    def demonstration(self, problem: Problem) -> list[dict[str, str]]:
+        """A correct exchange, as chat messages: SFT warm-up data written by the task itself (reward 1)."""
+        return [*self.messages(problem), {"role": "assistant", "content": str(problem.answer)}]
+
     async def episode(self, gateway: AsyncGateway, problem: Problem, group_id: str, group_size: int) -> Outcome:
         async with gateway.trajectory(group_id=group_id, group_size=group_size) as t:
             raw = await t.client.chat.completions.with_raw_response.create(

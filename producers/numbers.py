@@ -72,6 +72,10 @@ class NumbersTask:
         context = [{"role": "system", "content": context_text(self.context_words)}] if self.context_words else []
         return [*context, {"role": "user", "content": prompt}]
 
+    def demonstration(self, prompt: str) -> list[dict[str, str]]:
+        """An exchange of reward 1 (nothing but digits), as chat messages: SFT warm-up data."""
+        return [*self.messages(prompt), {"role": "assistant", "content": "4 8 1 5 9 2 6 3"}]
+
     async def episode(self, gateway: AsyncGateway, prompt: str, group_id: str, group_size: int) -> Outcome:
         """One trajectory: one chat call, reward posted when the trajectory closes."""
         async with gateway.trajectory(group_id=group_id, group_size=group_size) as t:

@@ -16,7 +16,8 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import torch
@@ -37,6 +38,9 @@ from .publish import prune, write_adapter
 from .state import TrainerState, load_state, save_state
 from .stream import BatchStream
 from .tracking import open_trackers
+
+if TYPE_CHECKING:
+    from streamrl.broker.schema import PolicyRecord
 
 log = logging.getLogger("streamrl.trainer")
 
@@ -109,9 +113,28 @@ class Trainer:
                                             security=c.kafka, publisher=c.publisher)
                 if self.state.policy and self.policy_log.last_version(c.name) < self.state.version:
                     self.policy_log.publish(PolicyRecord(**self.state.policy))
-                elif not self.state.policy:  # no version of ours yet: ours follow the topic's newest (an SFT
-                    self.state.version = self.policy_log.last_version(c.name)  # --publish, say), whose samples
-                    self.stream.version = max(self.stream.version, self.state.version)  # are not from the future
+                elif not self.state.policy:
+                    self._start_versions()
+
+    def _start_versions(self) -> None:
+        """No checkpoint: our versions follow the topic's newest of our name (an SFT ``--publish``, say), whose
+        samples are not from the future. Starting from an ``init_adapter`` the fleet does not serve yet, that
+        adapter is published first as the next version: otherwise the first steps' groups would be sampled
+        from one policy (the served one) and trained as if from another (ours), their staleness uncounted."""
+        from streamrl.broker.schema import WEIGHTS_FILE, sha256_file
+
+        assert self.policy_log is not None and self.stream is not None
+        c, state = self.c, self.state
+        newest = self.policy_log.newest(c.name)
+        state.version = newest.version if newest is not None else 0
+        self.stream.version = max(self.stream.version, state.version)
+        if c.init_adapter and (newest is None
+                               or newest.sha256 != sha256_file(Path(c.init_adapter) / WEIGHTS_FILE)):
+            record = self._release({"step": state.step, "init_adapter": str(Path(c.init_adapter).resolve())},
+                                   {"init_adapter": 1.0})
+            self.stream.version = max(self.stream.version, state.version)
+            log.info("published the initial adapter %s as %s v%d: the fleet serves what training starts from",
+                     c.init_adapter, c.name, record.version)
 
     def run(self) -> int:
         """Step until told to stop, ``max_steps`` is reached or a replay ends."""
@@ -181,8 +204,6 @@ class Trainer:
         ``numbers``: the step's batch metrics and ``StepStats``; ``verdict`` goes in as ``diverging`` (1.0 or
         0.0, also in the policy record's metrics: the dashboard's warning). The record takes the numbers only
         (``staleness_tokens``, a histogram, and text stay in the history line)."""
-        from streamrl.broker.schema import PolicyRecord
-
         c, state, stream, metrics = self.c, self.state, self.stream, self.metrics
         assert stream is not None and metrics is not None
         trained, self.trained = self.trained, []
@@ -195,13 +216,31 @@ class Trainer:
         lag = stream.lag()
         if lag is not None:
             step["kafka_lag"] = lag
+        record = self._release({"step": state.step, "groups": groups},
+                               {k: float(v) for k, v in step.items() if isinstance(v, int | float)}, timings)
+        stream.ack(batch, record.version)
+        prune(c.policy_dir, c.keep_versions)
+        if c.save_batches:  # one Parquet file per group, as trained (zero-copy slices of the step's batch)
+            for step_no, b in trained:
+                for i, part in enumerate(group_slices(b.record)):
+                    save_parquet(part, c.save_batches, f"{step_no:08d}-{i:03d}")
+        metrics.report({**step, **timings, "group_ids": groups, "path": record.path}, stream.counts)
+
+    def _release(self, meta: dict[str, Any], metrics: dict[str, float],
+                 timings: dict[str, float] | None = None) -> PolicyRecord:
+        """The model as it is now, as the next version: adapter directory, checkpoint, policy record, in this
+        order (the module docstring); the seconds of each into ``timings``."""
+        from streamrl.broker.schema import PolicyRecord
+
+        c, state, stream = self.c, self.state, self.stream
+        assert stream is not None
+        timings = {} if timings is None else timings
         t = time.monotonic()
-        path, sha = write_adapter(self.model, c.policy_dir, state.version + 1, {"step": state.step, "groups": groups})
+        path, sha = write_adapter(self.model, c.policy_dir, state.version + 1, meta)
         timings["adapter_s"] = time.monotonic() - t
         t = time.monotonic()
         state.version += 1
-        record = PolicyRecord(c.name, state.version, str(path.resolve()), c.model, state.step, sha,
-                              {k: float(v) for k, v in step.items() if isinstance(v, int | float)})
+        record = PolicyRecord(c.name, state.version, str(path.resolve()), c.model, state.step, sha, metrics)
         # the stream keeps its position (feed_state.py); the offsets read through are recorded here too
         state.offsets, state.pending, state.done, state.published = stream.offsets, [], [], {}
         state.policy = {f: getattr(record, f) for f in record.__slots__}
@@ -216,13 +255,7 @@ class Trainer:
             except Exception as exc:  # broker away: the next version supersedes this one; a restart re-announces
                 log.error("could not announce %s: %s", record.served_name, exc)
         timings["announce_s"] = time.monotonic() - t
-        stream.ack(batch, state.version)
-        prune(c.policy_dir, c.keep_versions)
-        if c.save_batches:  # one Parquet file per group, as trained (zero-copy slices of the step's batch)
-            for step_no, b in trained:
-                for i, part in enumerate(group_slices(b.record)):
-                    save_parquet(part, c.save_batches, f"{step_no:08d}-{i:03d}")
-        metrics.report({**step, **timings, "group_ids": groups, "path": str(path)}, stream.counts)
+        return record
 
     def close(self) -> None:
         if self.metrics is not None:

@@ -3,7 +3,7 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-neighbours | gateway-paired | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | unpaced-real | judge-real | trainer
+#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-neighbours | gateway-paired | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | sft | unpaced-real | judge-real | trainer
 #   learn: bench/learn_bench.py, PRESET (short | long-tail | agent, default short) over SEEDS (default 0: one run per
 #          mode; more seeds are run while they fit: the bench skips a run that would not end inside the device's
 #          limit, DEVICE_LIMIT_S (default 570) counted from this script's start, and says so), MODES (default
@@ -12,6 +12,8 @@
 #          log's tail and trainer history; pool the commands' files with `learn_bench.py merge`. On a fresh
 #          machine run `model` first (its own command: the install and the conversion, about 2.5 minutes), so
 #          that each learn command's 10 minutes go to the engine's start (about 2 minutes) and the runs
+#   sft:   bench/sft_bench.py (after model): streamrl sft against a plain transformers + peft loop, tokens/s, with
+#          the trainer's default packing and with rows of 1,024 tokens
 #   model: install, and convert SmolLM2-135M-Instruct into STASH/models/smollm2-135m (where learn and loop-real
 #          look for it: --model-cache STASH)
 #   lora-load: VERSIONS (default 24, a third each idle / generating / beside a GPU neighbour), STREAMS (128)
@@ -204,6 +206,13 @@ TOML
             --demo-summary "$out/judge-$reward-summary.json" > "$out/judge-$reward.log" 2>&1
         grep -v 'HTTP/1.1" 200' "$out/judge-$reward.log" | grep -v '^engine' | tail -300 > "$out/judge-$reward-tail.log"
         rm -f "$out/judge-$reward.log"; tail -4 "$out/judge-$reward-tail.log"
+      done ;;
+    sft)  # streamrl sft against a plain transformers + peft loop, tokens/s; one row per micro-batch (0), then 1k rows
+      for rows in 0 1024; do
+        extra=(); (( rows )) && extra=(--row-tokens "$rows")
+        python3 "$repo/bench/sft_bench.py" --model "$stash/models/smollm2-135m" --out /root/sft-bench "${extra[@]}" \
+            --json "$out/sft-rows-$rows.json" > "$out/sft-rows-$rows.log" 2>&1
+        tail -2 "$out/sft-rows-$rows.log"
       done ;;
     trainer) (cd "$repo" && python3 bench/trainer_bench.py --shapes qwen2.5-1.5b --rows 4 --warmup 2 --steps 3 \
                --variants eager,compile --out "$out/trainer.json" > "$out/trainer.log" 2>&1); tail -8 "$out/trainer.log" ;;

@@ -28,12 +28,14 @@ fi
 # streamrl itself: a package tree of symlinks into this checkout, and a `streamrl` launcher
 rm -rf "$site/streamrl"; mkdir -p "$site/streamrl" "$site/bin"
 for f in "$repo"/streamrl/*.py; do ln -s "$f" "$site/streamrl/"; done
-for part in gateway broker trainer producers judge; do ln -s "$repo/$part" "$site/streamrl/$part"; done
+for part in engine gateway broker trainer producers judge; do ln -s "$repo/$part" "$site/streamrl/$part"; done
+# the agents of examples/ are not installed on any machine: a top-level package beside streamrl, as on pytest's path
+rm -f "$site/examples"; ln -s "$repo/examples" "$site/examples"
 printf '#!/bin/sh\nexec python3 -m streamrl.cli "$@"\n' > "$site/bin/streamrl"; chmod +x "$site/bin/streamrl"
 # (checked from / : in the repository root, its streamrl/ folder would shadow the laid-out package;
 # run streamrl from outside the checkout for the same reason)
 if [ "$gateway_only" = 1 ]; then
   cd / && PYTHONPATH=$site python3 -c "import kafka, confluent_kafka, streamrl.gateway.app, streamrl.broker.embedded; print('gateway only')"
 else
-  cd / && PYTHONPATH=$site python3 -c "import vllm, torch, kafka, confluent_kafka, streamrl.broker.schema; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
+  cd / && PYTHONPATH=$site python3 -c "import vllm, torch, kafka, confluent_kafka, streamrl.broker.schema, streamrl.engine.server, examples.tictactoe.agent; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
 fi

@@ -1,4 +1,5 @@
-"""The learning benchmark end to end on the CPU: bench/learn_bench.py's ``tiny`` preset, one seed of both modes,
+"""The learning benchmark end to end on the CPU: bench/learn_bench.py's ``tiny`` preset, one seed of three modes
+(``sft-pipeline`` starts from an SFT warm-up on the task's own demonstrations),
 runs of a few seconds against the session's vLLM engine, then ``merge`` of the result split in two. Checks the
 harness (every mode ran, one after the other; the statistics are there and merge recomputes them), not
 learning: runs this short measure nothing. The order over several seeds is ``run_order``'s, unit-tested in
@@ -21,7 +22,7 @@ from streamrl.engine.server import Engine
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "learn_bench.py"
-SEEDS, MODES = (0,), ("pipeline", "sync")
+SEEDS, MODES = (0,), ("pipeline", "sync", "sft-pipeline")
 
 
 def bench(args: list[str], log: Path, timeout: float) -> int:
@@ -51,7 +52,7 @@ def test_tiny_preset_interleaves_every_mode_and_seed_and_merges(engine: Engine, 
     assert sorted((r["seed"], r["mode"]) for r in runs) == sorted((s, m) for s in SEEDS for m in MODES)
     assert all(r["complete"] and r["exit_code"] == 0 for r in runs), [(r["mode"], r["seed"], r.get("why")) for r in runs]
     # in run_order's order, each run after the previous one ended
-    expected = [[0, "pipeline"], [0, "sync"]]
+    expected = [[0, m] for m in MODES]
     assert result["order"] == expected
     assert [[r["seed"], r["mode"]] for r in sorted(runs, key=lambda r: r["started_at"])] == expected
     for before, after in itertools.pairwise(runs):
@@ -66,6 +67,15 @@ def test_tiny_preset_interleaves_every_mode_and_seed_and_merges(engine: Engine, 
         assert r["publish_to_served"]["versions"] >= 1 and r["requests_failed"] == 0
         assert "idle_s" in r["engine"], "the shared engine's metrics are polled"
 
+    # the warm start: SFT on the task's demonstrations, published as v1 before the first step (v2), and its
+    # seconds on the run's clock
+    warm = next(r for r in runs if r["mode"] == "sft-pipeline")
+    sft = warm["warm_start"]
+    assert sft["summary"]["steps"] >= 1 and sft["summary"]["sequences"] > 0 and sft["seconds"] > 0
+    assert warm["reward_curve"][0][2] == 2, "v1 is the SFT adapter, the first trained version v2"
+    assert min(p[0] for p in warm["curve"]) >= sft["seconds"]
+    assert all("warm_start" not in r for r in runs if r["mode"] != "sft-pipeline")
+
     stats = result["stats"]
     assert stats["seeds"] == {m: list(SEEDS) for m in MODES}
     assert [row["level"] for row in stats["levels"]] == [0.5, 0.6, 0.7]
@@ -74,7 +84,8 @@ def test_tiny_preset_interleaves_every_mode_and_seed_and_merges(engine: Engine, 
             cell = row["modes"][m]
             assert cell["reached"] + cell["not_reached"] == len(SEEDS)
             assert {"median", "interval_90", "per_seed"} <= cell.keys()
-        assert {"median", "interval_90", "neither_reached"} <= row["speedup"]["pipeline/sync"].keys()
+        for m in ("pipeline", "sft-pipeline"):
+            assert {"median", "interval_90", "neither_reached"} <= row["speedup"][f"{m}/sync"].keys()
     assert [row["t_s"] for row in stats["at_times"]] == [2.0, 5.0]
     for m in MODES:
         figures = stats["modes"][m]

@@ -9,6 +9,7 @@ import json
 import random
 import threading
 import uuid
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -200,6 +201,43 @@ def test_rl_from_the_sft_adapter_publishes_the_next_version(broker, tmp_path, ti
     # Adam's first update moves a weight by at most about the learning rate (x the scaling folded into B)
     scaling = config.lora_alpha / config.lora_rank
     assert 0 < moved <= 1.5 * scaling * config.learning_rate < largest / 4
+
+
+def test_rl_from_an_unpublished_adapter_publishes_it_first(broker, tmp_path, tiny_model, capsys) -> None:
+    """``--init-adapter`` naming an adapter the fleet does not serve (an SFT run without ``--publish``): the
+    trainer publishes it as v1 before its first step, so the groups it trains on are sampled from the weights
+    it starts from; its first trained version is v2. A restart from the checkpoint publishes nothing again."""
+    topics = new_topics(broker.bootstrap_servers)
+    sft_out = tmp_path / "sft"
+    run(capsys, say_data(tmp_path / "say.jsonl"), tiny_model, sft_out, "--max-steps", "2", "--eval-fraction", "0",
+        "--learning-rate", "0.05")
+    config = TrainerConfig(model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers, device="cpu",
+                           adapters=str(tmp_path / "rl"), topic_prefix=topics.prefix, init_adapter=str(sft_out),
+                           groups_per_step=1, max_step_tokens=0, max_steps=1, metrics_port=free_port())
+    produce(broker.bootstrap_servers, topics, group("g0", version=1))  # sampled from the initial adapter
+
+    def train_until_stopped() -> None:
+        stop = threading.Event()
+        thread = threading.Thread(target=run_trainer, args=(replace(config, metrics_port=free_port()), stop),
+                                  daemon=True)
+        thread.start()
+        try:
+            wait_until(lambda: not thread.is_alive(), "the trainer's run", 120)
+        finally:
+            stop.set()
+            thread.join(60)
+
+    train_until_stopped()
+    records = policy_records(broker.bootstrap_servers, topics)
+    assert [(r.name, r.version, r.step) for r in records] == [("policy", 1, 0), ("policy", 2, 1)]
+    assert records[0].metrics == {"init_adapter": 1.0}
+    sft, served = load_file(sft_out / WEIGHTS_FILE), load_file(config.policy_dir / "v1" / WEIGHTS_FILE)
+    assert sft.keys() == served.keys()
+    assert all(torch.allclose(served[k].float(), sft[k].float(), atol=1e-6) for k in sft)
+    assert any(sft[k].abs().max() > 0 for k in sft if "lora_B" in k)  # not a fresh LoRA's zero B
+    train_until_stopped()  # max_steps reached at once: resumes from the checkpoint, publishes nothing
+    assert [(r.name, r.version) for r in policy_records(broker.bootstrap_servers, topics)] == [
+        ("policy", 1), ("policy", 2)]
 
 
 def test_export_round_trip_trains_on_the_logged_token_ids(broker, tmp_path, tiny_model, capsys) -> None:
