@@ -583,6 +583,13 @@ def print_runs(runs: list[dict[str, Any]]) -> None:
               f"| {_fmt(reply.get('p50'), 0)}/{_fmt(reply.get('p90'), 0)}/{_fmt(reply.get('max'), 0)} "
               f"| {_fmt(r.get('engine_idle_s'), 0)} | {_fmt(anatomy.get('serving_s_mean'))} / "
               f"{_fmt(anatomy.get('gap_s_mean'))} | {r.get('requests_failed', '-')} |")
+    for r in runs:  # a warm start's SFT: its time on the run's clock, and where the score starts
+        if warm := r.get("warm_start"):
+            first = min(r.get("curve") or [[None, None, None]], key=lambda p: p[0] if p[0] is not None else 0)
+            print(f"\n{r['mode']} s{r['seed']}: SFT warm-up {warm['seconds']:.1f} s ({warm['summary'].get('steps')} "
+                  f"steps on {warm['summary'].get('sequences')} demonstrations, held-out loss "
+                  f"{_fmt(warm['summary'].get('eval_loss_first'))} -> {_fmt(warm['summary'].get('eval_loss'))}); "
+                  f"first score {_fmt(first[2])} at {_fmt(first[0], 1)} s (v{first[1]})")
 
 
 def print_stats(stats: dict[str, Any]) -> None:
