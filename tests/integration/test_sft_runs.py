@@ -14,6 +14,7 @@ from dataclasses import replace
 import httpx
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
@@ -270,3 +271,26 @@ def test_export_round_trip_trains_on_the_logged_token_ids(broker, tmp_path, tiny
     step = json.loads((out / HISTORY_FILE).read_text().splitlines()[-1])
     assert step["tokens"] == len(expected[0][0]) + len(expected[1][0])  # both sequences, in one step
     assert step["target_tokens"] == 5 + 4 + 6
+
+
+def test_sft_steps_and_evaluations_reach_tensorboard(tmp_path, tiny_model, capsys) -> None:
+    """``streamrl sft --report-to tensorboard``: each step's loss and each held-out evaluation are logged at
+    their step, the same numbers as the history file's."""
+    pytest.importorskip("tensorboard", reason="needs the tracking extra (the dev extra has it)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, tracking = tmp_path / "adapter", tmp_path / "tracking"
+    run(capsys, say_data(tmp_path / "say.jsonl"), tiny_model, out, "--max-steps", "3", "--report-to", "tensorboard",
+        "--tracking-dir", str(tracking), "--run-name", "sft-tracked")
+    history = [json.loads(x) for x in (out / HISTORY_FILE).read_text().splitlines()]
+    steps = [h for h in history if "loss" in h]
+    evals = [h for h in history if "eval_loss" in h]
+    assert [h["step"] for h in steps] == [1, 2, 3] and [h["step"] for h in evals] == [0, 3]
+    [events] = list((tracking / "tensorboard").rglob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(events.parent))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [
+        (h["step"], pytest.approx(h["loss"])) for h in steps]
+    assert [(e.step, e.value) for e in acc.Scalars("eval_loss")] == [
+        (h["step"], pytest.approx(h["eval_loss"])) for h in evals]
+    assert {"eval_accuracy", "grad_norm", "tokens"} <= set(acc.Tags()["scalars"])
