@@ -128,7 +128,7 @@ def run_plain(args: argparse.Namespace, data: Path) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
-        loss = float(out.loss)
+        loss = float(out.loss.detach())
         if i >= args.warmup_steps:
             tokens += sum(len(s.token_ids) for s in step)
             seconds += time.monotonic() - t

@@ -29,6 +29,8 @@ JUDGE_RUBRIC = ("The user asked an arithmetic word problem and to answer with ju
 class Problem:
     question: str
     answer: int
+    working: str = ""
+    """The computation written out, ending in the answer ("12 + 7 = 19"): what a demonstration replies."""
 
     @property
     def key(self) -> str:
@@ -41,17 +43,21 @@ def make_problem(rng: random.Random) -> Problem:
     if op == "+":
         a, b = rng.randint(2, 30), rng.randint(2, 30)
         q, ans = f"{name} has {a} {item}s and gets {b} more. How many {item}s does {name} have now?", a + b
+        work = f"{a} + {b} = {ans}"
     elif op == "-":
         a = rng.randint(5, 40)
         b = rng.randint(1, a - 1)
         q, ans = f"{name} had {a} {item}s and gave {b} away. How many {item}s are left?", a - b
+        work = f"{a} - {b} = {ans}"
     elif op == "*":
         a, b = rng.randint(2, 9), rng.randint(2, 9)
         q, ans = f"A box holds {a} {item}s. How many {item}s are in {b} boxes?", a * b
+        work = f"{b} x {a} = {ans}"
     else:
         b, ans = rng.randint(2, 6), rng.randint(2, 9)
         q = f"{name} shares {ans * b} {item}s equally among {b} friends. How many {item}s does each friend get?"
-    return Problem(q, ans)
+        work = f"{ans * b} / {b} = {ans}"
+    return Problem(q, ans, work)
 
 
 def _held_out(n: int, seed: int = 20261201) -> tuple[Problem, ...]:
@@ -118,8 +124,11 @@ class ArithmeticTask:
         return [{"role": "user", "content": f"{problem.question} {INSTRUCTION}"}]
 
     def demonstration(self, problem: Problem) -> list[dict[str, str]]:
-        """A correct exchange, as chat messages: SFT warm-up data written by the task itself (reward 1)."""
-        return [*self.messages(problem), {"role": "assistant", "content": str(problem.answer)}]
+        """A correct exchange, as chat messages: SFT warm-up data written by the task itself (reward 1). The
+        reply writes the computation out before the answer: trained on the bare number, SmolLM2-135M learnt
+        to answer in 3 tokens and stopped working the sum out, which capped what RL could reach from there
+        (docs/benchmarks.md, "RL from an SFT warm-up")."""
+        return [*self.messages(problem), {"role": "assistant", "content": problem.working}]
 
     async def episode(self, gateway: AsyncGateway, problem: Problem, group_id: str, group_size: int) -> Outcome:
         async with gateway.trajectory(group_id=group_id, group_size=group_size) as t:

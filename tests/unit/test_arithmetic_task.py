@@ -52,3 +52,17 @@ def test_an_evaluation_scores_a_prefix_of_the_held_out_set() -> None:
     for bad in (0, 257):
         with pytest.raises(ValueError, match=r"held_out_size must be 1\.\.256"):
             ArithmeticTask(held_out_size=bad)
+
+
+def test_demonstrations_work_the_sum_out_and_score_one() -> None:
+    """SFT warm-up data the task writes itself: the question as asked, a reply that writes the computation out
+    and ends in the answer (reward 1), never a held-out problem."""
+    task, rng = ArithmeticTask(), random.Random(3)
+    held_out = {p.key for p in HELD_OUT}
+    for _ in range(500):
+        problem = task.sample(rng)
+        user, assistant = task.demonstration(problem)
+        assert user == task.messages(problem)[0] and problem.key not in held_out
+        assert assistant["role"] == "assistant" and " = " in assistant["content"]
+        assert reward(assistant["content"], problem.answer) == 1.0
+    assert task.demonstration(HELD_OUT[0])[1]["content"] == "19 - 7 = 12"
