@@ -426,7 +426,8 @@ def summarise(spec: RunSpec, preset: Preset, run_dir: Path, t_ready: float | Non
         # lag in records: what the gateway produced (completions and rewards) minus every record the
         # trainer has read (accepted, late, duplicate or bad); tansu's end offsets cannot be used
         produced = gb.get('streamrl_gateway_records_total{outcome="produced"}', 0)
-        read = ("completions", "rewards", "late", "duplicate_completion", "duplicate_reward", "records_skipped_stale")
+        read = ("completions", "rewards", "late", "duplicate_completion", "duplicate_reward", "records_skipped_stale",
+                "other_policy")
         consumed = sum(v for k, v in trb.items() if k.startswith("streamrl_trainer_records_total{")
                        and (k.split('"')[1] in read or k.split('"')[1].startswith(("bad_", "not_trained_"))))
         result["kafka_lag_records_at_end"] = produced - consumed

@@ -40,7 +40,7 @@ from .hotswap import PolicyFollower
 from .loop_lag import CollectionPauses, LoopLagMonitor
 from .metrics import GatewayMetrics
 from .openapi import openapi_document
-from .policy import PolicyRouter
+from .policy import PolicyTable
 from .proxy import JSON, Proxy
 from .rewards import post_rewards
 from .upstreams import UpstreamPool
@@ -69,17 +69,21 @@ class Gateway:
         self.pool = UpstreamPool(config.upstreams, interval_s=config.health_interval_s,
                                  timeout_s=config.health_timeout_s, eject_after=config.health_failures_to_eject,
                                  token_capture=config.token_capture, deferred_capture=config.deferred_capture)
-        self.router = PolicyRouter(config.policy_name, self.pool)
+        self.policies = PolicyTable(config.policy_names, self.pool)
+        self.router = self.policies.default
+        """The default policy's (``policy_name``): the dashboard's, and ``/health``'s ``policy``."""
         self.producer: LogProducer | None = None
         self.reward_counts = [0] * NCOUNTS
         self.reward_delivery: Delivery | None = None
         """Rewards are delivered from this process, not the producer's: a ``POST /v1/rewards`` is answered
         once its rewards are durable (acknowledged by Kafka or fsynced in the spool)."""
-        self.proxy = Proxy(config, self.pool, self.router, None, self.metrics, self.topics.completions,
+        self.proxy = Proxy(config, self.pool, self.policies, None, self.metrics, self.topics.completions,
                            auth_on=bool(self.keys))
-        self.follower: PolicyFollower | None = None
-        self.tails: TailProcess | None = None
-        """Reads the policy and coordination topics, writes this gateway's state (none with logging off)."""
+        self.followers: dict[str, PolicyFollower] = {}
+        """One per policy, by name (none with logging off)."""
+        self.tails: list[TailProcess] = []
+        """Per policy, one process that reads the policy and coordination topics and writes this gateway's state
+        for that policy (a topic is tailed once per process)."""
         self.session: aiohttp.ClientSession | None = None
         self.fresh_session: aiohttp.ClientSession | None = None
         self.loop_lag = LoopLagMonitor(self.metrics.loop_lag.observe)
@@ -127,13 +131,16 @@ class Gateway:
         if self.dashboard is not None:
             self.dashboard.start()
         if c.bootstrap_servers is not None and c.follow_policy:
-            self.tails = TailProcess(c.bootstrap_servers, security=c.kafka,
-                                     client_id=f"streamrl-gateway-{self.gateway_id}")
-            await self.tails.start()
-            coordination = Coordination(c, self.topics, self.tails, self.gateway_id)
-            self.follower = PolicyFollower(c, self.pool, self.router, self.session, self.topics.policy,
-                                           self.metrics, coordination, self.dashboard)
-            await self.follower.start(c.policy_catch_up_s)
+            for router in self.policies:
+                tails = TailProcess(c.bootstrap_servers, security=c.kafka,
+                                    client_id=f"streamrl-gateway-{self.gateway_id}")
+                self.tails.append(tails)
+                await tails.start()
+                coordination = Coordination(c, self.topics, tails, self.gateway_id, router.name)
+                self.followers[router.name] = PolicyFollower(
+                    c, self.pool, router, self.session, self.topics.policy, self.metrics, coordination,
+                    self.dashboard if router is self.router else None)
+            await asyncio.gather(*(f.start(c.policy_catch_up_s) for f in self.followers.values()))
         if self.producer is not None and not await asyncio.to_thread(self.producer.wait_ready, PRODUCER_START_S):
             log.warning("the record producer process has not started after %.0fs; serving on (records wait in "
                         "the pipe)", PRODUCER_START_S)
@@ -147,10 +154,8 @@ class Gateway:
             self.gc_pauses.uninstall()
             if self.dashboard is not None:
                 await self.dashboard.stop()
-            if self.follower is not None:
-                await self.follower.stop()
-            if self.tails is not None:
-                await self.tails.stop()
+            await asyncio.gather(*(f.stop() for f in self.followers.values()))
+            await asyncio.gather(*(t.stop() for t in self.tails))
             await self.pool.stop()
             await self.proxy.finish_late_captures(min(self.config.upstream_timeout_s, 10.0))
             for session in (self.session, self.fresh_session):
@@ -175,10 +180,11 @@ class Gateway:
                 if policy else {"status": status}
         return {
             "status": status,
-            "gateway": {"gateway_id": self.gateway_id, "pid": os.getpid()} if self.follower is None
-            else {**self.follower.coordination.view(), "pid": os.getpid()},
+            "gateway": {"gateway_id": self.gateway_id, "pid": os.getpid()} if not self.followers
+            else {**self.followers[self.router.name].coordination.view(), "pid": os.getpid()},
             "upstreams": [u.state() for u in self.pool.upstreams],
             "policy": self.router.state(),
+            "policies": {r.name: r.state() for r in self.policies},
             "producer": None if stats is None else {
                 "offered": stats.offered, "delivered": stats.delivered, "failed": stats.failed,
                 "dropped": stats.dropped, "invalid": stats.invalid, "buffered": self.producer.buffered,
@@ -190,6 +196,11 @@ class Gateway:
             },
         }
 
+    @property
+    def follower(self) -> PolicyFollower | None:
+        """The default policy's follower (None with logging or following off)."""
+        return self.followers.get(self.router.name)
+
     def reward_stats(self) -> ProducerStats | None:
         if self.reward_delivery is None:
             return None
@@ -200,9 +211,8 @@ class Gateway:
         cards = self.pool.model_cards()
         base = cards[0]["id"] if cards else None
         if base is not None:
-            cards.append({"id": self.config.policy_name, "object": "model", "owned_by": "streamrl",
-                          "root": self.router.routed.served_name if self.router.routed else base,
-                          "parent": base})
+            cards += [{"id": r.name, "object": "model", "owned_by": "streamrl",
+                       "root": r.routed.served_name if r.routed else base, "parent": base} for r in self.policies]
         return {"object": "list", "data": cards}
 
 

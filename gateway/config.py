@@ -23,7 +23,10 @@ class GatewayConfig:
     port: int = 8080
     topic_prefix: str = "streamrl"
     policy_name: str = "policy"
-    """The stable model name clients use for the policy being trained."""
+    """The stable model name clients use for the policy being trained (the default one, with ``policies``)."""
+    policies: tuple[str, ...] = ()
+    """More policy names served from the same upstreams (``policy_name`` is always one): each has its own
+    versions, hot-swap, coordination and ``max_loaded_versions``; a request's ``model`` picks the policy."""
     max_loaded_versions: int = 3
     """At most this many policy versions stay loaded in each upstream."""
     keep_previous_versions: int = 1
@@ -117,6 +120,11 @@ class GatewayConfig:
     dashboard_interval_s: float = 1.0
     """Seconds between the dashboard's samples of the gateway's counters (throughput, records, health)."""
 
+    @property
+    def policy_names(self) -> tuple[str, ...]:
+        """Every policy served, ``policy_name`` first."""
+        return (self.policy_name, *dict.fromkeys(p for p in self.policies if p != self.policy_name))
+
     def __post_init__(self) -> None:
         if not self.upstreams:
             raise ValueError("at least one upstream is required")
@@ -147,6 +155,11 @@ class GatewayConfig:
             raise ValueError(f"producer_client must be one of {', '.join(PRODUCER_CLIENTS)}, not {self.producer_client!r}")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))
         object.__setattr__(self, "trusted_publishers", tuple(self.trusted_publishers))
+        object.__setattr__(self, "policies", tuple(self.policies))
+        for name in self.policy_names:
+            if not name or "@" in name or name != name.strip():
+                raise ValueError(f"policy name {name!r}: not empty, no '@' (it names versions: <name>@v<N>), "
+                                 "no surrounding spaces")
         object.__setattr__(self, "kafka", KafkaSecurity.of(self.kafka))
 
     @classmethod

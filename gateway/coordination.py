@@ -65,9 +65,12 @@ class Coordination:
     on the event loop after each batch of states read; ``applied_offset`` is the last offset whose state the
     callbacks have seen."""
 
-    def __init__(self, config: GatewayConfig, topics: Topics, tails: TailProcess, gateway_id: str) -> None:
+    def __init__(self, config: GatewayConfig, topics: Topics, tails: TailProcess, gateway_id: str,
+                 policy_name: str | None = None) -> None:
         self.config, self.topics, self.topic, self.tails = config, topics, topics.gateways, tails
         self.gateway_id = gateway_id
+        self.policy_name = config.policy_name if policy_name is None else policy_name
+        """The policy whose gateways this view holds (a gateway serving several keeps one view per policy)."""
         self.joined_offset = -1
         """The offset of this gateway's first state, once read back (``ready``)."""
         self.seen: dict[str, Seen] = {}
@@ -169,7 +172,7 @@ class Coordination:
     def _apply(self, states: list[tuple[GatewayState, int]], last: int) -> None:
         received = time.monotonic()
         for state, offset in states:
-            if state.policy_name == self.config.policy_name:
+            if state.policy_name == self.policy_name:
                 # a first state (joined_offset -1) joins at its own offset; a restart under the same id joins anew
                 joined = state.joined_offset if state.joined_offset >= 0 else offset
                 self.seen[state.gateway_id] = Seen(state, offset, joined, received)

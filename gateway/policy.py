@@ -64,6 +64,15 @@ class PolicyRouter:
 
     def resolve(self, model: str) -> Lease | None:
         """The lease for a client's model name; None when no upstream knows it (a 404)."""
+        own = self.resolve_own(model)
+        if own is not None:
+            return own
+        if self.pool.known_model(model):
+            return Lease(None, None, model, None, 0)
+        return None
+
+    def resolve_own(self, model: str) -> Lease | None:
+        """The lease when ``model`` is this policy's name or a loaded version of it (``<name>@v<N>``), else None."""
         if model == self.name:
             routed = self.routed
             if routed is None:
@@ -73,8 +82,6 @@ class PolicyRouter:
         for state in self.versions.values():  # a pinned version, e.g. "policy@v3", while loaded
             if state.served_name == model and state.loaded_at and not state.unloading:
                 return Lease(self, state, model, self.name, state.record.version)
-        if self.pool.known_model(model):
-            return Lease(None, None, model, None, 0)
         return None
 
     def route(self, state: VersionState) -> VersionState | None:
@@ -94,3 +101,30 @@ class PolicyRouter:
         return {"name": self.name, "version": self.version,
                 "loaded": {s.served_name: {"in_flight": s.in_flight, "unloading": s.unloading}
                            for s in self.versions.values()}}
+
+
+class PolicyTable:
+    """Several policies served from the same upstreams, each its own ``PolicyRouter`` (routed version, loaded
+    versions, hot-swap): the request's ``model`` picks the policy. The first is the gateway's default
+    (``policy_name``), the one its dashboard and ``/health``'s ``policy`` show."""
+
+    def __init__(self, names: tuple[str, ...], pool: UpstreamPool) -> None:
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"policy names must be given, each once: {names!r}")
+        self.pool = pool
+        self.routers = {name: PolicyRouter(name, pool) for name in names}
+        self.default = self.routers[names[0]]
+
+    def __iter__(self):
+        return iter(self.routers.values())
+
+    def resolve(self, model: str) -> Lease | None:
+        """The lease for a client's model name: a policy's name or pinned version, else a model an upstream
+        serves as it is (the base model, an adapter loaded by hand); None: a 404."""
+        for router in self.routers.values():
+            lease = router.resolve_own(model)
+            if lease is not None:
+                return lease
+        if self.pool.known_model(model):
+            return Lease(None, None, model, None, 0)
+        return None

@@ -52,7 +52,7 @@ from .capture_stream import consumer_for, wait_key
 from .config import GatewayConfig
 from .dashboard import Dashboard
 from .metrics import GatewayMetrics
-from .policy import Lease, PolicyRouter
+from .policy import Lease, PolicyTable
 from .strip import client_body
 from .upstreams import Upstream, UpstreamPool
 from .wire import Endpoint
@@ -242,10 +242,10 @@ class _Frames:
 
 
 class Proxy:
-    def __init__(self, config: GatewayConfig, pool: UpstreamPool, router: PolicyRouter,
+    def __init__(self, config: GatewayConfig, pool: UpstreamPool, policies: PolicyTable,
                  producer: LogProducer | None, metrics: GatewayMetrics, completions_topic: str, *,
                  auth_on: bool = False) -> None:
-        self.config, self.pool, self.router = config, pool, router
+        self.config, self.pool, self.policies = config, pool, policies
         self.auth_on = auth_on
         """API keys are checked (``auth.AuthMiddleware`` put the request's key in its scope)."""
         self.producer, self.metrics, self.topic = producer, metrics, completions_topic
@@ -322,14 +322,14 @@ class Proxy:
         except RecordError as exc:
             raise BadRequest(400, str(exc), "purpose") from None
         key = request.scope.get(KEY_STATE)
-        lease = self.router.resolve(body["model"])
+        lease = self.policies.resolve(body["model"])
         if lease is None:
             raise BadRequest(404, f"The model `{body['model']}` does not exist.", "model")
-        if self.auth_on and lease.policy_name is not None and body["model"] != self.router.name \
+        if self.auth_on and lease.policy_name is not None and body["model"] != lease.policy_name \
                 and PINNED_VERSION_SCOPE not in key.scopes:
             lease.release()
             raise BadRequest(403, f"pinning a policy version (`{body['model']}`) needs an API key with the "
-                                  f"'{PINNED_VERSION_SCOPE}' scope; ask for `{self.router.name}`", "model")
+                                  f"'{PINNED_VERSION_SCOPE}' scope; ask for `{lease.policy_name}`", "model")
         ctx = CallContext(trajectory_id=trajectory_id, group_id=group_id, endpoint=endpoint.name, model=body["model"],
                           policy_name=lease.policy_name, policy_version=lease.version,
                           request=body if self.config.record_request else {}, started=started, purpose=purpose,

@@ -210,7 +210,12 @@ class Assembler:
     """Holds trajectories and groups until they are ready; ``poll()`` returns what became ready."""
 
     def __init__(self, *, group_size: int, group_timeout_s: float, ttl_s: float,
-                 max_trajectories: int, max_done_groups: int = 100_000) -> None:
+                 max_trajectories: int, max_done_groups: int = 100_000, policy: str | None = None) -> None:
+        self.policy = policy
+        """Completions that name another policy (several on one fleet) are not this trainer's: counted
+        ``other_policy`` and skipped with their trajectory's reward. None: every policy's."""
+        self.others: OrderedDict[str, None] = OrderedDict()
+        """Trajectory and group ids of other policies' completions (bounded like ``done``)."""
         self.group_size = group_size
         self.group_timeout_s = group_timeout_s
         self.ttl_s = ttl_s
@@ -244,6 +249,9 @@ class Assembler:
         if rec.purpose != "train":  # an evaluation of a version (held-out problems): never trained on
             self.counts[f"not_trained_{rec.purpose}"] += 1
             return
+        if self.policy is not None and rec.policy_name is not None and rec.policy_name != self.policy:
+            self._other(rec.trajectory_id, rec.group_id)
+            return
         if rec.group_id in self.done or rec.trajectory_id in self.done:
             self.counts["late"] += 1
             return
@@ -260,8 +268,29 @@ class Assembler:
         if t.reward is not None:
             self._check(t.group_id, now)
 
+    def _other(self, trajectory_id: str, group_id: str | None) -> None:
+        """Another policy's trajectory: remembered, so that its reward is skipped too; a reward of it that came
+        first is dropped, and its group with it (a group is one policy's)."""
+        self.counts["other_policy"] += 1
+        for key in (trajectory_id, group_id):
+            if key:
+                self.others[key] = None
+        while len(self.others) > self.max_done_groups:
+            self.others.popitem(last=False)
+        t = self.trajectories.get(trajectory_id)
+        if t is not None and t.reward is not None:  # (that reward was counted when read: once is enough)
+            g = self.groups.get(t.group_id)
+            if g is not None:
+                g.members = [m for m in g.members if m != trajectory_id]
+                if not g.members:
+                    del self.groups[g.group_id]
+        self._forget(trajectory_id, None)
+
     def _add_reward(self, rec: RewardRecord, raw: bytes, now: float) -> None:
         gid_hint = rec.group_id or rec.trajectory_id
+        if rec.trajectory_id in self.others or gid_hint in self.others:
+            self.counts["other_policy"] += 1
+            return
         if gid_hint in self.done:
             self.counts["late"] += 1
             return

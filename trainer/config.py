@@ -25,6 +25,9 @@ class TrainerConfig:
     adapters: str = "adapters"
     """Adapters go to <adapters>/<name>/v<N>/."""
     name: str = "policy"
+    """The policy this trainer trains: its versions are published under this name (the gateways' policy name),
+    and only completions served for it (or for no policy: the base model asked for by its own name) are
+    trained; another policy's trajectories on the same topics are counted ``other_policy`` and skipped."""
     bootstrap_servers: str = "127.0.0.1:9092"
     topic_prefix: str = "streamrl"
     kafka: KafkaSecurity = field(default_factory=KafkaSecurity)

@@ -101,7 +101,8 @@ class StreamGroups(GroupSource):
         self.records = records
         self.config = config
         self.assembler = Assembler(group_size=config.group_size, group_timeout_s=config.group_timeout_s,
-                                   ttl_s=config.trajectory_ttl_s, max_trajectories=config.max_pending_trajectories)
+                                   ttl_s=config.trajectory_ttl_s, max_trajectories=config.max_pending_trajectories,
+                                   policy=config.name)
         self.counts = self.assembler.counts
         self._key_ids = frozenset(config.key_ids)
         self.ready: list[tuple[ReadyGroup, int]] = []

@@ -68,6 +68,35 @@ def test_group_ready_at_size_and_first_duplicate_reward_wins() -> None:
     assert not a.trajectories and not a.groups
 
 
+def test_only_the_trainers_policy_is_assembled() -> None:
+    """Several policies on one fleet share the topics: a trainer assembles its own policy's trajectories (and
+    those served for no policy), skips another's completions with their rewards, in either order, and drops
+    a group of the other policy whose reward came first."""
+    def served(tid: str, policy: str | None, gid: str = "g") -> object:
+        rec = call(tid, [1], [2], gid=gid)
+        rec.policy_name = policy
+        return rec
+
+    a = asm(policy="support")
+    a.add(served("a", "support"), b"", now=0)
+    a.add(served("b", None), b"", now=0)                            # the base model by its own name: trained
+    a.add(served("x", "sql", gid="h"), b"", now=0)                  # another policy's
+    a.add(RewardRecord("x", 1.0, group_id="h"), b"", now=0)         # ... its reward after it
+    a.add(RewardRecord("y", 1.0, group_id="h2"), b"", now=0)        # a reward before its completion
+    a.add(served("y", "sql", gid="h2"), b"", now=0)
+    assert "h2" not in a.groups and "y" not in a.trajectories
+    for tid in ("a", "b"):
+        a.add(RewardRecord(tid, 1.0, group_id="g"), b"", now=0)
+    [g] = a.poll(now=1)
+    assert sorted(t.trajectory_id for t in g.trajectories) == ["a", "b"]
+    # every record counted once: y's reward as read (rewards) before its completion said whose it was
+    assert a.counts["other_policy"] == 3 and a.counts["completions"] == 2 and a.counts["rewards"] == 3
+    assert not a.trajectories and not a.groups
+    everyone = asm()  # no policy named: every policy's trajectories
+    everyone.add(served("x", "sql"), b"", now=0)
+    assert "x" in everyone.trajectories and not everyone.counts["other_policy"]
+
+
 def test_timeout_trains_partial_group_or_drops_it() -> None:
     a = asm(group_size=4)
     for t, r in [("a", 1.0), ("b", 0.0)]:
