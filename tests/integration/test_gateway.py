@@ -308,39 +308,35 @@ def test_upstream_error_keeps_status_and_body(gateway, engine, base_model, compl
 
 # -- failures of the parts around it ------------------------------------------------------------------
 
-def test_two_upstreams_one_stopped(broker, engine, tiny_model, base_model, completions):
-    from support.services import start_engine
+def test_two_upstreams_one_stopped(broker, engine, plain_engine, base_model, completions):
+    """Two upstreams, the first a plain vLLM (``plain_engine``, stopped half way), the second the session's."""
+    second = plain_engine
+    # the second engine first: with equal load it is picked first, so stopping it exercises the retry
+    config = GatewayConfig(upstreams=(second.url, engine.url), bootstrap_servers=broker.bootstrap_servers,
+                           port=free_port(), topic_prefix=TOPICS.prefix, health_interval_s=60,
+                           follow_policy=False)
+    with GatewayServer(config) as gw:
+        health = httpx.get(f"{gw.url}/health").json()
+        assert [u["token_capture"] for u in health["upstreams"]] == ["json", "engine, deferred"]  # found at start-up
+        oai = client(gw)
+        ids = []
+        for _ in range(4):
+            r = oai.chat.completions.with_raw_response.create(model=base_model, messages=CHAT, max_tokens=4)
+            ids.append(r.headers["x-request-id"])
+        recs = completions.wait_for(lambda r: isinstance(r, CompletionRecord) and r.request_id in ids, count=4)
+        assert {r.upstream for r in recs} == {second.url, engine.url}  # both served and recorded
+        assert all(0 < len(r.completion_token_ids) == len(r.logprobs) for r in recs)
 
-    second = start_engine(tiny_model, "vllm-gateway-second", token_capture=False)  # a plain vLLM
-    try:
-        # the second engine first: with equal load it is picked first, so stopping it exercises the retry
-        config = GatewayConfig(upstreams=(second.url, engine.url), bootstrap_servers=broker.bootstrap_servers,
-                               port=free_port(), topic_prefix=TOPICS.prefix, health_interval_s=60,
-                               follow_policy=False)
-        with GatewayServer(config) as gw:
-            health = httpx.get(f"{gw.url}/health").json()
-            assert [u["token_capture"] for u in health["upstreams"]] == ["json", "engine, deferred"]  # found at start-up
-            oai = client(gw)
-            ids = []
-            for _ in range(4):
-                r = oai.chat.completions.with_raw_response.create(model=base_model, messages=CHAT, max_tokens=4)
-                ids.append(r.headers["x-request-id"])
-            recs = completions.wait_for(lambda r: isinstance(r, CompletionRecord) and r.request_id in ids, count=4)
-            assert {r.upstream for r in recs} == {second.url, engine.url}  # both served and recorded
-            assert all(0 < len(r.completion_token_ids) == len(r.logprobs) for r in recs)
-
-            second.stop()
-            for _ in range(4):
-                r = oai.chat.completions.with_raw_response.create(model=base_model, messages=CHAT, max_tokens=4)
-                assert r.http_response.status_code == 200
-                rec = completions.wait_for(of_request(r.headers["x-request-id"]))[0]
-                assert rec.upstream == engine.url
-            health = httpx.get(f"{gw.url}/health").json()
-            assert [u["healthy"] for u in health["upstreams"]] == [False, True]
-            metrics = httpx.get(f"{gw.url}/metrics").text
-            assert "streamrl_gateway_upstream_retries_total 1.0" in metrics
-    finally:
         second.stop()
+        for _ in range(4):
+            r = oai.chat.completions.with_raw_response.create(model=base_model, messages=CHAT, max_tokens=4)
+            assert r.http_response.status_code == 200
+            rec = completions.wait_for(of_request(r.headers["x-request-id"]))[0]
+            assert rec.upstream == engine.url
+        health = httpx.get(f"{gw.url}/health").json()
+        assert [u["healthy"] for u in health["upstreams"]] == [False, True]
+        metrics = httpx.get(f"{gw.url}/metrics").text
+        assert "streamrl_gateway_upstream_retries_total 1.0" in metrics
 
 
 def metric(gw: GatewayServer, name: str) -> float:
