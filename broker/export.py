@@ -79,7 +79,8 @@ SCHEMA = pa.schema([
     ("trajectory_id", pa.string()), ("group_id", pa.string()), ("group_size", pa.int32()),
     ("reward", pa.float64()), ("reward_metrics", pa.list_(pa.struct([("name", pa.string()), ("value", pa.float64())]))),
     ("judged_by", pa.string()), ("explanation", pa.string()), ("reward_key_id", pa.string()),
-    ("reward_created", pa.float64()), ("key_id", pa.string()), ("policy_versions", pa.list_(pa.int32())),
+    ("reward_created", pa.float64()), ("key_id", pa.string()), ("policy", pa.string()),
+    ("policy_versions", pa.list_(pa.int32())),
     ("n_calls", pa.int32()), ("calls", pa.list_(CALL)),
 ])
 """One row per trajectory. Metrics are a list of (name, value) rather than an Arrow map: the map type
@@ -123,6 +124,11 @@ class ExportOptions:
     """Only calls of this purpose (train: what the trainer trains on; all: every call)."""
     min_reward: float | None = None
     """Only rewarded trajectories whose reward is at least this (e.g. SFT on the best)."""
+    policy: str | None = None
+    """Only this policy's trajectories (several policies on one fleet): calls served for another policy are
+    counted ``other_policy`` and their trajectories' rewards with them, as are rewards naming another policy
+    (``other_policy_reward``); calls served for no policy (a base model by its own name) are kept, as the
+    trainer keeps them."""
     unrewarded: bool = False
     """Also write trajectories without a reward in the range (reward null); counted either way."""
     reward_grace_s: float = 60.0
@@ -399,6 +405,8 @@ class _Joiner:
         """(close at ms, sequence, trajectory id) of rewarded open trajectories: a heap."""
         self.closed: OrderedDict[str, bool] = OrderedDict()
         """Recently closed trajectory ids -> whether they had a reward (to name late records; bounded)."""
+        self.others: OrderedDict[str, None] = OrderedDict()
+        """Trajectories of another policy than ``ExportOptions.policy`` (bounded like ``closed``)."""
         self.now_ms = 0
         self.rows: list[dict[str, Any]] = []
         """Rows not written yet: a row group's."""
@@ -431,6 +439,10 @@ class _Joiner:
         if self.o.purpose != "all" and rec.purpose != self.o.purpose:
             self.counts[f"purpose_{rec.purpose}"] += 1
             return
+        if self.o.policy is not None and rec.policy_name is not None and rec.policy_name != self.o.policy:
+            self.counts["other_policy"] += 1
+            self._other(rec.trajectory_id)
+            return
         if rec.trajectory_id in self.closed:
             self.counts["late_completion"] += 1
             return
@@ -445,8 +457,23 @@ class _Joiner:
         self.open.move_to_end(t.trajectory_id)
         self.counts["completions"] += 1
 
+    def _other(self, tid: str) -> None:
+        """Another policy's trajectory: closed unwritten (its reward, before or after, goes with it)."""
+        t = self.open.pop(tid, None)
+        if t is not None and t.reward is not None:
+            self.counts["other_policy"] += 1
+        self.others[tid] = None
+        while len(self.others) > CLOSED_REMEMBERED * self.o.max_open:
+            self.others.popitem(last=False)
+
     def _reward(self, rec: RewardRecord, ts: int) -> None:
         tid = rec.trajectory_id
+        if self.o.policy is not None and rec.policy is not None and rec.policy != self.o.policy:
+            self.counts["other_policy_reward"] += 1
+            return
+        if tid in self.others:
+            self.counts["other_policy"] += 1
+            return
         if tid in self.closed:
             self.counts["duplicate_reward" if self.closed[tid] else "late_reward"] += 1
             return
@@ -546,6 +573,7 @@ def trajectory_row(t: _Trajectory) -> dict[str, Any]:
         "judged_by": rw.judged_by if rw else None, "explanation": rw.explanation if rw else None,
         "reward_key_id": rw.key_id if rw else None, "reward_created": rw.created if rw else None,
         "key_id": next((c.record.key_id for c in calls if c.record.key_id), None),
+        "policy": next((c.record.policy_name for c in calls if c.record.policy_name), rw.policy if rw else None),
         "policy_versions": sorted({c.record.policy_version for c in calls}), "n_calls": len(calls),
         "calls": [_call_row(c) for c in calls],
     }

@@ -30,6 +30,15 @@ rounds (vLLM's CPU worker held both cores) and lost 47-61 of a round's 256 reque
 ``upstream_keepalive_s``, 4 s) are not affected either way, so a longer keep-alive costs nothing."""
 
 
+def lora_slots(policies: int, max_loaded_versions: int) -> tuple[int, int]:
+    """(``max_loras``, ``max_cpu_loras``) an engine needs for ``policies`` policies that each keep up to
+    ``max_loaded_versions`` adapter versions loaded. The CPU cache holds every loaded version (beyond it vLLM
+    reads an evicted adapter from disk again at its next request); the GPU slots, which bound the adapters of
+    one batch and are preallocated at the largest rank, hold two per policy: the routed version and the one a
+    swap is moving to (or from) run side by side without a request waiting for a slot."""
+    return 2 * policies, policies * max_loaded_versions
+
+
 @dataclass
 class EngineConfig:
     model: str

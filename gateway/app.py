@@ -26,10 +26,11 @@ from starlette.responses import Response
 
 from streamrl.broker.delivery import FAILED, NCOUNTS, Delivery
 from streamrl.broker.log_producer import LogProducer, ProducerStats, WaiterSpec
+from streamrl.broker.schema import JudgeRequest, RewardRecord
 from streamrl.broker.tail_process import TailProcess
 from streamrl.broker.topics import Topics
 
-from .auth import AuthMiddleware, check_bind, has_scope, load_keys, request_key
+from .auth import ApiKey, AuthMiddleware, check_bind, has_scope, load_keys, request_key
 from .capture import RECORD_BUILDERS
 from .capture_stream import deferred_captures
 from .config import GatewayConfig
@@ -63,6 +64,8 @@ class Gateway:
         """This process's id on the coordination topic (``/health`` says it, and who leads)."""
         self.keys = load_keys(config.api_keys, os.environ)
         check_bind(config.host, self.keys, config.insecure)
+        for key_id, unknown in self.keys.unknown_policies(config.policy_names):
+            log.warning("API key %s names policies this gateway does not serve: %s", key_id, ", ".join(unknown))
         self.topics = Topics(config.topic_prefix)
         self.metrics = GatewayMetrics()
         self.metrics.info.labels(self.gateway_id).set(1)
@@ -90,7 +93,8 @@ class Gateway:
         self.gc_pauses = CollectionPauses()
         self.metrics.watch_collections(self.gc_pauses)
         self.metrics.watch(self.pool, lambda: self.producer.stats if self.producer else None,
-                           lambda: self.producer.buffered if self.producer else 0, lambda: self.router.version,
+                           lambda: self.producer.buffered if self.producer else 0,
+                           lambda: {r.name: r.version for r in self.policies},
                            self.reward_stats)
         self.dashboard = Dashboard(self.router, self.pool, self.metrics,
                                    lambda: self.producer.stats if self.producer else None,
@@ -207,12 +211,25 @@ class Gateway:
         c = self.reward_counts
         return ProducerStats.from_counts(c, failed=c[FAILED])
 
-    def models(self) -> dict[str, object]:
+    def rewards_accepted(self, records: list[RewardRecord | JudgeRequest]) -> None:
+        """Rewards (and judge requests) durable: counted by the policy they name; the default policy's rewards
+        (or those naming none) go to the dashboard's per-version rewards."""
+        for r in records:
+            self.metrics.rewards.labels(r.policy or "").inc()
+        if self.dashboard is not None:
+            self.dashboard.rewarded([r for r in records if isinstance(r, RewardRecord)
+                                     and r.policy in (None, self.router.name)])
+
+    def models(self, key: ApiKey | None = None) -> dict[str, object]:
+        """The upstreams' models and each policy; a key limited to policies sees only its policies."""
         cards = self.pool.model_cards()
         base = cards[0]["id"] if cards else None
+        if key is not None and not key.may_use(None):
+            cards = []
         if base is not None:
             cards += [{"id": r.name, "object": "model", "owned_by": "streamrl",
-                       "root": r.routed.served_name if r.routed else base, "parent": base} for r in self.policies]
+                       "root": r.routed.served_name if r.routed else base, "parent": base}
+                      for r in self.policies if key is None or key.may_use(r.name)]
         return {"object": "list", "data": cards}
 
 
@@ -266,16 +283,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         key = request_key(request.scope)
         response = await post_rewards(request, gateway.reward_delivery, gateway.topics.rewards, config.max_body_bytes,
                                       (config.spool_after_ms + config.producer_send_timeout_ms) / 1000,
-                                      key.key_id if key is not None else None,
-                                      gateway.dashboard.rewarded if gateway.dashboard is not None else None)
+                                      key, config.policy_names, gateway.rewards_accepted)
         gateway.metrics.observe("/v1/rewards", response.status_code, time.perf_counter() - started)
-        if response.status_code == 200:
-            gateway.metrics.rewards.inc(orjson.loads(response.body)["accepted"])
         return response
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return Response(orjson.dumps(gateway.models()), media_type=JSON)
+    async def models(request: Request) -> Response:
+        return Response(orjson.dumps(gateway.models(request_key(request.scope))), media_type=JSON)
 
     auth_on = bool(gateway.keys)
 

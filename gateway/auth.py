@@ -3,12 +3,14 @@
 Keys come from a file (``GatewayConfig.api_keys``) or, when no file is given, from the environment
 variable ``STREAMRL_API_KEYS``; both hold one key a line::
 
-    # key                              scopes             id (optional)
-    sk-4f1c0e...                        inference,rewards  team-a
+    # key                              scopes             id (optional)  policies (optional)
+    sk-4f1c0e...                        inference,rewards  team-a         policies=support,sql
     sk-9a72d1...                        admin              ops
 
 The id is what records carry (``key_id``) and what logs may name; without one it is ``key-`` and the first
-12 hex digits of the key's sha256, never the key. In the environment variable, ``;`` separates entries as
+12 hex digits of the key's sha256, never the key. ``policies=`` limits a key to those policies (several on
+one gateway, ``GatewayConfig.policies``): it may generate from and reward only them, and ``/v1/models`` shows
+it only them; without it (or with ``admin``) a key reaches every policy. In the environment variable, ``;`` separates entries as
 a newline does.
 
 The per-request cost is one sha256 of the presented token and one dict lookup: keys are stored by their
@@ -72,9 +74,17 @@ class ApiKey:
     scopes: frozenset[str]
     digest: bytes
     """sha256 of the key (the key itself is not kept)."""
+    policies: frozenset[str] | None = None
+    """The policies the key may generate from and reward; None: every one."""
 
     def __repr__(self) -> str:
-        return f"ApiKey({self.key_id!r}, scopes={sorted(self.scopes)})"
+        limit = "" if self.policies is None else f", policies={sorted(self.policies)}"
+        return f"ApiKey({self.key_id!r}, scopes={sorted(self.scopes)}{limit})"
+
+    def may_use(self, policy: str | None) -> bool:
+        """Whether the key may generate from or reward ``policy`` (None: a model that is no policy, such as the
+        base model asked for by name, which a key limited to policies may not use)."""
+        return self.policies is None or "admin" in self.scopes or policy in self.policies
 
 
 def default_key_id(key: str) -> str:
@@ -97,6 +107,11 @@ class KeyRing:
     def ids(self) -> list[str]:
         return sorted(k.key_id for k in self._by_digest.values())
 
+    def unknown_policies(self, served: tuple[str, ...]) -> list[tuple[str, list[str]]]:
+        """(key id, policy names it lists that are not in ``served``) for each key that lists some."""
+        return [(k.key_id, sorted(k.policies - set(served))) for k in self._by_digest.values()
+                if k.policies is not None and k.policies - set(served)]
+
     def lookup(self, token: bytes) -> ApiKey | None:
         digest = hashlib.sha256(token).digest()
         key = self._by_digest.get(digest)
@@ -106,8 +121,8 @@ class KeyRing:
 
 
 def parse_keys(text: str, source: str, *, separator: str | None = None) -> KeyRing:
-    """Parse key lines (``KEY SCOPES[,SCOPE...] [ID]``; ``#`` comments and blank lines skipped). Every
-    error names ``source`` and the line (entry) number, and never the key."""
+    """Parse key lines (``KEY SCOPES[,SCOPE...] [ID] [policies=NAME[,NAME...]]``; ``#`` comments and blank
+    lines skipped). Every error names ``source`` and the line (entry) number, and never the key."""
     entries = text.split(separator) if separator else text.splitlines()
     keys: list[ApiKey] = []
     ids: set[str] = set()
@@ -118,8 +133,16 @@ def parse_keys(text: str, source: str, *, separator: str | None = None) -> KeyRi
             continue
         where = f"{source} line {number}" if separator is None else f"{source} entry {number}"
         parts = line.split()
+        policies: frozenset[str] | None = None
+        if len(parts) > 2 and parts[-1].startswith("policies="):
+            names = [n for n in parts.pop()[len("policies="):].split(",") if n]
+            bad = [n for n in names if "@" in n]
+            if not names or bad:
+                raise KeyFileError(f"{where}: policies= needs one or more policy names separated by commas"
+                                   + (f" (not {bad[0]!r})" if bad else ""))
+            policies = frozenset(names)
         if len(parts) not in (2, 3):
-            raise KeyFileError(f"{where}: expected 'KEY SCOPES [ID]', got {len(parts)} field(s)")
+            raise KeyFileError(f"{where}: expected 'KEY SCOPES [ID] [policies=A,B]', got {len(parts)} field(s)")
         key, scope_text = parts[0], parts[1]
         if len(key) < MIN_KEY_LENGTH:
             raise KeyFileError(f"{where}: the key is shorter than {MIN_KEY_LENGTH} characters")
@@ -138,7 +161,7 @@ def parse_keys(text: str, source: str, *, separator: str | None = None) -> KeyRi
             raise KeyFileError(f"{where}: the id {key_id!r} is used twice")
         digests.add(digest)
         ids.add(key_id)
-        keys.append(ApiKey(key_id, scopes, digest))
+        keys.append(ApiKey(key_id, scopes, digest, policies))
     return KeyRing(keys)
 
 

@@ -25,8 +25,9 @@ class GatewayConfig:
     policy_name: str = "policy"
     """The stable model name clients use for the policy being trained (the default one, with ``policies``)."""
     policies: tuple[str, ...] = ()
-    """More policy names served from the same upstreams (``policy_name`` is always one): each has its own
-    versions, hot-swap, coordination and ``max_loaded_versions``; a request's ``model`` picks the policy."""
+    """More policy names served from the same upstreams (``policy_name`` is always one; ``--policies a,b``):
+    each has its own versions, hot-swap, coordination and ``max_loaded_versions``; a request's ``model``
+    picks the policy."""
     max_loaded_versions: int = 3
     """At most this many policy versions stay loaded in each upstream."""
     keep_previous_versions: int = 1
@@ -155,7 +156,7 @@ class GatewayConfig:
             raise ValueError(f"producer_client must be one of {', '.join(PRODUCER_CLIENTS)}, not {self.producer_client!r}")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))
         object.__setattr__(self, "trusted_publishers", tuple(self.trusted_publishers))
-        object.__setattr__(self, "policies", tuple(self.policies))
+        object.__setattr__(self, "policies", tuple(n for p in self.policies for n in p.split(",") if n))  # a,b
         for name in self.policy_names:
             if not name or "@" in name or name != name.strip():
                 raise ValueError(f"policy name {name!r}: not empty, no '@' (it names versions: <name>@v<N>), "

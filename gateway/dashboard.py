@@ -181,7 +181,7 @@ class Dashboard:
                     if s.labels["status"] >= "500":
                         out["requests_failed"] += s.value
                 elif s.name == "streamrl_gateway_rewards_total":
-                    out["rewards"] = s.value
+                    out["rewards"] += s.value
                 elif s.name == "streamrl_gateway_tokens_total":
                     out[f"{s.labels['kind']}_tokens"] = s.value
         return out

@@ -227,7 +227,7 @@ class PolicyFollower:
     def _on_coordination(self) -> None:
         was = self.leading
         self.leading = self.coordination.leading
-        self.metrics.leader.set(float(self.leading))
+        self.metrics.leader.labels(self.router.name).set(float(self.leading))
         if self.leading and not was:
             self._spawn(self._take_over())
         elif not self.leading:
@@ -303,8 +303,8 @@ class PolicyFollower:
     def _switch(self, state: VersionState) -> None:
         now = time.time()
         old = self.router.route(state)
-        self.metrics.swaps.inc()
-        self.metrics.publish_to_route.observe(max(0.0, now - state.record.created))
+        self.metrics.swaps.labels(self.router.name).inc()
+        self.metrics.publish_to_route.labels(self.router.name).observe(max(0.0, now - state.record.created))
         if self.dashboard is not None:
             self.dashboard.routed(state.record.version, now)
         log.info("policy %r now served by %s (was %s), %.0f ms after publication", self.router.name,

@@ -57,7 +57,7 @@ class _StateCollector(Collector):
     """Reads live state at scrape time: upstreams, producer counters, policy version."""
 
     def __init__(self, pool: UpstreamPool, stats: Callable[[], ProducerStats | None],
-                 buffered: Callable[[], int], policy_version: Callable[[], int],
+                 buffered: Callable[[], int], policy_version: Callable[[], dict[str, int]],
                  reward_stats: Callable[[], ProducerStats | None]) -> None:
         self.pool, self.stats, self.buffered, self.policy_version = pool, stats, buffered, policy_version
         self.reward_stats = reward_stats
@@ -90,8 +90,11 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily("streamrl_gateway_records_buffered", "records waiting for the producer",
                                     value=self.buffered())
             yield from _spool_metrics({"completions": s, "rewards": self.reward_stats()})
-        yield GaugeMetricFamily("streamrl_gateway_policy_version", "policy version routed for the policy name",
-                                value=self.policy_version())
+        version = GaugeMetricFamily("streamrl_gateway_policy_version", "policy version routed for each policy name",
+                                    labels=["policy"])
+        for name, v in self.policy_version().items():
+            version.add_metric([name], v)
+        yield version
 
 
 def _spool_metrics(streams: dict[str, ProducerStats | None]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -132,8 +135,13 @@ class GatewayMetrics:
                                    "response bodies stripped by the msgspec path, not the byte-level one "
                                    "(a vLLM field order this gateway does not know costs CPU, not correctness)",
                                    registry=self.registry)
-        self.rewards = Counter("streamrl_gateway_rewards", "rewards accepted", registry=self.registry)
-        self.swaps = Counter("streamrl_gateway_policy_swaps", "policy versions routed", registry=self.registry)
+        self.rewards = Counter("streamrl_gateway_rewards", "rewards (and judge requests) accepted, by the policy they "
+                               "name (empty: none named)", ["policy"], registry=self.registry)
+        self.policy_requests = Counter("streamrl_gateway_policy_requests", "calls served by a policy (its routed "
+                                       "or a pinned version), by policy and status", ["policy", "status"],
+                                       registry=self.registry)
+        self.swaps = Counter("streamrl_gateway_policy_swaps", "policy versions routed, by policy", ["policy"],
+                             registry=self.registry)
         self.policy_rejected = Counter("streamrl_gateway_policy_rejected",
                                        "policy records refused, by reason: sha256 (mismatch or unreadable "
                                        "weights), outside_root (adapter path leaves adapter_root), publisher "
@@ -148,20 +156,20 @@ class GatewayMetrics:
                                      "adapter loads this gateway asked of an upstream, by answer: loaded (the "
                                      "upstream loaded it), already (it had it: a dead leader's load finished)",
                                      ["answer"], registry=self.registry)
-        self.leader = Gauge("streamrl_gateway_leader", "1 while this gateway leads the gateways of its policy "
-                            "name (it loads and unloads adapters for all of them)", registry=self.registry)
+        self.leader = Gauge("streamrl_gateway_leader", "1 while this gateway leads the gateways of the policy "
+                            "(it loads and unloads its adapters for all of them)", ["policy"], registry=self.registry)
         self.info = Gauge("streamrl_gateway_info", "1, labelled with this gateway process's id on the "
                           "coordination topic (each of N processes on one port answers /metrics for itself)",
                           ["gateway_id"], registry=self.registry)
         self.publish_to_route = Histogram("streamrl_gateway_publish_to_route_seconds",
                                           "from a version's publication to the policy name routed to it",
-                                          buckets=SWAP_BUCKETS, registry=self.registry)
+                                          ["policy"], buckets=SWAP_BUCKETS, registry=self.registry)
         self.loop_lag = Histogram("streamrl_gateway_event_loop_lag_seconds",
                                   "how late a timer on the event loop ran (stalls every request waits behind)",
                                   buckets=LAG_BUCKETS, registry=self.registry)
 
     def watch(self, pool: UpstreamPool, stats: Callable[[], ProducerStats | None], buffered: Callable[[], int],
-              policy_version: Callable[[], int], reward_stats: Callable[[], ProducerStats | None]) -> None:
+              policy_version: Callable[[], dict[str, int]], reward_stats: Callable[[], ProducerStats | None]) -> None:
         self.registry.register(_StateCollector(pool, stats, buffered, policy_version, reward_stats))
 
     def watch_collections(self, pauses: CollectionPauses) -> None:

@@ -325,6 +325,10 @@ class Proxy:
         lease = self.policies.resolve(body["model"])
         if lease is None:
             raise BadRequest(404, f"The model `{body['model']}` does not exist.", "model")
+        if self.auth_on and not key.may_use(lease.policy_name):
+            lease.release()
+            raise BadRequest(403, f"This API key ({key.key_id}) may not use `{body['model']}`; it may use "
+                                  f"{', '.join(f'`{p}`' for p in sorted(key.policies or ()))}", "model")
         if self.auth_on and lease.policy_name is not None and body["model"] != lease.policy_name \
                 and PINNED_VERSION_SCOPE not in key.scopes:
             lease.release()
@@ -341,6 +345,8 @@ class Proxy:
         except BaseException:
             lease.release()
             raise
+        if lease.policy_name is not None:
+            self.metrics.policy_requests.labels(lease.policy_name, str(response.status_code)).inc()
         if not isinstance(response, _Relay):
             lease.release()
         return response

@@ -32,23 +32,41 @@ from streamrl.broker.schema import (
     reward_record,
 )
 
+from .auth import ApiKey
 from .proxy import JSON, BadRequest, error_response, read_body
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(RewardRecord)) - {"created", "key_id", "judged_by"}
 """What a posted reward may carry: the record's fields but its creation time and the API key's id, which
 the gateway stamps, and ``judged_by``, which only the judge service sets."""
-JUDGE_REQUEST_FIELDS = frozenset(("trajectory_id", "group_id", "group_size", "reward", "judge"))
+JUDGE_REQUEST_FIELDS = frozenset(("trajectory_id", "group_id", "group_size", "reward", "judge", "policy"))
 """What a posted judge request may carry (``reward``: the producer's own, mixed with the judge's score)."""
 MAX_ITEMS = 10_000
 
 
-def parse_reward(item: Any, where: str, key_id: str | None = None) -> RewardRecord | JudgeRequest:
+def parse_reward(item: Any, where: str, key: ApiKey | None = None,
+                 policies: tuple[str, ...] | None = None) -> RewardRecord | JudgeRequest:
+    """One posted item as a record. ``policies``: the gateway's policies, which a named ``policy`` must be one
+    of; a key limited to policies may name only its own, and names its one policy for an item that names none
+    (with several, the item must say which: a reward is one policy's)."""
     if not isinstance(item, dict):
         raise BadRequest(400, f"{where}: a reward must be an object")
     judged = "judge" in item
     unknown = set(item) - (JUDGE_REQUEST_FIELDS if judged else FIELDS)
     if unknown:
         raise BadRequest(400, f"{where}: unknown fields {sorted(unknown)}", sorted(unknown)[0])
+    policy = item.get("policy")
+    if key is not None and key.policies is not None and not key.may_use(None):
+        if policy is None and len(key.policies) == 1:
+            item = {**item, "policy": next(iter(key.policies))}
+        elif policy is None:
+            raise BadRequest(400, f"{where}: name the policy (this API key rewards "
+                                  f"{', '.join(sorted(key.policies))})", "policy")
+        elif not key.may_use(policy):
+            raise BadRequest(403, f"{where}: this API key ({key.key_id}) may not reward policy {policy!r}", "policy")
+    if policy is not None and policies is not None and policy not in policies:
+        raise BadRequest(400, f"{where}: policy {policy!r} is not served here (policies: {', '.join(policies)})",
+                         "policy")
+    key_id = key.key_id if key is not None else None
     try:
         return judge_request(item, key_id=key_id) if judged else reward_record(item, key_id=key_id)
     except RecordError as exc:
@@ -56,11 +74,12 @@ def parse_reward(item: Any, where: str, key_id: str | None = None) -> RewardReco
 
 
 async def post_rewards(request: Request, delivery: Delivery | None, topic: str, max_body_bytes: int,
-                       timeout_s: float, key_id: str | None = None,
-                       accepted: Callable[[list[RewardRecord]], None] | None = None) -> Response:
-    """``timeout_s``: how long the rewards may take to be durable before the answer is a 503; ``key_id``:
-    the id of the request's API key, stamped on every reward (None without keys); ``accepted`` is told
-    the rewards once they are all durable (the dashboard's per-version rewards)."""
+                       timeout_s: float, key: ApiKey | None = None, policies: tuple[str, ...] | None = None,
+                       accepted: Callable[[list[RewardRecord | JudgeRequest]], None] | None = None) -> Response:
+    """``timeout_s``: how long the rewards may take to be durable before the answer is a 503; ``key``: the
+    request's API key (None without keys), whose id is stamped on every reward and whose policies limit what
+    it may reward; ``policies``: the gateway's (``parse_reward``); ``accepted`` is told the records once they
+    are all durable (the metrics, the dashboard's per-version rewards)."""
     try:
         raw = await read_body(request, max_body_bytes)
         try:
@@ -70,7 +89,7 @@ async def post_rewards(request: Request, delivery: Delivery | None, topic: str, 
         items = body if isinstance(body, list) else [body]
         if not items or len(items) > MAX_ITEMS:
             raise BadRequest(400, f"send between 1 and {MAX_ITEMS} rewards")
-        records = [parse_reward(item, f"reward {i}", key_id) for i, item in enumerate(items)]
+        records = [parse_reward(item, f"reward {i}", key, policies) for i, item in enumerate(items)]
     except BadRequest as exc:
         return error_response(exc.status, exc.message, exc.param)
     if delivery is None:
@@ -88,5 +107,5 @@ async def post_rewards(request: Request, delivery: Delivery | None, topic: str, 
         return error_response(503, f"rewards not acknowledged by Kafka nor spooled within {timeout_s:g}s; "
                                    "send them again")
     if accepted is not None:
-        accepted([r for r in records if isinstance(r, RewardRecord)])
+        accepted(records)
     return Response(orjson.dumps({"accepted": len(records)}), 200, media_type=JSON)

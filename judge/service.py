@@ -142,7 +142,8 @@ class JudgeService:
                 metrics["agent_reward"] = req.agent_reward
             record = RewardRecord(h.trajectory_id, mix(normal, req.agent_reward, weight), group_id=req.group_id,
                                   group_size=n + group.already_rewarded, metrics=metrics, key_id=req.key_id,
-                                  judged_by=c.name, explanation=judged.verdict.explanation[:MAX_TEXT_LENGTH])
+                                  judged_by=c.name, explanation=judged.verdict.explanation[:MAX_TEXT_LENGTH],
+                                  policy=req.policy)
             key, _ = next(o for o in h.offsets if o[0].startswith(self.topics.rewards + ":"))
             self.producer.send(self.topics.rewards, key=h.trajectory_id.encode(), value=encode(record),
                                partition=int(key.rsplit(":", 1)[1]))

@@ -36,7 +36,7 @@ from streamrl.broker.topics import Topics, create_topics
 from streamrl.child import signal_group, spawn, wait_http
 from streamrl.config_file import check_fields, read_file
 from streamrl.config_flags import add_config_flags, given
-from streamrl.engine.server import Engine, EngineConfig, check_vllm_release, installed_vllm
+from streamrl.engine.server import Engine, EngineConfig, check_vllm_release, installed_vllm, lora_slots
 from streamrl.gateway.auth import check_bind, load_keys
 from streamrl.gateway.config import GatewayConfig
 from streamrl.packaged_models import MODELS, resolve, settings_for
@@ -99,6 +99,10 @@ class UpConfig:
     """External vLLM base URLs; empty starts one engine."""
     topic_prefix: str = "streamrl"
     policy_name: str = "policy"
+    policies: list[str] = field(default_factory=list)
+    """More policies served and trained beside ``policy_name`` (``--policies support,sql``), from the same
+    engine: the gateway serves each name, one trainer per policy trains it on its own trajectories (adapters
+    in ``adapters/NAME``), the engine's LoRA slots are sized for them, and ``--demo`` runs its task on each."""
     token_capture: bool = True
     """The engine ``up`` starts offers capture frames and the gateway takes tokens from them; off, the
     engine is a plain vLLM server and the gateway reads tokens from its JSON."""
@@ -149,6 +153,7 @@ class UpConfig:
                                  f"{'trainer ranks' if name == 'trainer_gpus' else 'replicas'}: one each")
         if self.gateways < 1:
             raise ValueError("gateways must be >= 1")
+        self.policies = [n for p in self.policies for n in p.split(",") if n]
         if self.work_dir is None:
             self.work_dir = str(default_cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S"))
 
@@ -156,9 +161,17 @@ class UpConfig:
     def run_dir(self) -> Path:
         return Path(str(self.work_dir))
 
-    def engine_config(self, model: str) -> EngineConfig:
-        """The [engine] table < what ``up`` owns (the model, the host, token capture)."""
-        return EngineConfig(**{**self.engine_table, "model": model, "host": self.host,
+    @property
+    def policy_names(self) -> tuple[str, ...]:
+        """Every policy this stack serves and trains, ``policy_name`` first."""
+        return (self.policy_name, *dict.fromkeys(p for p in self.policies if p != self.policy_name))
+
+    def engine_config(self, model: str, max_loaded_versions: int = 3) -> EngineConfig:
+        """The [engine] table < what ``up`` owns (the model, the host, token capture), with LoRA slots for every
+        policy's loaded versions unless the table sizes them (``lora_slots``; checked in ``preflight``)."""
+        gpu, cpu = lora_slots(len(self.policy_names), max_loaded_versions)
+        sized = {"max_loras": max(gpu, EngineConfig.max_loras), "max_cpu_loras": max(cpu, EngineConfig.max_cpu_loras)}
+        return EngineConfig(**{**sized, **self.engine_table, "model": model, "host": self.host,
                                "token_capture": self.token_capture})
 
     @property
@@ -180,7 +193,8 @@ class UpConfig:
                   "shutdown_grace_s": GATEWAY_SHUTDOWN_GRACE_S, **self.gateway_table,
                   "upstreams": tuple(upstreams), "bootstrap_servers": bootstrap_servers, "kafka": self.child_kafka,
                   "host": self.host, "port": port, "topic_prefix": self.topic_prefix,
-                  "policy_name": self.policy_name, "token_capture": self.token_capture,
+                  "policy_name": self.policy_name, "policies": self.policy_names[1:],
+                  "token_capture": self.token_capture,
                   **({"workers": self.gateways} if self.gateways > 1 else {})}
         return GatewayConfig.load(None, **values)
 
@@ -197,16 +211,27 @@ class UpConfig:
         layers += [("[trainer] table", self.trainer_table), ("--trainer flag", self.trainer_flags)]
         return {k: (v, source) for source, values in layers for k, v in values.items()}
 
-    def trainer_config(self, model: str, bootstrap_servers: str) -> TrainerConfig:
-        """``trainer_settings`` < what ``up`` owns (model, broker, paths)."""
+    def trainer_config(self, model: str, bootstrap_servers: str, policy: str | None = None) -> TrainerConfig:
+        """``trainer_settings`` < what ``up`` owns (model, broker, paths) for ``policy`` (default ``policy_name``).
+        With several policies each trainer has its own adapters directory, history, metrics port and consumer
+        group; alone, the layout of one policy (``adapters/``, ``history.jsonl``)."""
+        name = policy or self.policy_name
+        several = len(self.policy_names) > 1
         values = {k: v for k, (v, _) in self.trainer_settings().items()}
+        if several:
+            values["history"] = str(Path(values["history"]).with_suffix(f".{name}.jsonl")) if values.get("history") \
+                else str(self.run_dir / f"history.{name}.jsonl")
+            if values.get("consumer_group"):
+                values["consumer_group"] = f"{values['consumer_group']}.{name}"
+            if policy is not None and policy != self.policy_name:
+                values["metrics_port"] = None  # one port is one trainer's
         if self.trainer_device is not None:
             values["device"] = self.trainer_device
         if values.get("metrics_port") is None:  # ``up`` watches it to know when the trainer is ready
             values["metrics_port"] = free_port(self.host)
         values.update(model=model, bootstrap_servers=bootstrap_servers, kafka=self.child_kafka,
                       topic_prefix=self.topic_prefix,
-                      name=self.policy_name, adapters=str(self.run_dir / "adapters"),
+                      name=name, adapters=str(self.run_dir / "adapters" / name if several else self.run_dir / "adapters"),
                       history=values.get("history") or str(self.run_dir / "history.jsonl"))
         with as_usage_error("[trainer]"):
             return TrainerConfig.load(None, **values)
@@ -259,6 +284,20 @@ def load_config(path: str | Path | None = None, **flags: Any) -> UpConfig:
 
 _CLIENT_CHATTER = re.compile(r" (?:DEBUG|INFO) (?:kafka|httpx|aiohttp|urllib3)[.:]")
 _ENGINE_TROUBLE = re.compile(r"ERROR|CRITICAL|Traceback|Error\b|Exception")
+
+
+def check_lora_slots(engine: EngineConfig, policies: int, max_loaded_versions: int) -> None:
+    """The engine's LoRA slots against what ``policies`` policies keep loaded (``lora_slots``): a CPU cache
+    smaller than their loaded versions, or fewer GPU slots than policies, is a ``UsageError`` naming the
+    setting to change."""
+    gpu, cpu = lora_slots(policies, max_loaded_versions)
+    what = f"{policies} polic{'ies' if policies > 1 else 'y'} x max_loaded_versions {max_loaded_versions}"
+    if engine.max_cpu_loras < cpu:
+        raise UsageError(f"[engine] max_cpu_loras = {engine.max_cpu_loras} holds fewer adapters than the {cpu} versions "
+                         f"{what} keep loaded: set it to {cpu} or more, or lower [gateway] max_loaded_versions")
+    if engine.max_loras < policies:
+        raise UsageError(f"[engine] max_loras = {engine.max_loras} is fewer GPU LoRA slots than the {policies} "
+                         f"policies served at once: set it to {gpu} (two per policy: a swap runs two versions)")
 
 
 def console_worthy(part: str, text: str, verbose: bool) -> bool:
@@ -367,9 +406,10 @@ class Stack:
         self.bootstrap_servers = ""
         self.upstreams: list[str] = []
         self.gateway_url = ""
-        self.demo_thread: threading.Thread | None = None
+        self.demo_threads: dict[str, threading.Thread] = {}
         self.demo_stop = threading.Event()
-        self.demo_failed: int | None = None
+        self.demo_failed: dict[str, int] = {}
+        """Failed trajectories of each demo that ended (by part name)."""
         self._following = threading.Event()
 
     # start ------------------------------------------------------------------------------------
@@ -382,20 +422,26 @@ class Stack:
         self._say_settings()
         self.model = self._model()
         self.bootstrap_servers = self._broker()
-        trainer = c.trainer_config(self.model, self.bootstrap_servers)
-        self._trainer(trainer)
+        trainers = [c.trainer_config(self.model, self.bootstrap_servers, name) for name in c.policy_names]
+        for trainer in trainers:
+            self._trainer(trainer)
         self.upstreams = self._engine()
         self._gateway()
         if c.judge or (c.demo is not None and c.demo.reward == "judge"):
             self._judge()
         if c.demo is not None:
-            demo = c.demo
-            if demo.groups_per_step is None:  # pace the demo to the trainer
-                demo = dataclasses.replace(demo, groups_per_step=trainer.groups_per_step)
-            demo = dataclasses.replace(demo, model=c.policy_name)  # the demo trains the policy this stack serves
-            self._wait_trainer(trainer)  # groups generated before the trainer can use them would only age
-            self._demo(demo)
+            for trainer in trainers:  # groups generated before a trainer can use them would only age
+                self._wait_trainer(trainer)
+            for trainer in trainers:
+                demo = c.demo
+                if demo.groups_per_step is None:  # pace the demo to the trainer
+                    demo = dataclasses.replace(demo, groups_per_step=trainer.groups_per_step)
+                self._demo(dataclasses.replace(demo, model=trainer.name))  # the policy this stack serves
         return self
+
+    def _part(self, part: str, policy: str) -> str:
+        """A per-policy part's name: ``trainer``, or ``trainer-NAME`` when the stack has several policies."""
+        return part if len(self.config.policy_names) == 1 else f"{part}-{policy}"
 
     def preflight(self) -> None:
         """Everything ``up`` was given that can be checked without starting a part, checked before the
@@ -411,7 +457,10 @@ class Stack:
             check_bootstrap_servers(c.bootstrap_servers, "--bootstrap-servers")
             with as_usage_error("[up.kafka]"):
                 c.kafka.client_kwargs()  # its TLS files exist, its SASL password is somewhere
-        trainer = c.trainer_config(c.model or "model", c.bootstrap_servers or "127.0.0.1:9092")
+        trainers = [c.trainer_config(c.model or "model", c.bootstrap_servers or "127.0.0.1:9092", name)
+                    for name in c.policy_names]
+        if "policies" in c.gateway_table:
+            raise UsageError("[gateway] policies is set by up (--policies, [up] policies), not in the [gateway] table")
         with as_usage_error("[gateway]"):
             gateway = c.gateway_config(c.upstreams or ["http://127.0.0.1"], c.bootstrap_servers or "127.0.0.1:9092",
                                        c.port or 1)
@@ -420,7 +469,9 @@ class Stack:
         if keys and c.demo is not None:
             raise UsageError("the demo producer sends no API key: run --demo on a gateway without api_keys")
         with as_usage_error("[engine]"):
-            engine = c.engine_config(c.model or "model")
+            engine = c.engine_config(c.model or "model", gateway.max_loaded_versions)
+        if not c.upstreams:
+            check_lora_slots(engine, len(c.policy_names), gateway.max_loaded_versions)
         if not c.upstreams:
             check_vllm_release(engine, installed_vllm())  # before anything starts, not at the engine's turn
         check_port_free(c.host, c.port, "--port (the gateway)")
@@ -428,7 +479,8 @@ class Stack:
             check_port_free(c.host, c.broker_port, "--broker-port (the embedded broker)")
         if not c.upstreams:
             check_port_free(c.host, engine.port, "[engine] port")
-        check_port_free("127.0.0.1", trainer.metrics_port, "[trainer] metrics_port")
+        for trainer in trainers:
+            check_port_free("127.0.0.1", trainer.metrics_port, f"[trainer] metrics_port ({trainer.name}'s trainer)")
         check_writable_dir(c.run_dir, "--work-dir")
 
     def _say_settings(self) -> None:
@@ -489,7 +541,8 @@ class Stack:
         return ["-m", "streamrl.cli", *(["--kafka-log-level", "INFO"] if self.config.verbose else [])]
 
     def _trainer(self, trainer: TrainerConfig) -> None:
-        path = self.run_dir / "trainer.json"
+        part = self._part("trainer", trainer.name)
+        path = self.run_dir / f"{part}.json"
         path.write_text(json.dumps(dataclasses.asdict(trainer), indent=2))
         cli = [*self._cli, "trainer", "--config", str(path)]
         n = self.config.trainer_nproc
@@ -498,7 +551,7 @@ class Stack:
         env = {"PYTHONUNBUFFERED": "1"}
         if self.config.trainer_gpus:  # rank r runs on cuda:LOCAL_RANK, the r-th of these
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.config.trainer_gpus)
-        self._spawn("trainer", argv, env=env)
+        self._spawn(part, argv, env=env)
 
     def _engine(self) -> list[str]:
         c = self.config
@@ -529,7 +582,8 @@ class Stack:
         port = gateway.port
         self.gateway_url = f"http://{c.host}:{port}"
         wait_http(self.gateway_url, 120, proc, what="gateway")
-        self.log.line("gateway", f"ready at {self.gateway_url}/v1 (model {c.policy_name!r})")
+        names = " ".join(repr(n) for n in c.policy_names)
+        self.log.line("gateway", f"ready at {self.gateway_url}/v1 (model{'s' if len(c.policy_names) > 1 else ''} {names})")
         if gateway.workers > 1:
             self.log.line("gateway", f"{gateway.workers} gateway processes share port {port} (SO_REUSEPORT); spools "
                                      f"{gateway.spool_path}/worker-0..{gateway.workers - 1}; /health and /metrics "
@@ -556,25 +610,30 @@ class Stack:
     def _wait_trainer(self, trainer: TrainerConfig) -> None:
         """Until the trainer has loaded its model and serves its metrics (rank 0 opens the port then)."""
         started = time.monotonic()
-        wait_http(f"http://127.0.0.1:{trainer.metrics_port}", 900, self.children["trainer"], what="trainer",
+        part = self._part("trainer", trainer.name)
+        wait_http(f"http://127.0.0.1:{trainer.metrics_port}", 900, self.children[part], what=part,
                   path="/metrics")
-        self.log.line("trainer", f"ready (model loaded) after {time.monotonic() - started:.1f} s")
+        self.log.line(part, f"ready (model loaded) after {time.monotonic() - started:.1f} s")
 
     def _demo(self, demo: DemoConfig) -> None:
+        """The demo producer on ``demo.model``'s policy, in a thread; with several policies, one each (its
+        summary and evaluations in files named after the policy)."""
+        part = self._part("demo", demo.model)
+        suffix = "" if part == "demo" else f".{demo.model}"
         if demo.summary is None:
-            demo = dataclasses.replace(demo, summary=str(self.run_dir / "demo-summary.json"))
+            demo = dataclasses.replace(demo, summary=str(self.run_dir / f"demo-summary{suffix}.json"))
         if demo.eval_out is None:
-            demo = dataclasses.replace(demo, eval_out=str(self.run_dir / "eval.jsonl"))
+            demo = dataclasses.replace(demo, eval_out=str(self.run_dir / f"eval{suffix}.jsonl"))
 
         def run() -> None:
-            board = run_demo(self.gateway_url, demo, stop=self.demo_stop,
-                             emit=lambda s: self.log.line("demo", s))
-            self.demo_failed = board.failed
+            board = run_demo(self.gateway_url, demo, stop=self.demo_stop, emit=lambda s: self.log.line(part, s))
+            self.demo_failed[part] = board.failed
 
-        self.log.line("demo", f"task {demo.task!r}: groups of {demo.group_size}, {demo.concurrency} in flight; "
-                              "reward per policy version follows")
-        self.demo_thread = threading.Thread(target=run, name="demo", daemon=True)
-        self.demo_thread.start()
+        self.log.line(part, f"task {demo.task!r}: groups of {demo.group_size}, {demo.concurrency} in flight; "
+                            "reward per policy version follows")
+        thread = threading.Thread(target=run, name=part, daemon=True)
+        self.demo_threads[part] = thread
+        thread.start()
 
     # run --------------------------------------------------------------------------------------
 
@@ -590,11 +649,13 @@ class Stack:
                 if p is not None and p.poll() is not None:
                     self.log.line("up", f"{part} exited with code {p.returncode}; stopping")
                     return 1
-            if self.demo_thread is not None and not self.demo_thread.is_alive():
-                if self.demo_failed is None:
-                    self.log.line("up", "demo stopped with an error; stopping")
+            ended = [part for part, thread in self.demo_threads.items() if not thread.is_alive()]
+            for part in ended:
+                if part not in self.demo_failed:
+                    self.log.line("up", f"{part} stopped with an error; stopping")
                     return 1
-                return 1 if self.demo_failed else 0
+            if self.demo_threads and len(ended) == len(self.demo_threads):
+                return 1 if any(self.demo_failed.values()) else 0
             time.sleep(0.3)
 
     # stop -------------------------------------------------------------------------------------
@@ -606,10 +667,11 @@ class Stack:
         the trainer mid-step loses nothing acknowledged: it commits offsets only after a version is
         checkpointed, so it retrains those groups on restart (trainer/daemon.py)."""
         started = time.monotonic()
-        if self.demo_thread is not None:
-            self.demo_stop.set()
-            self.demo_thread.join(timeout=DEMO_STOP_S)
-        parts = [(part, proc) for part in ("judge", "gateway", "trainer") if (proc := self.children.get(part))]
+        self.demo_stop.set()
+        for thread in self.demo_threads.values():
+            thread.join(timeout=max(0.0, started + DEMO_STOP_S - time.monotonic()))
+        parts = [(part, proc) for kind in ("judge", "gateway", "trainer") for part, proc in self.children.items()
+                 if part.split("-")[0] == kind]
         parts += [(f"engine {e.url}", e.proc) for e in self.engines if e.proc is not None]
         self._following.set()  # vLLM's own shutdown messages stay in its log file, off the console
         if parts:
@@ -617,7 +679,7 @@ class Stack:
         for _, proc in parts:
             signal_group(proc, signal.SIGTERM)
         for part, proc in parts:
-            deadline = started + STOP_DEADLINES_S.get(part.split()[0], STOP_BUDGET_S)
+            deadline = started + STOP_DEADLINES_S.get(part.split()[0].split("-")[0], STOP_BUDGET_S)
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -11,6 +11,9 @@ Rules (each outcome is counted in ``Assembler.counts``):
 * Duplicate reward for a trajectory: **the first one wins** (log order, deterministic on replay);
   later ones are counted ``duplicate_reward`` and ignored. A duplicate completion (same request id and
   choice index) is counted ``duplicate_completion`` and ignored.
+* A completion of another policy (several on one fleet) is counted ``other_policy`` and skipped with its
+  trajectory's reward; a reward that names another policy (``RewardRecord.policy``: its poster's key is
+  limited to that policy) is counted ``other_policy_reward`` and skipped, whatever trajectory it names.
 * A completion generated for another purpose than training (``purpose`` ``eval``: held-out evaluation)
   is counted ``not_trained_eval`` and never held.
 * Completions without a reward, and rewards without completions, expire after ``ttl_s``
@@ -288,6 +291,9 @@ class Assembler:
 
     def _add_reward(self, rec: RewardRecord, raw: bytes, now: float) -> None:
         gid_hint = rec.group_id or rec.trajectory_id
+        if self.policy is not None and rec.policy is not None and rec.policy != self.policy:
+            self.counts["other_policy_reward"] += 1  # posted for another policy (its key's): never this one's
+            return
         if rec.trajectory_id in self.others or gid_hint in self.others:
             self.counts["other_policy"] += 1
             return

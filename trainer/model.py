@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable
 
 import torch
@@ -33,13 +34,21 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+_LOADING = threading.Lock()
+"""One model load at a time per process: transformers builds a model on torch's meta device by switching module
+initialisation globally, so two trainers loading at once in one process (threads) can get each other's empty
+weights ("Cannot copy out of meta tensor")."""
+
+
 def load_policy(config: TrainerConfig, device: torch.device) -> PeftModel:
     """Base model (bf16 on CUDA, fp32 on CPU) with a fresh LoRA adapter; only the adapter trains."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, attn_implementation=config.attn_implementation)
-    model = attach_lora(base.to(device), config)
+    with _LOADING:
+        base = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype,
+                                                    attn_implementation=config.attn_implementation)
+        model = attach_lora(base.to(device), config)
     if config.init_adapter:
         load_adapter_weights(model, config.init_adapter)
     return model

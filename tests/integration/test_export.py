@@ -181,6 +181,26 @@ def test_min_reward_keeps_the_best(broker: EmbeddedBroker, log: dict[str, Any], 
     assert summary.counts["below_min_reward"] == 2
 
 
+def test_policy_keeps_one_policys_trajectories(broker: EmbeddedBroker, tmp_path: Path) -> None:
+    """Several policies on one fleet share the topics: ``--policy support`` writes support's trajectories (and
+    those served for no policy), never sql's, whichever comes first of a trajectory's call and reward."""
+    topics = fresh_topics(broker)
+    served = {"s": "support", "q": "sql", "q2": "sql", "n": None}
+    calls = []
+    for tid, name in served.items():
+        rec = call(tid, f"{tid}-r", [1], [2])
+        rec.policy_name = name
+        calls.append(rec)
+    rewards = [RewardRecord(tid, 1.0, policy=None) for tid in served if tid != "q2"]
+    rewards.append(RewardRecord("x", 1.0, policy="sql"))  # a reward posted with a key of sql, naming sql
+    produce(broker.bootstrap_servers, topics, [RewardRecord("q2", 1.0), *calls, *rewards])
+    out = tmp_path / "support.parquet"
+    summary = export(options(broker, topics, out, policy="support"))
+    table = pq.read_table(out, columns=["trajectory_id", "policy"]).to_pylist()
+    assert sorted((r["trajectory_id"], r["policy"]) for r in table) == [("n", None), ("s", "support")]
+    assert summary.counts["other_policy"] == 4 and summary.counts["other_policy_reward"] == 1  # 2 calls, 2 rewards
+
+
 def test_since_and_until_through_the_cli(broker: EmbeddedBroker, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     topics = fresh_topics(broker)
     now_ms = int(time.time() * 1000)

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from support.kafka_reader import TopicReader
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.policy_log import publish_version
-from streamrl.broker.schema import CompletionRecord
+from streamrl.broker.schema import CompletionRecord, RewardRecord
 from streamrl.broker.topics import Topics
 from streamrl.engine.server import Engine
 from streamrl.gateway.config import GatewayConfig
@@ -96,3 +98,49 @@ def test_two_policies_route_and_swap_independently(broker: EmbeddedBroker, engin
     assert {r.request_id: (r.policy_name, r.policy_version) for r in records} == SENT
     assert sorted(SENT.values()) == [("sql", 0), ("sql", 2), ("sql", 2), ("support", 0), ("support", 0),
                                      ("support", 3)]
+
+
+SUPPORT_KEY, BOTH_KEY, ADMIN_KEY = "sk-support-" + "a" * 16, "sk-both-" + "b" * 16, "sk-admin-" + "c" * 16
+
+
+def test_a_key_limited_to_a_policy_uses_and_rewards_it_alone(broker: EmbeddedBroker, engine: Engine,
+                                                              topics: Topics, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{SUPPORT_KEY} inference,rewards team-support policies=support\n"
+                    f"{BOTH_KEY} inference,rewards team-both policies=support,sql\n"
+                    f"{ADMIN_KEY} admin,inference,rewards ops\n")
+    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
+                           topic_prefix=topics.prefix, policy_name=NAMES[0], policies=NAMES, api_keys=str(keys))
+    reader = TopicReader(broker.bootstrap_servers, topics.rewards)
+    message = [{"role": "user", "content": "hi"}]
+    with GatewayServer(config) as gw:
+        support, admin = (openai.OpenAI(base_url=f"{gw.url}/v1", api_key=k, max_retries=0)
+                          for k in (SUPPORT_KEY, ADMIN_KEY))
+        assert [m.id for m in support.models.list()] == ["support"]
+        assert {"support", "sql"} <= {m.id for m in admin.models.list()}
+        support.chat.completions.create(model="support", messages=message, max_tokens=2)
+        base = next(m.id for m in admin.models.list() if m.id not in NAMES)
+        for model in ("sql", base):  # the other policy, and the base model by its own name
+            with pytest.raises(openai.PermissionDeniedError, match="may not use"):
+                support.chat.completions.create(model=model, messages=message, max_tokens=2)
+        admin.chat.completions.create(model="sql", messages=message, max_tokens=2)
+
+        def post(key: str, body: object) -> httpx.Response:
+            return httpx.post(f"{gw.url}/v1/rewards", json=body, headers={"authorization": f"Bearer {key}"})
+
+        assert post(SUPPORT_KEY, {"trajectory_id": "s1", "reward": 1.0}).status_code == 200  # its one policy
+        denied = post(SUPPORT_KEY, [{"trajectory_id": "s2", "reward": 1.0, "policy": "support"},
+                                    {"trajectory_id": "s3", "reward": 1.0, "policy": "sql"}])
+        assert denied.status_code == 403 and "may not reward policy 'sql'" in denied.text  # nothing produced
+        unsaid = post(BOTH_KEY, {"trajectory_id": "b1", "reward": 1.0})
+        assert unsaid.status_code == 400 and "name the policy" in unsaid.text
+        assert post(BOTH_KEY, {"trajectory_id": "b2", "reward": 0.5, "policy": "sql"}).status_code == 200
+        unknown = post(ADMIN_KEY, {"trajectory_id": "o1", "reward": 1.0, "policy": "nope"})
+        assert unknown.status_code == 400 and "not served here" in unknown.text
+        assert post(ADMIN_KEY, {"trajectory_id": "o2", "reward": 0.0}).status_code == 200
+    try:
+        rewards = reader.wait_for(lambda r: isinstance(r, RewardRecord), count=3)
+    finally:
+        reader.close()
+    assert {r.trajectory_id: (r.policy, r.key_id) for r in rewards} == {
+        "s1": ("support", "team-support"), "b2": ("sql", "team-both"), "o2": (None, "ops")}

@@ -152,13 +152,14 @@ def _leftovers(marker: str) -> list[str]:
 def test_external_broker_and_upstream_then_ctrl_c(tmp_path: Path, tiny_model: Path, broker: EmbeddedBroker,
                                                  engine: Engine) -> None:
     """With --bootstrap-servers and --upstream, up starts only the gateway (two processes on its port,
-    ``--gateways 2``) and the trainer (and, with --judge, the judge); the gateway serves through the
-    external vLLM; SIGINT stops them all (no SIGKILL needed) and leaves nothing behind."""
+    ``--gateways 2``) and the trainers, one per policy (``--policies sql``), and, with --judge, the judge; the
+    gateway serves both policies through the external vLLM; SIGINT stops them all (no SIGKILL needed) and
+    leaves nothing behind."""
     port = free_port()
     cmd = [sys.executable, "-m", "streamrl.cli", "up", "--model", str(tiny_model), "--port", str(port),
            "--work-dir", str(tmp_path), "--bootstrap-servers", broker.bootstrap_servers,
            "--upstream", engine.url, "--topic-prefix", "uptest", "--trainer-device", "cpu", "--judge",
-           "--gateways", "2"]
+           "--gateways", "2", "--policies", "sql"]
     log = (tmp_path / "up.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -167,11 +168,14 @@ def test_external_broker_and_upstream_then_ctrl_c(tmp_path: Path, tiny_model: Pa
             assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "gateway not ready"
             time.sleep(0.5)
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
-            "model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-        assert reply.status_code == 200 and reply.headers["X-Policy-Version"] == "0"
-        trainer_cfg = json.loads((tmp_path / "trainer.json").read_text())
-        assert trainer_cfg["topic_prefix"] == "uptest" and trainer_cfg["bootstrap_servers"] == broker.bootstrap_servers
+        for model in ("policy", "sql"):
+            reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+                "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            assert reply.status_code == 200 and reply.headers["X-Policy-Version"] == "0"
+        for name in ("policy", "sql"):  # a trainer per policy, each its own adapters, consumer group and port
+            trainer_cfg = json.loads((tmp_path / f"trainer-{name}.json").read_text())
+            assert trainer_cfg["topic_prefix"] == "uptest" and trainer_cfg["bootstrap_servers"] == broker.bootstrap_servers
+            assert trainer_cfg["name"] == name and trainer_cfg["adapters"] == str(tmp_path / "adapters" / name)
         judge_cfg = json.loads((tmp_path / "judge.json").read_text())
         assert judge_cfg["base_url"] == f"http://127.0.0.1:{port}/v1" and judge_cfg["topic_prefix"] == "uptest"
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
@@ -186,5 +190,6 @@ def test_external_broker_and_upstream_then_ctrl_c(tmp_path: Path, tiny_model: Pa
     assert f"live dashboard at http://127.0.0.1:{port}/dashboard" in text
     assert f"2 gateway processes share port {port} (SO_REUSEPORT)" in text
     assert "embedded broker ready" not in text and "starting vLLM" not in text
-    assert "SIGINT: shutting down" in text and not re.search(r"(gateway|trainer) still running .* killed", text)
+    assert "(models 'policy' 'sql')" in text and "stopping judge, gateway, trainer-policy, trainer-sql" in text
+    assert "SIGINT: shutting down" in text and not re.search(r"(gateway|trainer)\S* still running .* killed", text)
     assert _leftovers(str(tmp_path)) == []

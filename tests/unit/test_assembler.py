@@ -97,6 +97,20 @@ def test_only_the_trainers_policy_is_assembled() -> None:
     assert "x" in everyone.trajectories and not everyone.counts["other_policy"]
 
 
+def test_a_reward_naming_another_policy_never_reaches_this_one() -> None:
+    """A key limited to policy sql stamps its rewards ``policy = "sql"``: support's trainer skips them even for
+    its own trajectories, so its own reward (first of its policy) is the one that counts."""
+    a = asm(policy="support", group_size=1)
+    rec = call("t", [1], [2], gid="g")
+    rec.policy_name = "support"
+    a.add(rec, b"", now=0)
+    a.add(RewardRecord("t", 1.0, group_id="g", group_size=1, policy="sql"), b"", now=0)
+    assert a.poll(now=0) == [] and a.counts["other_policy_reward"] == 1 and a.counts["rewards"] == 0
+    a.add(RewardRecord("t", 0.0, group_id="g", group_size=1, policy="support"), b"", now=0)
+    [g] = a.poll(now=0)
+    assert [t.reward.reward for t in g.trajectories] == [0.0]
+
+
 def test_timeout_trains_partial_group_or_drops_it() -> None:
     a = asm(group_size=4)
     for t, r in [("a", 1.0), ("b", 0.0)]:

@@ -35,7 +35,22 @@ def test_key_file_lines_scopes_and_ids() -> None:
     assert b is not None and b.key_id.startswith("key-") and "bbbb" not in b.key_id and "bbbb" not in repr(b)
 
 
+def test_a_key_limited_to_policies_uses_and_rewards_only_those() -> None:
+    ring = parse_keys("sk-aaaaaaaaaaaaaaaaaaaa inference,rewards team-a policies=support,sql\n"
+                      "sk-bbbbbbbbbbbbbbbbbbbb inference policies=search\n"
+                      "sk-cccccccccccccccccccc admin,inference ops policies=search\n", "keys.txt")
+    a, b, ops = (ring.lookup(f"sk-{c * 20}".encode()) for c in "abc")
+    assert a is not None and a.key_id == "team-a" and a.policies == {"support", "sql"}
+    assert a.may_use("support") and a.may_use("sql") and not a.may_use("search") and not a.may_use(None)
+    assert b is not None and b.key_id.startswith("key-") and b.policies == {"search"}
+    assert ops is not None and ops.may_use("support") and ops.may_use(None)  # admin reaches every policy
+    assert ring.unknown_policies(("support", "search")) == [("team-a", ["sql"])]
+
+
 @pytest.mark.parametrize("text, message", [
+    ("sk-aaaaaaaaaaaaaaaaaaaa inference policies=\n", "line 1: policies= needs one or more policy names"),
+    ("sk-aaaaaaaaaaaaaaaaaaaa inference a policies=p@v2\n", "line 1: policies= .* .not 'p@v2'."),
+    ("sk-aaaaaaaaaaaaaaaaaaaa inference a b policies=p\n", "line 1: expected 'KEY SCOPES .ID. .policies=A,B.', got 4"),
     ("sk-aaaaaaaaaaaaaaaaaaaa inference\nsk-bbbbbbbbbbbbbbbbbbbb\n", "keys.txt line 2: expected 'KEY SCOPES"),
     ("\n\nsk-aaaaaaaaaaaaaaaaaaaa inference,write\n", "keys.txt line 3: unknown scope.s. write"),
     ("sk-aaaaaaaaaaaaaaaaaaaa , x\n", "keys.txt line 1: unknown scope.s. .none given."),

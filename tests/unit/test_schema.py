@@ -166,16 +166,31 @@ def test_a_posted_reward_cannot_choose_its_key_id() -> None:
 
 def test_reward_v3_carries_the_judge_and_a_v2_reward_reads_without() -> None:
     r = RewardRecord("t", 0.7, group_id="g", judged_by="judge", explanation="T1 answers it")
-    raw = encode(r)
-    assert raw[4] == 3 and decode(raw) == r
-    v2 = older(older(raw, 2, "explanation"), 2, "judged_by")
+    v3 = older(encode(r), 3, "policy")
+    assert v3[4] == 3 and decode(v3) == r
+    v2 = older(older(v3, 2, "explanation"), 2, "judged_by")
     assert decode(v2) == RewardRecord("t", 0.7, group_id="g", created=r.created)
+
+
+def test_reward_v4_and_judge_request_v2_name_the_policy_and_older_ones_read_as_not_said() -> None:
+    r = RewardRecord("t", 0.7, group_id="g", policy="support")
+    raw = encode(r)
+    assert raw[4] == 4 and decode(raw) == r
+    assert decode(older(raw, 3, "policy")).policy is None
+    req = schema.JudgeRequest("t", group_id="g", policy="sql")
+    raw = encode(req)
+    assert raw[4] == 2 and decode(raw) == req
+    assert decode(older(raw, 1, "policy")).policy is None
+    for bad in ("support@v3", "", 7):
+        with pytest.raises(RecordError) as err:
+            schema.reward_record({"trajectory_id": "t", "reward": 1.0, "policy": bad})
+        assert err.value.reason == "bad_id"
 
 
 def test_a_judge_request_is_a_kind_of_its_own_and_purpose_judge_reads_back() -> None:
     req = schema.JudgeRequest("t", group_id="g", group_size=4, rubric="be right", agent_reward=0.5, weight=0.2)
     raw = encode(req)
-    assert (raw[3], raw[4]) == (schema.KIND_JUDGE_REQUEST, 1) and decode(raw) == req
+    assert (raw[3], raw[4]) == (schema.KIND_JUDGE_REQUEST, 2) and decode(raw) == req
     assert decode(encode(completion(purpose="judge"))).purpose == "judge"
     with pytest.raises(RecordError) as err:  # a judge request never passes for a reward
         schema.reward_record({"trajectory_id": "t", "judge": {}})

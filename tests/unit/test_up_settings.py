@@ -3,9 +3,13 @@ settings < the [trainer] / [demo] tables < flags; no servers started."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import pytest
+
+from streamrl.engine.server import lora_slots
 from streamrl.packaged_models import (
     MODELS,
     REAL_MODEL_SETTINGS,
@@ -13,7 +17,8 @@ from streamrl.packaged_models import (
     parameter_count,
     settings_for,
 )
-from streamrl.up import DemoTrainer, load_config
+from streamrl.up import DemoTrainer, Stack, check_lora_slots, load_config
+from streamrl.usage import UsageError
 
 SMOLLM2 = MODELS["smollm2-135m"].settings
 assert SMOLLM2 is not None
@@ -67,3 +72,36 @@ def test_a_tiny_checkpoint_keeps_the_demo_defaults(tmp_path: Path) -> None:
     assert settings_for(tiny) is None and settings_for(None) is None and settings_for("org/unknown") is None
     c = load_config(None, model=tiny, demo=True, work_dir=str(tmp_path / "run"))
     assert c.trainer_config(tiny, "b:1").learning_rate == DemoTrainer().learning_rate
+
+
+def test_several_policies_get_a_trainer_each_and_lora_slots_for_all(tmp_path: Path) -> None:
+    """``up --policies support,sql``: the gateway serves both, each trainer has its own name, adapters, history,
+    consumer group and metrics port, and the engine's LoRA slots hold every policy's loaded versions."""
+    c = load_config(None, policies=["support,sql"], work_dir=str(tmp_path))
+    assert c.policy_names == ("policy", "support", "sql")
+    gateway = c.gateway_config(["http://127.0.0.1:1"], "b:1", 1)
+    assert gateway.policy_names == c.policy_names
+    trainers = [c.trainer_config("/m", "b:1", name) for name in c.policy_names]
+    assert [t.name for t in trainers] == list(c.policy_names)
+    assert [t.adapters for t in trainers] == [str(tmp_path / "adapters" / n) for n in c.policy_names]
+    assert len({t.history for t in trainers}) == len({t.group_id for t in trainers}) == 3
+    assert len({t.metrics_port for t in trainers}) == 3
+    engine = c.engine_config("/m", gateway.max_loaded_versions)
+    assert (engine.max_loras, engine.max_cpu_loras) == lora_slots(3, 3) == (6, 9)
+    check_lora_slots(engine, 3, 3)
+    one = load_config(None, work_dir=str(tmp_path))  # one policy: the layout and slots it always had
+    assert one.trainer_config("/m", "b:1").adapters == str(tmp_path / "adapters")
+    assert (one.engine_config("/m").max_loras, one.engine_config("/m").max_cpu_loras) == (4, 8)
+
+
+def test_lora_slots_too_few_for_the_policies_are_a_usage_error(tmp_path: Path) -> None:
+    c = load_config(None, policies=["a", "b", "c", "d"], work_dir=str(tmp_path), engine_max_cpu_loras=8)
+    engine = c.engine_config("/m", 3)
+    assert engine.max_cpu_loras == 8 and engine.max_loras == 10  # the table's CPU cache; GPU slots sized
+    with pytest.raises(UsageError, match="max_cpu_loras = 8 holds fewer adapters than the 15 versions"):
+        check_lora_slots(engine, 5, 3)
+    with pytest.raises(UsageError, match="max_loras = 2 is fewer GPU LoRA slots than the 5 policies"):
+        check_lora_slots(dataclasses.replace(engine, max_loras=2, max_cpu_loras=15), 5, 3)
+    with pytest.raises(UsageError, match=r"\[gateway\] policies is set by up"):
+        (tmp_path / "up.toml").write_text('[gateway]\npolicies = ["x"]\n')
+        Stack(load_config(tmp_path / "up.toml", work_dir=str(tmp_path))).preflight()
