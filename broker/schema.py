@@ -61,6 +61,7 @@ import hashlib
 import math
 import struct
 import time
+from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -407,10 +408,19 @@ def check_purpose(value: Any) -> str:
 
 
 def check_policy(value: Any) -> str | None:
-    """A policy name (optional): an id without '@', which names versions (``<name>@v<N>``)."""
-    if value is not None and (check_id(value, "policy") is None or "@" in value):
-        raise RecordError("bad_id", f"policy must be a policy name (no '@'), got {value!r}")
+    """A policy name (optional): an id without '@' (it names versions: ``<name>@v<N>``), ',' (it separates
+    names in lists: ``--policies a,b``, a key's ``policies=a,b``) or whitespace. The one rule for every place a
+    policy is named: records, the gateway's and ``up``'s configuration, API keys."""
+    if value is not None and (check_id(value, "policy") is None or any(c in value for c in "@,")
+                              or value.split() != [value]):
+        raise RecordError("bad_id", f"policy must be a name without '@', ',' or spaces, got {value!r}")
     return value
+
+
+def policy_names(values: Iterable[str]) -> tuple[str, ...]:
+    """Policy names from a list whose items may each be several, comma-separated (``["a,b", "c"]``), each
+    checked (``check_policy``)."""
+    return tuple(check_policy(n) or "" for v in values for n in v.split(",") if n)
 
 
 def check_reward(value: Any) -> float:

@@ -32,6 +32,8 @@ from pathlib import Path
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from streamrl.broker.schema import RecordError, check_policy
+
 SCOPES: tuple[str, ...] = ("inference", "rewards", "admin")
 OPEN = "open"
 """A route anyone may call (``/health``'s liveness answer); a key, if sent, is still checked."""
@@ -62,6 +64,14 @@ MIN_KEY_LENGTH = 16
 KEY_STATE = "streamrl.key"
 """Where the authenticated ``ApiKey`` of a request is kept in its ASGI scope."""
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _is_policy(name: str) -> bool:
+    try:
+        check_policy(name)
+    except RecordError:
+        return False
+    return True
 
 
 class KeyFileError(ValueError):
@@ -136,10 +146,10 @@ def parse_keys(text: str, source: str, *, separator: str | None = None) -> KeyRi
         policies: frozenset[str] | None = None
         if len(parts) > 2 and parts[-1].startswith("policies="):
             names = [n for n in parts.pop()[len("policies="):].split(",") if n]
-            bad = [n for n in names if "@" in n]
-            if not names or bad:
+            bad = next((n for n in names if not _is_policy(n)), None)
+            if not names or bad is not None:
                 raise KeyFileError(f"{where}: policies= needs one or more policy names separated by commas"
-                                   + (f" (not {bad[0]!r})" if bad else ""))
+                                   + (f" (not {bad!r})" if bad is not None else ""))
             policies = frozenset(names)
         if len(parts) not in (2, 3):
             raise KeyFileError(f"{where}: expected 'KEY SCOPES [ID] [policies=A,B]', got {len(parts)} field(s)")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.broker.kafka_producers import PRODUCER_CLIENTS, ProducerClient
+from streamrl.broker.schema import check_policy, policy_names
 from streamrl.broker.security import KafkaSecurity
 from streamrl.config_file import load_config
 
@@ -156,11 +157,8 @@ class GatewayConfig:
             raise ValueError(f"producer_client must be one of {', '.join(PRODUCER_CLIENTS)}, not {self.producer_client!r}")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))
         object.__setattr__(self, "trusted_publishers", tuple(self.trusted_publishers))
-        object.__setattr__(self, "policies", tuple(n for p in self.policies for n in p.split(",") if n))  # a,b
-        for name in self.policy_names:
-            if not name or "@" in name or name != name.strip():
-                raise ValueError(f"policy name {name!r}: not empty, no '@' (it names versions: <name>@v<N>), "
-                                 "no surrounding spaces")
+        object.__setattr__(self, "policies", policy_names(self.policies))
+        check_policy(self.policy_name)
         object.__setattr__(self, "kafka", KafkaSecurity.of(self.kafka))
 
     @classmethod

@@ -57,13 +57,14 @@ def parse_reward(item: Any, where: str, key: ApiKey | None = None,
     policy = item.get("policy")
     if key is not None and key.policies is not None and not key.may_use(None):
         if policy is None and len(key.policies) == 1:
-            item = {**item, "policy": next(iter(key.policies))}
+            policy = next(iter(key.policies))
+            item = {**item, "policy": policy}
         elif policy is None:
             raise BadRequest(400, f"{where}: name the policy (this API key rewards "
                                   f"{', '.join(sorted(key.policies))})", "policy")
         elif not key.may_use(policy):
             raise BadRequest(403, f"{where}: this API key ({key.key_id}) may not reward policy {policy!r}", "policy")
-    if policy is not None and policies is not None and policy not in policies:
+    if isinstance(policy, str) and policies is not None and policy not in policies:
         raise BadRequest(400, f"{where}: policy {policy!r} is not served here (policies: {', '.join(policies)})",
                          "policy")
     key_id = key.key_id if key is not None else None

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.schema import policy_names
 from streamrl.broker.security import KafkaSecurity
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.child import signal_group, spawn, wait_http
@@ -153,7 +154,7 @@ class UpConfig:
                                  f"{'trainer ranks' if name == 'trainer_gpus' else 'replicas'}: one each")
         if self.gateways < 1:
             raise ValueError("gateways must be >= 1")
-        self.policies = [n for p in self.policies for n in p.split(",") if n]
+        self.policies = list(policy_names(self.policies))
         if self.work_dir is None:
             self.work_dir = str(default_cache_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S"))
 
