@@ -58,6 +58,7 @@ counting) instead of guessing, so a consumer can count and skip it. Version hist
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import struct
 import time
@@ -75,9 +76,9 @@ KIND_REWARD = 2
 KIND_POLICY = 3
 KIND_JUDGE_REQUEST = 4
 KIND_GATEWAY_STATE = 5
-SCHEMA_VERSIONS = {KIND_COMPLETION: 3, KIND_REWARD: 4, KIND_POLICY: 2, KIND_JUDGE_REQUEST: 2, KIND_GATEWAY_STATE: 2}
+SCHEMA_VERSIONS = {KIND_COMPLETION: 4, KIND_REWARD: 4, KIND_POLICY: 2, KIND_JUDGE_REQUEST: 2, KIND_GATEWAY_STATE: 2}
 """The version each kind is written in."""
-READABLE_VERSIONS = {KIND_COMPLETION: (1, 2, 3), KIND_REWARD: (1, 2, 3, 4), KIND_POLICY: (1, 2),
+READABLE_VERSIONS = {KIND_COMPLETION: (1, 2, 3, 4), KIND_REWARD: (1, 2, 3, 4), KIND_POLICY: (1, 2),
                      KIND_JUDGE_REQUEST: (1, 2), KIND_GATEWAY_STATE: (1, 2)}
 """The versions of each kind this module reads."""
 PURPOSES = ("train", "eval", "judge")
@@ -141,6 +142,10 @@ class CompletionRecord:
     service's call scoring trajectories. Only ``train`` is ever trained on."""
     key_id: str | None = None
     """The id of the API key the call came with (None: the gateway checks no keys)."""
+    version_spans: list[tuple[int, int]] | None = None
+    """``[(first token index, version), ...]`` when the engine moved the choice to newer versions while it ran
+    (in-flight updates, completion v4): token ``i`` was sampled by the version of the last span starting at or
+    before ``i``. None: every token came from ``policy_version``."""
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = np.ascontiguousarray(self.prompt_token_ids, dtype=np.int32)
@@ -396,9 +401,34 @@ _COMPLETION_READERS: dict[str, Any] = {
     "finish_reason": None, "ttft_s": None, "total_s": None, "usage": lambda v: v or {},
     "request": lambda v: v or {}, "response_text": lambda v: v or "", "tool_calls": None, "created": float,
     "purpose": lambda v: check_purpose(v), "key_id": lambda v: check_id(v, "key_id", optional=True),
+    "version_spans": lambda v: check_spans(v),
 }
 """How each header field of a completion is read back (and checked; None: taken as it is). A field added
 to ``CompletionRecord`` without an entry here fails at import."""
+
+
+def check_spans(value: Any) -> list[tuple[int, int]] | None:
+    """Version spans: None, or ``[[first token index, version], ...]`` starting at 0, indices increasing."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and value and all(
+        isinstance(s, list | tuple) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                             and x >= 0 for x in s) for s in value)
+    if not ok or value[0][0] != 0 or any(b[0] <= a[0] for a, b in itertools.pairwise(value)):
+        raise RecordError("malformed", "version_spans must be [[first token, version], ...] from token 0 on, "
+                          "indices increasing")
+    return [(s[0], s[1]) for s in value]
+
+
+def token_versions(record: CompletionRecord) -> np.ndarray:
+    """The version that sampled each completion token (int32): from its spans, or ``policy_version`` throughout."""
+    n = record.completion_token_ids.size
+    if not record.version_spans:
+        return np.full(n, record.policy_version, np.int32)
+    out = np.empty(n, np.int32)
+    for (first, version), nxt in zip(record.version_spans, [*record.version_spans[1:], (n, 0)], strict=True):
+        out[first:nxt[0]] = version
+    return out
 
 
 def check_purpose(value: Any) -> str:

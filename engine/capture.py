@@ -41,13 +41,16 @@ import orjson
 
 from streamrl.engine.capture_outbox import Outboxes, new_token
 from streamrl.engine.capture_scheduler import MARK, STEP_KEY, TESTED_VERSIONS, version_ok
+from streamrl.engine.inflight import FOLLOW, MOVES_KEY, served_version
 from streamrl.engine.wire import (
     BODY,
     CAPTURE,
     CAPTURE_HEADER,
     CAPTURE_PATHS,
     DEFER_PREFIX,
+    FOLLOW_HEADER,
     FORMAT_VERSION,
+    FORMATS,
     NO_CAPTURE,
     PROBE_PATH,
     STREAM_PATH,
@@ -77,6 +80,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _HEADER_KEY = CAPTURE_HEADER.lower().encode()
+_FOLLOW_KEY = FOLLOW_HEADER.lower().encode()
 _CONTENT_TYPE = b"content-type"
 OUTBOXES = Outboxes(ANOMALIES)
 """Deferred captures waiting for their consumers' streams (``engine/capture_outbox.py``)."""
@@ -89,10 +93,10 @@ class _Choice:
     """One engine request (one choice) being captured."""
 
     __slots__ = ("done", "external_id", "index", "keep_vllm_logprobs", "logprobs", "prompt", "request_id",
-                 "token_chunks")
+                 "spans", "token_chunks")
 
     def __init__(self, request_id: str, external_id: str, index: int, prompt: list[int] | None,
-                 keep_vllm_logprobs: bool) -> None:
+                 keep_vllm_logprobs: bool, version: int = 0) -> None:
         self.request_id = request_id
         """vLLM's internal id of this engine request (one per choice)."""
         self.external_id = external_id
@@ -105,6 +109,16 @@ class _Choice:
         self.logprobs: list[np.ndarray] = []
         """The sampled tokens' logprobs (float32), step after step."""
         self.done = False
+        self.spans: list[tuple[int, int]] = [(0, version)]
+        """(first token index, adapter version): where the engine core moved it (``engine/inflight.py``)."""
+
+    def moved(self, first_token: int, version: int) -> None:
+        kept = [s for s in self.spans if s[0] < first_token]  # a move before a version's first token replaces it
+        self.spans = kept if kept and kept[-1][1] == version else [*kept, (first_token, version)]
+
+    def version_spans(self, tokens: int) -> list[tuple[int, int]]:
+        """The spans that cover ``tokens`` sampled tokens (a move after the last one says nothing of them)."""
+        return [s for s in self.spans if s[0] == 0 or s[0] < tokens]
 
     def logprob_array(self) -> np.ndarray:
         return np.concatenate(self.logprobs) if self.logprobs else np.zeros(0, np.float32)
@@ -113,10 +127,12 @@ class _Choice:
 class _Capture:
     """What one HTTP request's engine requests produced."""
 
-    __slots__ = ("choices", "endpoint")
+    __slots__ = ("choices", "endpoint", "follow")
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, follow: bool = False) -> None:
         self.endpoint = endpoint
+        self.follow = follow
+        """The gateway asked for in-flight updates: the requests may move, the capture carries version spans."""
         self.choices: list[_Choice] = []
 
     def complete(self) -> bool:
@@ -134,6 +150,7 @@ class _Capture:
         n = len(self.choices) // len(order)
         prompts: list[np.ndarray] = [np.zeros(0, np.int32)] * len(order)
         choices = []
+        spans = []
         for c in self.choices:
             slot = order[c.external_id]
             if c.prompt is None:
@@ -145,7 +162,8 @@ class _Capture:
                 raise ValueError(f"choice {c.index}: {len(ids)} tokens but {len(logprobs)} logprobs")
             index = slot * n + c.index if self.endpoint == "completions" else c.index
             choices.append((index, slot, ids, logprobs[: len(ids)]))
-        return encode_capture(prompts, choices)
+            spans.append(c.version_spans(len(ids)))
+        return encode_capture(prompts, choices, spans if self.follow else None)
 
 
 class _Step:
@@ -179,6 +197,10 @@ class _OutputProcessorHooks:
         self.array_steps = 0
         """Captured outputs whose logprobs came as vLLM's arrays (a client's own ``logprobs``, or a plain core)."""
         self._step: _Step | None = None
+        self.moves = 0
+        """Requests the engine core moved to a newer adapter version while they ran (``engine/inflight.py``)."""
+        self.moves_to: collections.Counter[int] = collections.Counter()
+        """The same, by the version they moved to."""
         """The column of the step whose message is being processed, and how many of its outputs are to come."""
         self._add_request = processor.add_request
         self._process_outputs = processor.process_outputs
@@ -198,8 +220,11 @@ class _OutputProcessorHooks:
             if not keep:
                 params.logprobs = 0  # the sampled token's logprob only; the engine core reads it from here
                 params.extra_args = {**(params.extra_args or {}), MARK: True}  # ... in its step's column
+            served = served_version(getattr(getattr(request, "lora_request", None), "lora_name", None))
+            if capture.follow and served is not None:
+                params.extra_args = {**(params.extra_args or {}), FOLLOW: True}
             choice = _Choice(request.request_id, request.external_req_id or request.request_id, request_index,
-                             request.prompt_token_ids, keep)
+                             request.prompt_token_ids, keep, served[1] if served is not None else 0)
             capture.choices.append(choice)
             self.live[request.request_id] = choice
         return self._add_request(request, prompt, parent_req, request_index, queue)
@@ -245,11 +270,19 @@ class _OutputProcessorHooks:
         if len(engine_core_outputs):
             first = engine_core_outputs[0]
             extra = first.kv_transfer_params
-            if extra is not None and STEP_KEY in extra:  # taken out whether or not anything is captured
-                count, rows, column, starts = extra.pop(STEP_KEY)
+            if extra is not None and (STEP_KEY in extra or MOVES_KEY in extra):  # taken out in any case
+                if STEP_KEY in extra:
+                    count, rows, column, starts = extra.pop(STEP_KEY)
+                    self._step = _Step(count, rows, np.frombuffer(column, np.float32), starts)
+                moves = extra.pop(MOVES_KEY, ())
                 if not extra:
                     first.kv_transfer_params = None
-                self._step = _Step(count, rows, np.frombuffer(column, np.float32), starts)
+                for request_id, first_token, version in moves:
+                    self.moves += 1
+                    self.moves_to[version] += 1
+                    choice = self.live.get(request_id)
+                    if choice is not None:
+                        choice.moved(first_token, version)
         step = self._step
         if step is not None:
             step.left -= len(engine_core_outputs)
@@ -323,7 +356,7 @@ class CaptureMiddleware:
         hooks = self.hooks(scope)
         if isinstance(hooks, str):
             return await self.app(scope, receive, send)
-        capture = _Capture(endpoint)
+        capture = _Capture(endpoint, any(k == _FOLLOW_KEY and v == b"1" for k, v in scope["headers"]))
         token = _CURRENT.set(capture)
         consumer = asked[len(DEFER_PREFIX):].decode("latin-1") if asked.startswith(DEFER_PREFIX.encode()) else ""
         wrapped: _FramedSend | _DeferredSend = (_DeferredSend(send, capture, consumer)
@@ -358,13 +391,26 @@ class CaptureMiddleware:
         if isinstance(hooks, str):
             status, body = 404, {"error": {"message": f"token capture off: {hooks}", "code": 404}}
         else:
-            status, body = 200, {"format": FORMAT_VERSION, "vllm": vllm.__version__, "deferred": self.defers,
+            status, body = 200, {"format": FORMAT_VERSION, "formats": list(FORMATS), "in_flight_moves": hooks.moves,
+                                 "in_flight_moves_to": {str(v): n for v, n in sorted(hooks.moves_to.items())},
+                                 "vllm": vllm.__version__, "deferred": self.defers,
                                  "logprob_steps": {"column": hooks.column_steps, "arrays": hooks.array_steps},
-                                 "outboxes": OUTBOXES.state(), "anomalies": dict(ANOMALIES)}
+                                 "outboxes": OUTBOXES.state(), "anomalies": dict(ANOMALIES),
+                                 "lora": _lora_slots(scope["app"].state)}
         raw = orjson.dumps(body)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
         await send({"type": "http.response.body", "body": raw})
+
+
+def _lora_slots(state: Any) -> dict[str, int] | None:
+    """The engine's LoRA slots (``--max-loras``, ``--max-cpu-loras``, ``--max-lora-rank``), or None with LoRA
+    off: a gateway in front of an engine it did not start checks them against its policies from the probe."""
+    lora = getattr(getattr(state, "vllm_config", None), "lora_config", None)
+    if lora is None:
+        return None
+    return {"max_loras": int(lora.max_loras), "max_cpu_loras": int(lora.max_cpu_loras or lora.max_loras),
+            "max_lora_rank": int(lora.max_lora_rank)}
 
 
 def _server_settings(state: Any) -> tuple[bool, list[str]]:

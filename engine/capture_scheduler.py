@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from .inflight import MOVES_KEY, Move, MovePlanner
+
 TESTED_VERSIONS = ("0.26.0", "0.32.0")
 """The vLLM releases every hook streamrl puts into vLLM was tested against (token capture's two halves, and
 ``vllm_lora_memory``'s pageable adapter copies: both modules read ``PIN_MEMORY`` at each load): 0.26.0 on
@@ -65,6 +67,25 @@ def attach_step(outputs_by_client: dict[int, Any], batch: Any, req_id_to_index: 
         params[STEP_KEY] = [len(outs), req_id_to_index, column, batch.cu_num_generated_tokens]
 
 
+def attach_moves(outputs_by_client: dict[int, Any], moves: list[Move]) -> list[Move]:
+    """Tell each API server of its requests' moves, on the first output of its message of this step; the moves
+    of an API server with no output in this step wait for the next (returned)."""
+    waiting = []
+    by_client: dict[int, list[list[Any]]] = {}
+    for m in moves:
+        outputs = outputs_by_client.get(m.client_index)
+        if outputs is None or not outputs.outputs:
+            waiting.append(m)
+        else:
+            by_client.setdefault(m.client_index, []).append([m.request_id, m.first_token, m.version])
+    for client, told in by_client.items():
+        first = outputs_by_client[client].outputs[0]
+        if first.kv_transfer_params is None:
+            first.kv_transfer_params = {}
+        first.kv_transfer_params[MOVES_KEY] = told
+    return waiting
+
+
 class _CaptureMixin:
     """vLLM's scheduler, sending the marked requests' logprobs as one column per step (:func:`attach_step`).
 
@@ -74,13 +95,28 @@ class _CaptureMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._own_logprobs: set[str] = set()
         """Ids of the requests in flight whose client asked for logprobs itself."""
+        self.mover = MovePlanner()
+        """In-flight updates (``engine/inflight.py``): which marked requests move to a newer version."""
+        self._moves: list[Move] = []
+        """Moves not yet told to their API server (with the outputs of the step they took effect in)."""
         super().__init__(*args, **kwargs)
 
     def add_request(self, request: Any) -> None:
         params = request.sampling_params
         if params is not None and params.logprobs is not None and not (params.extra_args or {}).get(MARK):
             self._own_logprobs.add(request.request_id)
+        move = self.mover.arrived(request)
+        if move is not None:
+            self._moves.append(move)
         super().add_request(request)  # type: ignore[misc]
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        moves = self.mover.plan(self.requests)  # type: ignore[attr-defined]
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if moves:  # the worker applies them before this step's inputs are built
+            setattr(output, MOVES_KEY, {m.request_id: m.lora_request for m in moves})
+            self._moves += moves
+        return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
         batch = model_runner_output.logprobs
@@ -88,13 +124,16 @@ class _CaptureMixin:
         if own:  # forget the ones vLLM has let go of (finished, aborted)
             own.intersection_update(self.requests)  # type: ignore[attr-defined]
         if not batch or own:
-            return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        model_runner_output.logprobs = None
-        try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        finally:
-            model_runner_output.logprobs = batch
-        attach_step(outputs, batch, model_runner_output.req_id_to_index)
+        else:
+            model_runner_output.logprobs = None
+            try:
+                outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+            finally:
+                model_runner_output.logprobs = batch
+            attach_step(outputs, batch, model_runner_output.req_id_to_index)
+        if self._moves:
+            self._moves = attach_moves(outputs, self._moves)
         return outputs
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from streamrl.broker.embedded import free_port
 from streamrl.child import spawn, stop_group, wait_http
 from streamrl.engine.capture_scheduler import TESTED_VERSIONS, version_ok
+from streamrl.engine.worker_env import PIN_ENV
 from streamrl.usage import UsageError
 
 KEEP_ALIVE_S = 75
@@ -28,15 +29,6 @@ by the server as it writes: on the 2-core CPU box the capture bench's client wai
 rounds (vLLM's CPU worker held both cores) and lost 47-61 of a round's 256 requests to
 ``ServerDisconnectedError``; at 60 s none. Clients that close their pooled connections first (the gateway:
 ``upstream_keepalive_s``, 4 s) are not affected either way, so a longer keep-alive costs nothing."""
-
-
-def lora_slots(policies: int, max_loaded_versions: int) -> tuple[int, int]:
-    """(``max_loras``, ``max_cpu_loras``) an engine needs for ``policies`` policies that each keep up to
-    ``max_loaded_versions`` adapter versions loaded. The CPU cache holds every loaded version (beyond it vLLM
-    reads an evicted adapter from disk again at its next request); the GPU slots, which bound the adapters of
-    one batch and are preallocated at the largest rank, hold two per policy: the routed version and the one a
-    swap is moving to (or from) run side by side without a request waiting for a slot."""
-    return 2 * policies, policies * max_loaded_versions
 
 
 @dataclass
@@ -118,8 +110,8 @@ class Engine:
         if c.token_capture:
             cmd += ["--middleware", "streamrl.engine.capture.CaptureMiddleware",
                     "--scheduler-cls", "streamrl.engine.capture_scheduler.capture_scheduler"]
-        if not c.pin_lora_memory:
-            cmd += ["--worker-extension-cls", "streamrl.engine.lora_memory.PageableLoRAHostMemory"]
+        if c.token_capture or not c.pin_lora_memory:  # pageable adapters; in-flight updates' worker half
+            cmd += ["--worker-extension-cls", "streamrl.engine.worker.StreamrlWorkerExtension"]
         if c.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
         if c.served_model_name:
@@ -132,6 +124,7 @@ class Engine:
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
         env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(KEEP_ALIVE_S))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
+        env[PIN_ENV] = "1" if self.config.pin_lora_memory else "0"
         if self.config.device is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.config.device
         return env

@@ -26,6 +26,10 @@ Capture payload (little-endian)::
 
 8 bytes per sampled token plus 4 per prompt token once per prompt: no JSON, no base64.
 
+Format 2 (sent only to a request that carried ``X-Streamrl-Follow: 1``, the gateway's in-flight update mode,
+``engine/inflight.py``) adds after each choice's logprobs its version spans: ``u32 S``, then ``S`` times
+``u32 first token index, u32 adapter version`` (0: the base model), in token order, the first at index 0.
+
 **Deferred capture** (non-streamed answers; the probe says ``"deferred": true``). A gateway that logs through
 a record-producer process of its own need not carry the capture (and a copy of the body) through its event
 loop at all: it asks with ``X-Streamrl-Capture: defer=<consumer>`` (``consumer``: its producer process's id,
@@ -41,6 +45,7 @@ stream could reach another process than the answer), is framed as above and says
 
 from __future__ import annotations
 
+import itertools
 import re
 import struct
 from dataclasses import dataclass
@@ -50,6 +55,12 @@ import numpy as np
 PROBE_PATH = "/streamrl/capture"
 CAPTURE_HEADER = "X-Streamrl-Capture"
 FORMAT_VERSION = 1
+SPANS_FORMAT_VERSION = 2
+"""The capture format with per-choice version spans (in-flight updates); the probe lists both."""
+FORMATS = (FORMAT_VERSION, SPANS_FORMAT_VERSION)
+FOLLOW_HEADER = "X-Streamrl-Follow"
+"""Request header (value ``1``): the request may move to its policy's newest version while it runs
+(``engine/inflight.py``); its capture comes in format 2."""
 CAPTURE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 BODY = b"B"
@@ -65,6 +76,7 @@ _U16 = struct.Struct("<H")
 _FRAME = struct.Struct("<cI")
 _U32 = struct.Struct("<I")
 _CHOICE = struct.Struct("<III")
+_SPAN = struct.Struct("<II")
 
 
 class WireError(ValueError):
@@ -82,23 +94,30 @@ class ChoiceTokens:
     """int32, the sampled tokens exactly as vLLM returns them."""
     logprobs: np.ndarray
     """float32, ``logprobs[i]`` of ``token_ids[i]`` under the distribution sampled from."""
+    version_spans: list[tuple[int, int]] | None = None
+    """``[(first token index, adapter version), ...]`` (format 2); None: format 1, no spans sent."""
 
 
 def frame(kind: bytes, payload: bytes) -> bytes:
     return _FRAME.pack(kind, len(payload)) + payload
 
 
-def encode_capture(prompts: list[np.ndarray], choices: list[tuple[int, int, np.ndarray, np.ndarray]]) -> bytes:
-    """``prompts``: distinct prompts' int32 ids; ``choices``: (index, prompt slot, int32 ids, float32 logprobs)."""
-    parts = [bytes((FORMAT_VERSION,)), _U32.pack(len(prompts))]
+def encode_capture(prompts: list[np.ndarray], choices: list[tuple[int, int, np.ndarray, np.ndarray]],
+                   spans: list[list[tuple[int, int]]] | None = None) -> bytes:
+    """``prompts``: distinct prompts' int32 ids; ``choices``: (index, prompt slot, int32 ids, float32 logprobs);
+    ``spans``: each choice's version spans (format 2), or None (format 1)."""
+    parts = [bytes((FORMAT_VERSION if spans is None else SPANS_FORMAT_VERSION,)), _U32.pack(len(prompts))]
     for ids in prompts:
         parts += (_U32.pack(len(ids)), np.ascontiguousarray(ids, "<i4").tobytes())
     parts.append(_U32.pack(len(choices)))
-    for index, slot, ids, logprobs in choices:
+    for i, (index, slot, ids, logprobs) in enumerate(choices):
         if len(ids) != len(logprobs):
             raise WireError(f"choice {index}: {len(ids)} token ids but {len(logprobs)} logprobs")
         parts += (_CHOICE.pack(index, slot, len(ids)), np.ascontiguousarray(ids, "<i4").tobytes(),
                   np.ascontiguousarray(logprobs, "<f4").tobytes())
+        if spans is not None:
+            parts.append(_U32.pack(len(spans[i])))
+            parts += [_SPAN.pack(first, version) for first, version in spans[i]]
     return b"".join(parts)
 
 
@@ -113,8 +132,9 @@ def decode_capture(payload: bytes) -> list[ChoiceTokens]:
 
 
 def _decode_capture(buf: memoryview) -> list[ChoiceTokens]:
-    if len(buf) < 1 or buf[0] != FORMAT_VERSION:
+    if len(buf) < 1 or buf[0] not in FORMATS:
         raise WireError(f"unknown capture format {buf[0] if len(buf) else None}")
+    with_spans = buf[0] == SPANS_FORMAT_VERSION
     pos = 1
     (n_prompts,) = _U32.unpack_from(buf, pos)
     pos += 4
@@ -135,7 +155,16 @@ def _decode_capture(buf: memoryview) -> list[ChoiceTokens]:
         ids = np.frombuffer(buf, "<i4", n, pos)
         logprobs = np.frombuffer(buf, "<f4", n, pos + 4 * n)
         pos += 8 * n
-        out.append(ChoiceTokens(index, prompts[slot], ids, logprobs))
+        spans = None
+        if with_spans:
+            (count,) = _U32.unpack_from(buf, pos)
+            pos += 4
+            spans = [_SPAN.unpack_from(buf, pos + _SPAN.size * k) for k in range(count)]
+            pos += _SPAN.size * count
+            if not spans or spans[0][0] != 0 or any(b[0] < a[0] for a, b in itertools.pairwise(spans)) \
+                    or spans[-1][0] > max(n - 1, 0):
+                raise WireError(f"choice {index}: version spans {spans} do not cover its {n} tokens in order")
+        out.append(ChoiceTokens(index, prompts[slot], ids, logprobs, spans))
     if pos != len(buf):
         raise WireError(f"{len(buf) - pos} bytes after the last choice")
     return out
@@ -202,8 +231,9 @@ def capture_counts(payload: bytes) -> tuple[int, int, int]:
     """(choices, prompt tokens, completion tokens) of a capture payload, read from its lengths alone (the
     request path's metrics; the producer decodes the arrays). ``WireError`` if malformed."""
     try:
-        if not payload or payload[0] != FORMAT_VERSION:
+        if not payload or payload[0] not in FORMATS:
             raise WireError("unknown capture format")
+        with_spans = payload[0] == SPANS_FORMAT_VERSION
         pos, prompt = 1, 0
         (n_prompts,) = _U32.unpack_from(payload, pos)
         pos += 4
@@ -218,6 +248,9 @@ def capture_counts(payload: bytes) -> tuple[int, int, int]:
             _, _, n = _CHOICE.unpack_from(payload, pos)
             completion += n
             pos += _CHOICE.size + 8 * n
+            if with_spans:
+                (count,) = _U32.unpack_from(payload, pos)
+                pos += 4 + _SPAN.size * count
     except struct.error as exc:
         raise WireError(f"malformed capture: {exc}") from None
     if pos != len(payload):

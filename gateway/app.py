@@ -71,10 +71,11 @@ class Gateway:
         self.metrics.info.labels(self.gateway_id).set(1)
         self.pool = UpstreamPool(config.upstreams, interval_s=config.health_interval_s,
                                  timeout_s=config.health_timeout_s, eject_after=config.health_failures_to_eject,
-                                 token_capture=config.token_capture, deferred_capture=config.deferred_capture)
+                                 token_capture=config.token_capture, deferred_capture=config.deferred_capture,
+                                 policies=len(config.policy_names), max_loaded_versions=config.max_loaded_versions)
         self.policies = PolicyTable(config.policy_names, self.pool)
         self.router = self.policies.default
-        """The default policy's (``policy_name``): the dashboard's, and ``/health``'s ``policy``."""
+        """The default policy's (``policy_name``): ``/health``'s ``policy``, the dashboard's first."""
         self.producer: LogProducer | None = None
         self.reward_counts = [0] * NCOUNTS
         self.reward_delivery: Delivery | None = None
@@ -96,7 +97,7 @@ class Gateway:
                            lambda: self.producer.buffered if self.producer else 0,
                            lambda: {r.name: r.version for r in self.policies},
                            self.reward_stats)
-        self.dashboard = Dashboard(self.router, self.pool, self.metrics,
+        self.dashboard = Dashboard(self.policies, self.pool, self.metrics,
                                    lambda: self.producer.stats if self.producer else None,
                                    lambda: self.producer.buffered if self.producer else 0,
                                    interval_s=config.dashboard_interval_s) if config.dashboard else None
@@ -143,7 +144,7 @@ class Gateway:
                 coordination = Coordination(c, self.topics, tails, self.gateway_id, router.name)
                 self.followers[router.name] = PolicyFollower(
                     c, self.pool, router, self.session, self.topics.policy, self.metrics, coordination,
-                    self.dashboard if router is self.router else None)
+                    self.dashboard.board(router.name) if self.dashboard is not None else None)
             await asyncio.gather(*(f.start(c.policy_catch_up_s) for f in self.followers.values()))
         if self.producer is not None and not await asyncio.to_thread(self.producer.wait_ready, PRODUCER_START_S):
             log.warning("the record producer process has not started after %.0fs; serving on (records wait in "
@@ -212,13 +213,12 @@ class Gateway:
         return ProducerStats.from_counts(c, failed=c[FAILED])
 
     def rewards_accepted(self, records: list[RewardRecord | JudgeRequest]) -> None:
-        """Rewards (and judge requests) durable: counted by the policy they name; the default policy's rewards
-        (or those naming none) go to the dashboard's per-version rewards."""
+        """Rewards (and judge requests) durable: counted by the policy they name; rewards go to the dashboard's
+        per-version rewards of the policy whose call they reward."""
         for r in records:
             self.metrics.rewards.labels(r.policy or "").inc()
         if self.dashboard is not None:
-            self.dashboard.rewarded([r for r in records if isinstance(r, RewardRecord)
-                                     and r.policy in (None, self.router.name)])
+            self.dashboard.rewarded([r for r in records if isinstance(r, RewardRecord)])
 
     def models(self, key: ApiKey | None = None) -> dict[str, object]:
         """The upstreams' models and each policy; a key limited to policies sees only its policies."""

@@ -63,6 +63,8 @@ class ChoiceCapture:
     tool_calls: dict[int, dict[str, Any]] | list[dict[str, Any]] | None = None
     finish_reason: str | None = None
     first_token_s: float | None = None
+    version_spans: list[tuple[int, int]] | None = None
+    """Where the engine moved the choice to a newer adapter version (capture format 2), else None."""
 
 
 _Field = msgspec.Raw | msgspec.UnsetType
@@ -251,6 +253,7 @@ def build_records(ctx: CallContext, captures: list[ChoiceCapture], total_s: floa
             prompt_token_ids=c.prompt_token_ids, completion_token_ids=c.token_ids, logprobs=logprobs,
             choice_index=c.index, model=ctx.model, policy_name=ctx.policy_name,
             policy_version=ctx.policy_version, upstream=ctx.upstream, endpoint=ctx.endpoint,
+            version_spans=_moved_spans(c.version_spans, ctx.policy_version),
             finish_reason=c.finish_reason,
             ttft_s=None if c.first_token_s is None else c.first_token_s - ctx.started,
             total_s=total_s,
@@ -259,6 +262,13 @@ def build_records(ctx: CallContext, captures: list[ChoiceCapture], total_s: floa
             created=ctx.created, purpose=ctx.purpose, key_id=ctx.key_id,
         ))
     return records
+
+
+def _moved_spans(spans: list[tuple[int, int]] | None, routed: int) -> list[tuple[int, int]] | None:
+    """A choice's version spans for its record: None when it ran on the version it was routed to throughout."""
+    if not spans or spans == [(0, routed)]:
+        return None
+    return [(int(first), int(version)) for first, version in spans]
 
 
 def encode_call_records(ctx: CallContext, choices: list[ChoiceCapture] | bytes,
@@ -334,6 +344,7 @@ def encode_engine_records(ctx: CallContext, body: bytes | list[tuple[float, byte
     for t in sorted(tokens, key=lambda t: t.index):
         c = texts[t.index]
         c.prompt_token_ids, c.token_ids, c.logprobs = t.prompt_token_ids, t.token_ids, t.logprobs
+        c.version_spans = t.version_spans
         captures.append(c)
     key = ctx.trajectory_id.encode()
     return [(key, encode(r)) for r in build_records(ctx, captures, total_s)]

@@ -5,12 +5,15 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from streamrl.broker.kafka_producers import PRODUCER_CLIENTS, ProducerClient
 from streamrl.broker.schema import check_policy, policy_names
 from streamrl.broker.security import KafkaSecurity
 from streamrl.config_file import load_config
+
+UpdateMode = Literal["pinned", "in-flight"]
+UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,11 @@ class GatewayConfig:
     deferred_capture: bool = True
     """Non-streamed calls to upstreams that offer it: their captures come to the record producer on the
     upstream's capture stream, not through the event loop in the answer (``gateway/capture_stream.py``)."""
+    update_mode: UpdateMode = "pinned"
+    """What a new version does to requests already running: ``pinned``, they finish on the version they started
+    on; ``in-flight``, requests routed by the policy's name move to it from their next decode step on (an
+    engine started by ``streamrl engine`` only; requests pinned to ``<name>@v<N>`` never move), and their records
+    say which tokens which version sampled (``version_spans``; docs/gateway.md, "In-flight updates")."""
     deferred_capture_wait_s: float = 30.0
     """How long a call's record waits in the producer for its deferred capture before it is counted invalid."""
     record_request: bool = True
@@ -153,6 +161,8 @@ class GatewayConfig:
             raise ValueError("shutdown_grace_s must be > 0")
         if self.spool_after_ms < 1:
             raise ValueError("spool_after_ms must be >= 1")
+        if self.update_mode not in UPDATE_MODES:
+            raise ValueError(f"update_mode must be one of {', '.join(UPDATE_MODES)}, not {self.update_mode!r}")
         if self.producer_client not in PRODUCER_CLIENTS:
             raise ValueError(f"producer_client must be one of {', '.join(PRODUCER_CLIENTS)}, not {self.producer_client!r}")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))

@@ -1,12 +1,13 @@
 """The dashboard's routes: the page and its assets (files of this package, no CDN), and its data.
 
-``POST /dashboard/eval`` takes a held-out evaluation's result for a version (``producers/evaluate.py``
-posts each one). ``GET /dashboard/data?since=T&seq=N`` answers ``Dashboard.snapshot(since, seq)`` (the versions changed after
-``seq``, the samples after ``T``); with ``seq`` equal to the
-current one it first waits (at most ``wait`` seconds, 15 by default) for something to change, so that an
-open page gets each change as it happens with one request in flight and none while nothing happens
-(a long poll: no per-viewer state in the gateway). Every route needs the ``admin`` scope when API keys are
-checked (``auth.ROUTE_SCOPES``).
+``POST /dashboard/eval`` takes a held-out evaluation's result for a version of a policy (``producers/evaluate.py``
+posts each one). ``GET /dashboard/data?since=T&seq=N&policy=P`` answers ``Dashboard.snapshot(since, seq, P)`` (the
+versions of policy ``P``, the default one without it, changed after ``seq``, the samples after ``T``, and every
+policy's line); with ``seq`` equal to the current one it first waits (at most ``wait`` seconds, 15 by default) for
+something to change, so that an open page gets each change as it happens with one request in flight and none
+while nothing happens (a long poll: no per-viewer state in the gateway). A policy not served here is a 404 (a
+400 in an evaluation's body). Every route needs the ``admin`` scope when API keys are checked
+(``auth.ROUTE_SCOPES``).
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ def add_dashboard_routes(app: FastAPI, dashboard: Dashboard) -> None:
             return error_response(404, f"no dashboard asset {name!r}")
         return Response(assets[name], media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
 
+    def unknown_policy(policy: str) -> str:
+        return f"no policy {policy!r} on this gateway: it serves {', '.join(dashboard.boards)}"
+
     @app.post("/dashboard/eval")
     async def dashboard_eval(request: Request) -> Response:
-        """An evaluator's result for one version: ``{"version", "score", "answered", "problems"}``."""
+        """An evaluator's result for one version: ``{"version", "score", "answered", "problems"}``, and the
+        ``policy`` it is a version of (the default one without it)."""
         try:
             body = orjson.loads(await request.body())
         except orjson.JSONDecodeError as exc:
@@ -58,7 +63,12 @@ def add_dashboard_routes(app: FastAPI, dashboard: Dashboard) -> None:
                                       key)
         if not math.isfinite(body["score"]):
             return error_response(400, "score must be finite", "score")
-        dashboard.evaluated(body["version"], float(body["score"]), body["answered"], body["problems"])
+        policy = body.get("policy")
+        if policy is not None and not isinstance(policy, str):
+            return error_response(400, "policy must be a policy name", "policy")
+        if policy is not None and policy not in dashboard.boards:
+            return error_response(400, unknown_policy(policy), "policy")
+        dashboard.evaluated(body["version"], float(body["score"]), body["answered"], body["problems"], policy)
         return Response(b'{"accepted":1}', media_type=JSON)
 
     @app.get("/dashboard/data")
@@ -72,7 +82,10 @@ def add_dashboard_routes(app: FastAPI, dashboard: Dashboard) -> None:
             return error_response(400, "since and wait must be numbers, seq an integer")
         if not 0 <= wait <= MAX_WAIT_S:
             return error_response(400, f"wait must be between 0 and {MAX_WAIT_S:.0f} seconds", "wait")
+        policy = q.get("policy") or None
+        if policy is not None and policy not in dashboard.boards:
+            return error_response(404, unknown_policy(policy), "policy")
         if seq is not None:
             await dashboard.changed(seq, wait)
-        return Response(orjson.dumps(dashboard.snapshot(since, seq)), media_type=JSON,
+        return Response(orjson.dumps(dashboard.snapshot(since, seq, policy)), media_type=JSON,
                         headers={"Cache-Control": "no-store"})

@@ -46,7 +46,7 @@ from streamrl.broker.tail_process import Records, Tail
 
 from .config import GatewayConfig
 from .coordination import Coordination
-from .dashboard import Dashboard
+from .dashboard import PolicyBoard
 from .metrics import GatewayMetrics
 from .policy import PolicyRouter, VersionState
 from .swap_plan import (
@@ -73,7 +73,7 @@ _WAKE = object()
 class PolicyFollower:
     def __init__(self, config: GatewayConfig, pool: UpstreamPool, router: PolicyRouter,
                  session: aiohttp.ClientSession, topic: str, metrics: GatewayMetrics,
-                 coordination: Coordination, dashboard: Dashboard | None = None) -> None:
+                 coordination: Coordination, dashboard: PolicyBoard | None = None) -> None:
         self.config, self.pool, self.router, self.session = config, pool, router, session
         self.topic, self.metrics, self.dashboard = topic, metrics, dashboard
         self.coordination = coordination

@@ -67,11 +67,17 @@ class _StateCollector(Collector):
                                labels=["upstream"])
         inflight = GaugeMetricFamily("streamrl_gateway_upstream_in_flight", "requests in flight per upstream",
                                      labels=["upstream"])
+        short = GaugeMetricFamily("streamrl_gateway_upstream_lora_slots_short", "1 if the upstream has fewer LoRA "
+                                  "slots than this gateway's policies need (or LoRA off), 0 if enough; absent "
+                                  "while unknown (an engine whose probe does not say)", labels=["upstream"])
         for u in self.pool.upstreams:
             up.add_metric([u.url], 1.0 if u.healthy else 0.0)
             inflight.add_metric([u.url], u.in_flight)
+            if u.lora["status"] != "unknown":
+                short.add_metric([u.url], 0.0 if u.lora["status"] == "ok" else 1.0)
         yield up
         yield inflight
+        yield short
         s = self.stats()
         if s is not None:
             records = CounterMetricFamily("streamrl_gateway_records", "records by outcome", labels=["outcome"])

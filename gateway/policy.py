@@ -32,12 +32,15 @@ class VersionState:
 class Lease:
     """One request's hold on the model that serves it. ``release()`` exactly once when done."""
 
-    __slots__ = ("_router", "_state", "engine_model", "policy_name", "version")
+    __slots__ = ("_router", "_state", "engine_model", "follows", "policy_name", "version")
 
     def __init__(self, router: PolicyRouter | None, state: VersionState | None, engine_model: str,
-                 policy_name: str | None, version: int) -> None:
+                 policy_name: str | None, version: int, follows: bool = False) -> None:
         self._router, self._state = router, state
         self.engine_model, self.policy_name, self.version = engine_model, policy_name, version
+        self.follows = follows
+        """Routed by the policy's name to a version (not pinned to one): in the ``in-flight`` update mode the
+        request may move to a newer version while it runs."""
         if state is not None:
             state.in_flight += 1
 
@@ -78,7 +81,7 @@ class PolicyRouter:
             if routed is None:
                 base = self.pool.base_models()
                 return Lease(None, None, base[0], self.name, 0) if base else None
-            return Lease(self, routed, routed.served_name, self.name, routed.record.version)
+            return Lease(self, routed, routed.served_name, self.name, routed.record.version, follows=True)
         for state in self.versions.values():  # a pinned version, e.g. "policy@v3", while loaded
             if state.served_name == model and state.loaded_at and not state.unloading:
                 return Lease(self, state, model, self.name, state.record.version)

@@ -31,6 +31,7 @@ from streamrl.engine.wire import (
     BODY,
     CAPTURE_HEADER,
     DEFER_PREFIX,
+    FOLLOW_HEADER,
     FrameSplitter,
     WireError,
     capture_counts,
@@ -256,6 +257,7 @@ class Proxy:
                                               sock_read=config.upstream_timeout_s)
         self._upstream_headers = {"Content-Type": JSON, **config.extra_headers}
         self._capture_headers = {**self._upstream_headers, CAPTURE_HEADER: "1"}
+        self._in_flight = config.update_mode == "in-flight"
         self._consumer: str | None = None
         """With ``defer_to``: the record producer's name on the upstreams' capture streams."""
         self._deferred_headers: dict[str, dict[str, str]] = {}
@@ -367,10 +369,12 @@ class Proxy:
                 data = payload.for_upstream(up)
                 call.deferred = (call.engine_capture and up.deferred_capture and not stream
                                  and self._consumer is not None)
+                headers = (self._deferring(up) if call.deferred else self._capture_headers if call.engine_capture
+                           else self._upstream_headers)
+                if self._in_flight and call.lease.follows and call.engine_capture and up.moves_requests:
+                    headers = {**headers, FOLLOW_HEADER: "1"}  # it may move to a newer version while it runs
                 resp = await session.post(up.url + call.endpoint.route, data=data, timeout=self._timeout,
-                                          headers=self._deferring(up) if call.deferred
-                                          else self._capture_headers if call.engine_capture
-                                          else self._upstream_headers)
+                                          headers=headers)
             except aiohttp.ClientConnectorError as exc:
                 up.in_flight -= 1
                 self.pool.mark_failed(up, f"connect: {exc}")
@@ -521,7 +525,7 @@ class Proxy:
         counts.prompt += prompt
         counts.completion += completion
         if self.dashboard is not None and ctx.policy_name is not None and ctx.purpose == "train":
-            self.dashboard.served(ctx.trajectory_id, ctx.policy_version)
+            self.dashboard.served(ctx.trajectory_id, ctx.policy_version, ctx.policy_name)
 
     def _emit(self, call: _Call, build: Callable[[float], list[tuple[bytes | None, bytes]]], count: int,
               tokens: tuple[int, int]) -> None:

@@ -6,6 +6,11 @@ refuses connections (to a check or a request) leaves the rotation at once; one t
 with an error leaves it after ``eject_after`` checks in a row, so that a busy engine (or a gateway whose
 event loop lags under overload) does not take the only upstream out for one late answer. It returns
 when a check passes again.
+
+Each time an upstream comes into rotation its capture probe (``GET /streamrl/capture``) says how it hands over
+tokens and how many LoRA slots it has; ``lora_check`` holds those against what this gateway's policies need
+(``engine/lora_slots.py``). Too few is a warning and a field of ``/health``, not a reason to leave it out
+(docs/gateway.md, "Several policies on one gateway": vLLM serves on, its loads evict each other).
 """
 
 from __future__ import annotations
@@ -19,16 +24,55 @@ from typing import Any
 import aiohttp
 import orjson
 
-from streamrl.engine.wire import FORMAT_VERSION, PROBE_PATH
+from streamrl.engine.lora_slots import FLAGS, lora_slots
+from streamrl.engine.wire import FORMAT_VERSION, PROBE_PATH, SPANS_FORMAT_VERSION
 
 log = logging.getLogger(__name__)
+
+NOT_REPORTED = object()
+"""``lora_check``'s argument when the probe has no ``lora`` key (an older engine, a plain vLLM, no probe)."""
+
+
+def lora_check(lora: Any, needs: tuple[int, int]) -> dict[str, Any]:
+    """An upstream's LoRA slots as its capture probe reports them (``lora``: ``{"max_loras", "max_cpu_loras",
+    "max_lora_rank"}``, None with LoRA off, ``NOT_REPORTED``) against ``needs`` (``lora_slots``: (max_loras,
+    max_cpu_loras)); what ``/health`` shows of them: ``status`` is ``ok``, ``too_few`` (either count below what
+    is needed), ``off`` (it cannot load an adapter at all) or ``unknown`` (not reported), with the counts it has
+    and ``needs``."""
+    need = {"max_loras": needs[0], "max_cpu_loras": needs[1]}
+    if lora is None:
+        return {"status": "off", "needs": need}
+    keys = ("max_loras", "max_cpu_loras", "max_lora_rank")
+    if not isinstance(lora, dict) or not all(type(lora.get(k)) is int for k in keys):
+        return {"status": "unknown", "needs": need}
+    short = any(lora[k] < n for k, n in need.items())
+    return {"status": "too_few" if short else "ok", **{k: lora[k] for k in keys}, "needs": need}
+
+
+def lora_warning(url: str, state: dict[str, Any], policies: int, max_loaded_versions: int) -> str | None:
+    """The warning an upstream's LoRA slots (``lora_check``) call for, naming the counts it has, those needed
+    and the vLLM flags to restart it with; None when it has enough or did not say."""
+    need = state["needs"]
+    flags = " ".join(f"{FLAGS[k]} {n}" for k, n in need.items())
+    served = f"this gateway's {policies} polic{'ies' if policies > 1 else 'y'} x max_loaded_versions " \
+             f"{max_loaded_versions}"
+    if state["status"] == "off":
+        return (f"upstream {url} has LoRA off: it serves the base model only, and no version of a policy can be "
+                f"loaded into it. Restart it with --enable-lora {flags} (what {served} need)")
+    if state["status"] != "too_few":
+        return None
+    has = ", ".join(f"{FLAGS[k]} {state[k]}" + (f" (needs {n})" if state[k] < n else "") for k, n in need.items())
+    return (f"upstream {url} has too few LoRA slots for {served}: {has}. It serves on, but the versions loaded "
+            f"into it evict each other (each eviction reloads an adapter from disk between two engine steps, and "
+            f"a version kept for pinned requests may be the one evicted; with too few GPU slots a swap's new "
+            f"version waits for a slot). Restart it with {flags}, or lower max_loaded_versions")
 
 
 class Upstream:
     """One vLLM server as the gateway sees it."""
 
     __slots__ = ("adapters", "base_models", "deferred_capture", "failed_checks", "healthy", "in_flight", "last_check",
-                 "last_error", "model_cards", "models", "token_capture", "url")
+                 "last_error", "lora", "lora_warned", "model_cards", "models", "moves_requests", "token_capture", "url")
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -49,6 +93,14 @@ class Upstream:
         asked each time it comes into rotation, ``None`` until then."""
         self.deferred_capture = False
         """It queues non-streamed calls' captures for the record producer's stream (probe: ``deferred``)."""
+        self.moves_requests = False
+        """It can move a running request to a newer adapter version and say where (probe: capture format 2,
+        ``engine/inflight.py``): the gateway's ``in-flight`` update mode asks it to."""
+        self.lora: dict[str, Any] = {"status": "unknown"}
+        """Its LoRA slots against what the gateway's policies need (``lora_check``), asked with the capture
+        each time it comes into rotation."""
+        self.lora_warned: tuple[Any, ...] | None = None
+        """The slots last warned about: the same ones again (a restart, a flap) are not logged again."""
 
     def serves(self, model: str) -> bool:
         return model in self.adapters or model in self.models
@@ -57,13 +109,19 @@ class Upstream:
         return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
                 "models": self.base_models, "adapters": sorted(self.adapters), "last_error": self.last_error,
                 "token_capture": None if self.token_capture is None else "json" if not self.token_capture
-                else "engine, deferred" if self.deferred_capture else "engine"}
+                else "engine, deferred" if self.deferred_capture else "engine", "lora": self.lora}
 
 
 class UpstreamPool:
     def __init__(self, urls: tuple[str, ...], *, interval_s: float = 1.0, timeout_s: float = 2.0,
-                 eject_after: int = 2, token_capture: bool = True, deferred_capture: bool = True) -> None:
+                 eject_after: int = 2, token_capture: bool = True, deferred_capture: bool = True,
+                 policies: int = 1, max_loaded_versions: int = 3) -> None:
         self.upstreams = [Upstream(u) for u in urls]
+        self.policies, self.max_loaded_versions = policies, max_loaded_versions
+        self.lora_needs = lora_slots(policies, max_loaded_versions)
+        """(max_loras, max_cpu_loras) each upstream needs for the gateway's policies (``lora_check``)."""
+        for up in self.upstreams:
+            up.lora = lora_check(NOT_REPORTED, self.lora_needs)
         self.token_capture = token_capture
         """Ask each upstream whether it offers the engine's token capture (off: always the JSON path)."""
         self.deferred_capture = deferred_capture
@@ -111,6 +169,27 @@ class UpstreamPool:
                     cards.setdefault(card["id"], card)
         return list(cards.values())
 
+    async def _probe(self, up: Upstream, timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
+        """The upstream's capture probe (token capture, LoRA slots), ``{}`` where it has none. With token capture
+        on, a probe that fails fails the check (the upstream joins once its capture is known); off, it only
+        leaves the LoRA slots unknown."""
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{up.url}{PROBE_PATH}", timeout=timeout) as r:
+                return _json_object(await r.read()) if r.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError):
+            if self.token_capture:
+                raise
+            return {}
+
+    def _warn_lora(self, up: Upstream) -> None:
+        """Log a warning when the upstream's LoRA slots are too few (or off): once per upstream and slot counts."""
+        warning = lora_warning(up.url, up.lora, self.policies, self.max_loaded_versions)
+        seen = tuple(sorted((k, v) for k, v in up.lora.items() if k != "needs")) if warning else None
+        if warning and seen != up.lora_warned:
+            log.warning("%s", warning)
+        up.lora_warned = seen
+
     def mark_failed(self, up: Upstream, error: str) -> None:
         if up.healthy:
             log.warning("upstream %s out of rotation: %s", up.url, error)
@@ -153,12 +232,10 @@ class UpstreamPool:
                     raise RuntimeError(f"/v1/models returned {r.status}")
                 cards = orjson.loads(await r.read())["data"]
             if not was_healthy:
-                capture = deferred = False
-                if self.token_capture:
-                    async with self._session.get(f"{up.url}{PROBE_PATH}", timeout=timeout) as r:
-                        probe = orjson.loads(await r.read()) if r.status == 200 else {}
-                        capture = probe.get("format") == FORMAT_VERSION
-                        deferred = capture and self.deferred_capture and probe.get("deferred") is True
+                probe = await self._probe(up, timeout)
+                capture = self.token_capture and probe.get("format") == FORMAT_VERSION
+                deferred = capture and self.deferred_capture and probe.get("deferred") is True
+                moves = capture and SPANS_FORMAT_VERSION in (probe.get("formats") or ())
         except Exception as exc:
             up.failed_checks += 1
             error = f"{type(exc).__name__}: {exc}"
@@ -179,10 +256,23 @@ class UpstreamPool:
         up.last_error = ""
         if not was_healthy:
             up.adapters &= up.models  # it may have restarted and lost what the gateway loaded
-            up.token_capture, up.deferred_capture = capture, deferred
-            log.info("upstream %s in rotation (models %s; tokens %s)", up.url, up.base_models,
+            up.token_capture, up.deferred_capture, up.moves_requests = capture, deferred, moves
+            up.lora = lora = lora_check(probe.get("lora", NOT_REPORTED), self.lora_needs)
+            log.info("upstream %s in rotation (models %s; tokens %s; LoRA slots %s)", up.url, up.base_models,
                      "as arrays from the engine" + (", deferred" if deferred else "") if capture
-                     else "from its JSON (plain vLLM path)")
+                     else "from its JSON (plain vLLM path)",
+                     f"{lora['max_loras']} GPU, {lora['max_cpu_loras']} CPU, rank {lora['max_lora_rank']}, "
+                     f"{lora['status']}" if "max_loras" in lora else lora["status"])
+            self._warn_lora(up)
             up.healthy = True
             for callback in self.on_recovered:
                 callback(up)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """A probe's answer; anything but a JSON object (a proxy's page, an unrelated server) reads as no probe."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return {}
+    return body if isinstance(body, dict) else {}

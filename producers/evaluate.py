@@ -115,7 +115,8 @@ class Evaluator:
                 f.write(json.dumps(asdict(result)) + "\n")
         with contextlib.suppress(httpx.HTTPError):  # shown on the gateway's dashboard; a gateway without one 404s
             await client.post("/dashboard/eval", json={"version": version, "score": result.score,
-                                                       "answered": result.answered, "problems": result.problems})
+                                                       "answered": result.answered, "problems": result.problems,
+                                                       "policy": self.policy_name})
         self.emit(f"eval v{version}: held-out score {result.score:.3f} ({result.answered}/{result.problems} "
                   f"answered by v{version}) in {result.seconds:.1f} s")
         return result

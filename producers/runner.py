@@ -136,9 +136,11 @@ def reply_token_stats(lengths: list[int]) -> dict[str, int] | None:
 
 async def gateway_version(http: httpx.AsyncClient, url: str, policy_name: str | None = None) -> int | None:
     """The policy version the gateway routes its policy name to now (``GET /health``), None if unknown
-    (or, with ``policy_name``, if the gateway serves another policy)."""
+    (or, with ``policy_name``, if the gateway serves another policy). Another policy than the gateway's default
+    is read from the health detail's ``policies`` (a gateway without API keys, or an admin key, shows it)."""
     try:
-        policy = (await http.get(f"{url.rstrip('/')}/health")).json().get("policy") or {}
+        health = (await http.get(f"{url.rstrip('/')}/health")).json()
+        policy = (health.get("policies") or {}).get(policy_name) or health.get("policy") or {}
         version = policy.get("version")
         if policy_name is not None and policy.get("name") != policy_name:
             return None

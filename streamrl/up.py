@@ -37,9 +37,10 @@ from streamrl.broker.topics import Topics, create_topics
 from streamrl.child import signal_group, spawn, wait_http
 from streamrl.config_file import check_fields, read_file
 from streamrl.config_flags import add_config_flags, given
-from streamrl.engine.server import Engine, EngineConfig, check_vllm_release, installed_vllm, lora_slots
+from streamrl.engine.lora_slots import lora_slots
+from streamrl.engine.server import Engine, EngineConfig, check_vllm_release, installed_vllm
 from streamrl.gateway.auth import check_bind, load_keys
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, UpdateMode
 from streamrl.packaged_models import MODELS, resolve, settings_for
 from streamrl.producers.demo_cli import DemoConfig, run_demo
 from streamrl.producers.demo_model import build_demo_model, default_cache_dir
@@ -107,6 +108,10 @@ class UpConfig:
     token_capture: bool = True
     """The engine ``up`` starts offers capture frames and the gateway takes tokens from them; off, the
     engine is a plain vLLM server and the gateway reads tokens from its JSON."""
+    update_mode: UpdateMode | None = None
+    """What a published version does to requests already running (the [gateway] table's ``update_mode``, which
+    this overrides): ``pinned``, they finish on their version; ``in-flight``, they move to it from their next
+    decode step (docs/gateway.md, "In-flight updates")."""
     gateways: int = 1
     """Gateway processes on the gateway's port (``streamrl gateway --workers N``: ``SO_REUSEPORT``, each its
     own gateway id, producer and spool, coordinated through the gateways topic); overrides the [gateway]
@@ -196,7 +201,8 @@ class UpConfig:
                   "host": self.host, "port": port, "topic_prefix": self.topic_prefix,
                   "policy_name": self.policy_name, "policies": self.policy_names[1:],
                   "token_capture": self.token_capture,
-                  **({"workers": self.gateways} if self.gateways > 1 else {})}
+                  **({"workers": self.gateways} if self.gateways > 1 else {}),
+                  **({"update_mode": self.update_mode} if self.update_mode else {})}
         return GatewayConfig.load(None, **values)
 
     def trainer_settings(self) -> dict[str, tuple[Any, str]]:

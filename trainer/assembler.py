@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from streamrl.broker.schema import CompletionRecord, RewardRecord
+from streamrl.broker.schema import CompletionRecord, RewardRecord, token_versions
 
 COMPLETION, REWARD = "c", "r"
 
@@ -103,9 +103,19 @@ class Sequence:
     """The sampler's logprobs of each sampled span (float32)."""
     request_ids: list[str]
     policy_version: int
-    """The oldest version among the calls merged into this sequence (staleness is judged by it)."""
+    """The oldest version among the sampled tokens of the calls merged into this sequence."""
     temperature: float = 1.0
     """The sampling temperature of its calls (all equal: a change of temperature starts a new sequence)."""
+    sampled_versions: list[np.ndarray] | None = None
+    """The version that sampled each token of each sampled span (int32; ``token_versions`` of its call's
+    record); None: every sampled token came from ``policy_version``."""
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version among the sampled tokens (staleness is judged per token: ``batch.usable_group``)."""
+        if not self.sampled_versions:
+            return self.policy_version
+        return max((int(v.max()) for v in self.sampled_versions if v.size), default=self.policy_version)
 
     @property
     def loss_mask(self) -> np.ndarray:
@@ -167,10 +177,13 @@ class _Open:
     request_ids: list[str]
     version: int
     temperature: float
+    versions: list[np.ndarray] = field(default_factory=list)
 
-    def extend(self, prompt_tail: np.ndarray, completion: np.ndarray, logprobs: np.ndarray) -> None:
+    def extend(self, prompt_tail: np.ndarray, completion: np.ndarray, logprobs: np.ndarray,
+               versions: np.ndarray) -> None:
         self.spans += [len(prompt_tail), len(completion)]
         self.logprobs.append(logprobs.astype(np.float32, copy=False))
+        self.versions.append(versions)
         self.current = np.concatenate([self.current, prompt_tail, completion])
 
     def continued_by(self, prompt: np.ndarray, temperature: float) -> bool:
@@ -179,7 +192,7 @@ class _Open:
 
     def sequence(self) -> Sequence:
         return Sequence(self.current.astype(np.int32, copy=False), self.spans, self.logprobs, self.request_ids,
-                        self.version, self.temperature)
+                        self.version, self.temperature, self.versions)
 
 
 def merge_calls(completions: list[CompletionRecord]) -> list[Sequence]:
@@ -198,14 +211,16 @@ def merge_calls(completions: list[CompletionRecord]) -> list[Sequence]:
     open_: list[_Open] = []
     for c in sorted(completions, key=lambda c: len(c.prompt_token_ids)):
         p, temp = c.prompt_token_ids, sampling_temperature(c)
+        versions = token_versions(c)
+        oldest = int(versions.min()) if versions.size else c.policy_version
         into = max((o for o in open_ if o.continued_by(p, temp)), key=lambda o: len(o.current), default=None)
         if into is None:
-            into = _Open([], [], np.empty(0, np.int32), [c.request_id], c.policy_version, temp)
+            into = _Open([], [], np.empty(0, np.int32), [c.request_id], oldest, temp)
             open_.append(into)
         else:
             into.request_ids = [*into.request_ids, c.request_id]
-            into.version = min(into.version, c.policy_version)
-        into.extend(p[len(into.current):], c.completion_token_ids, c.logprobs)
+            into.version = min(into.version, oldest)
+        into.extend(p[len(into.current):], c.completion_token_ids, c.logprobs, versions)
     return [o.sequence() for o in open_]
 
 

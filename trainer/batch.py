@@ -6,7 +6,7 @@ Packing, the loss and the metrics read its buffers through ``Batch``, a typed vi
 record batch is what ``--save-batches`` writes (Parquet), what ``--replay`` reads, what
 ``streamrl.batches`` yields and what ``streamrl batches`` streams as Arrow IPC (``batch_io.py``).
 
-Schema (metadata ``streamrl.batch_version = 2``), one row per sequence, rows of one group together:
+Schema (metadata ``streamrl.batch_version = 3``), one row per sequence, rows of one group together:
 
 =====================  ==================  =====================================================
 column                 type                meaning
@@ -17,16 +17,20 @@ request_ids            list<string>        the calls merged into this sequence, 
 token_ids              list<int32>         prompt and sampled tokens, merged across turns
 loss_mask              list<int8>          1 where the token was sampled (trained), 0 elsewhere
 behaviour_logprobs     list<float32>       logprob of each sampled token under the sampler; 0 elsewhere
+token_versions         list<int32>         the policy version that sampled each sampled token (a request
+                                           the engine moved to a newer version mid-way has several);
+                                           ``policy_version`` elsewhere
 advantage              float32             the trajectory's GRPO advantage
 reward                 float32             the trajectory's reward
-policy_version         int32               the oldest policy version among the merged calls
+policy_version         int32               the oldest version among the sequence's sampled tokens
 temperature            float32             the sampling temperature of the sequence's calls (the
                                            request's ``temperature``, 1.0 when absent); the trainer
                                            divides its logits by it, as vLLM did before sampling
 =====================  ==================  =====================================================
 
 ``read_batch`` admits a record batch into the process: version 1 (no ``temperature``) is read at
-temperature 1.0, a newer version or a malformed batch is refused with a ``BatchError`` saying why.
+temperature 1.0, versions 1 and 2 (no ``token_versions``) with every token at ``policy_version``; a newer
+version or a malformed batch is refused with a ``BatchError`` saying why.
 """
 
 from __future__ import annotations
@@ -40,9 +44,10 @@ import numpy as np
 import pyarrow as pa
 
 from .assembler import GREEDY_BELOW, ReadyGroup, Trajectory, filtered_sampling, span_mask
+from .assembler import Sequence as TrainSequence
 from .loss import group_advantages
 
-BATCH_VERSION = 2
+BATCH_VERSION = 3
 VERSION_KEY = b"streamrl.batch_version"
 SEQ_KEY = b"streamrl.seq"
 """Schema metadata of a batch handed out by a stream: its sequence number, what ``ack`` acknowledges."""
@@ -55,6 +60,7 @@ BATCH_SCHEMA = pa.schema(
         ("token_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.int8())),
         ("behaviour_logprobs", pa.list_(pa.float32())),
+        ("token_versions", pa.list_(pa.int32())),
         ("advantage", pa.float32()),
         ("reward", pa.float32()),
         ("policy_version", pa.int32()),
@@ -62,7 +68,7 @@ BATCH_SCHEMA = pa.schema(
     ],
     metadata={VERSION_KEY: str(BATCH_VERSION).encode()},
 )
-TOKEN_COLUMNS = ("token_ids", "loss_mask", "behaviour_logprobs")
+TOKEN_COLUMNS = ("token_ids", "loss_mask", "behaviour_logprobs", "token_versions")
 """List columns with one value per token: their lengths agree row by row."""
 
 
@@ -108,6 +114,7 @@ class Batch:
     token_ids: Ragged
     loss_mask: Ragged
     behaviour_logprobs: Ragged
+    token_versions: Ragged
     advantage: np.ndarray
     reward: np.ndarray
     policy_version: np.ndarray
@@ -175,6 +182,13 @@ def read_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
         data = data.to_batches()[0] if data.num_rows else pa.RecordBatch.from_pylist([], schema=data.schema)
     if version == 1 and "temperature" not in data.schema.names:  # sampled at temperature 1
         data = data.append_column("temperature", pa.array(np.ones(data.num_rows, np.float32)))
+    if version <= 2 and "token_versions" not in data.schema.names and "token_ids" in data.schema.names \
+            and "policy_version" in data.schema.names:  # every token from the sequence's one version
+        ids, versions = data.column("token_ids"), data.column("policy_version").to_numpy(zero_copy_only=False)
+        lengths = np.diff(ids.offsets.to_numpy())
+        data = data.append_column("token_versions", pa.ListArray.from_arrays(
+            pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)),
+            pa.array(np.repeat(versions.astype(np.int32), lengths))))
     missing = [n for n in BATCH_SCHEMA.names if n not in data.schema.names]
     if missing:
         raise BatchError("batch_malformed", f"version {version} batch without column(s) {', '.join(missing)}")
@@ -194,7 +208,8 @@ def read_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
         {**meta, VERSION_KEY: str(BATCH_VERSION).encode()}))
     lengths = [np.diff(out.column(n).offsets.to_numpy()) for n in TOKEN_COLUMNS]
     if not all(np.array_equal(lengths[0], x) for x in lengths[1:]):
-        raise BatchError("batch_malformed", "token_ids, loss_mask and behaviour_logprobs differ in length in a row")
+        raise BatchError("batch_malformed", "token_ids, loss_mask, behaviour_logprobs and token_versions differ in "
+                         "length in a row")
     return out
 
 
@@ -222,7 +237,9 @@ def usable_group(group: ReadyGroup, *, current_version: int, max_lag: int,
                  counts: Counter[str]) -> ReadyGroup | None:
     """The group with only its trainable trajectories, judged against ``current_version``.
 
-    Dropped and counted: trajectories more than ``max_lag`` versions behind (``stale_trajectories``),
+    Dropped and counted: trajectories whose every sampled token is more than ``max_lag`` versions behind
+    (``stale_trajectories``: staleness is judged per token; ``step_batch`` leaves the stale tokens of the
+    trajectories kept out of the loss),
     sampled greedily (temperature below ``GREEDY_BELOW``: no sampling distribution to correct against;
     ``greedy_trajectories``) or at an unusable temperature (``bad_temperature_trajectories``). None
     (counted) when fewer than two remain or their rewards are all equal (no learning signal).
@@ -239,7 +256,7 @@ def usable_group(group: ReadyGroup, *, current_version: int, max_lag: int,
         if min(temps) < GREEDY_BELOW:
             counts["greedy_trajectories"] += 1
             continue
-        if current_version - min(s.policy_version for s in seqs) > max_lag:
+        if current_version - max(s.newest_version for s in seqs) > max_lag:
             counts["stale_trajectories"] += 1
             stale += 1
             continue
@@ -254,9 +271,14 @@ def usable_group(group: ReadyGroup, *, current_version: int, max_lag: int,
     return ReadyGroup(group.group_id, kept, group.complete)
 
 
-def step_batch(groups: Sequence[ReadyGroup], *, std_norm: bool, counts: Counter[str] | None = None) -> pa.RecordBatch:
+def step_batch(groups: Sequence[ReadyGroup], *, std_norm: bool, counts: Counter[str] | None = None,
+               oldest_version: int | None = None) -> pa.RecordBatch:
     """The record batch of a step's groups (each as ``usable_group`` returned it): merged sequences, GRPO
     advantages per group, rows in group order. Built once; every column a single Arrow array.
+
+    Sampled tokens of a version below ``oldest_version`` (the version trained minus ``max_lag``) stay in
+    their sequence as context but leave the loss (``loss_mask`` 0; counted ``stale_tokens``): a request the
+    engine moved to newer versions mid-way is trained on its fresh part.
 
     Trajectories sampled with top_p/top_k/min_p filtering are counted ``filtered_sampling``: their
     importance ratios are approximate (the trainer does not re-apply the filter; see docs/trainer.md).
@@ -278,16 +300,33 @@ def step_batch(groups: Sequence[ReadyGroup], *, std_norm: bool, counts: Counter[
     # the mask from every sequence's span lengths, the sampled logprobs written where it is 1: one pass each
     mask = span_mask([n for _, s in rows for n in s.spans])
     logprobs = np.zeros(len(mask), np.float32)
+    versions = np.repeat(np.asarray([s.policy_version for _, s in rows], np.int32), lengths)
     if rows:
-        logprobs[mask == 1] = np.concatenate([p for _, s in rows for p in s.sampled_logprobs])
+        sampled = mask == 1
+        logprobs[sampled] = np.concatenate([p for _, s in rows for p in s.sampled_logprobs])
+        versions[sampled] = np.concatenate([v for _, s in rows for v in _sampled_versions(s)])
+        if oldest_version is not None:
+            stale = sampled & (versions < oldest_version)
+            if stale.any():
+                mask[stale] = 0
+                if counts is not None:
+                    counts["stale_tokens"] += int(stale.sum())
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     return _record({"group_id": [m[0] for m, _ in rows], "trajectory_id": [m[1] for m, _ in rows],
                     "request_ids": [s.request_ids for _, s in rows],
                     "token_ids": _list_column([s.token_ids for _, s in rows], np.int32, lengths),
                     "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(mask)),
                     "behaviour_logprobs": pa.ListArray.from_arrays(offsets, pa.array(logprobs)),
+                    "token_versions": pa.ListArray.from_arrays(offsets, pa.array(versions)),
                     "advantage": [m[3] for m, _ in rows], "reward": [m[2] for m, _ in rows],
                     "policy_version": [s.policy_version for _, s in rows], "temperature": [s.temperature for _, s in rows]})
+
+
+def _sampled_versions(s: TrainSequence) -> list[np.ndarray]:
+    """The versions of a sequence's sampled tokens, span by span."""
+    if s.sampled_versions:
+        return s.sampled_versions
+    return [np.full(len(p), s.policy_version, np.int32) for p in s.sampled_logprobs]
 
 
 def sequences_batch(token_ids: Sequence[np.ndarray], loss_mask: Sequence[np.ndarray], *,
@@ -300,12 +339,14 @@ def sequences_batch(token_ids: Sequence[np.ndarray], loss_mask: Sequence[np.ndar
             "token_ids": list(token_ids), "loss_mask": list(loss_mask),
             "behaviour_logprobs": list(behaviour_logprobs) if behaviour_logprobs is not None
             else [np.zeros(len(t), np.float32) for t in token_ids],
+            "token_versions": [np.zeros(len(t), np.int32) for t in token_ids],
             "advantage": list(advantage) if advantage is not None else [0.0] * n, "reward": [0.0] * n,
             "policy_version": [0] * n, "temperature": list(temperature) if temperature is not None else [1.0] * n}
     return _record(rows)
 
 
-_NUMPY = {"token_ids": np.int32, "loss_mask": np.int8, "behaviour_logprobs": np.float32, "advantage": np.float32,
+_NUMPY = {"token_ids": np.int32, "loss_mask": np.int8, "behaviour_logprobs": np.float32,
+          "token_versions": np.int32, "advantage": np.float32,
           "reward": np.float32, "policy_version": np.int32, "temperature": np.float32}
 """The numpy type of each numeric column (of its values, for a list column)."""
 
@@ -329,7 +370,8 @@ def build_batch(group: ReadyGroup, *, current_version: int, max_lag: int, std_no
                 counts: Counter[str]) -> pa.RecordBatch | None:
     """One group's batch (``usable_group`` then ``step_batch``), or None (counted) when unusable."""
     g = usable_group(group, current_version=current_version, max_lag=max_lag, counts=counts)
-    return None if g is None else step_batch([g], std_norm=std_norm, counts=counts)
+    return None if g is None else step_batch([g], std_norm=std_norm, counts=counts,
+                                             oldest_version=current_version - max_lag)
 
 
 def group_slices(record: pa.RecordBatch) -> list[pa.RecordBatch]:

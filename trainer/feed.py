@@ -162,7 +162,8 @@ class StreamGroups(GroupSource):
                 out = self._take(n, newest_first=freshest)
                 if not freshest:
                     self._hold(len(self.ready) >= bound)
-                return step_batch(out, std_norm=self.config.advantage_std_norm, counts=self.counts)
+                return step_batch(out, std_norm=self.config.advantage_std_norm, counts=self.counts,
+                                  oldest_version=current_version - self.config.max_lag)
             if time.monotonic() >= deadline:
                 return None
 

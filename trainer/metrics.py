@@ -28,14 +28,18 @@ FEED_COUNTERS = {
 def batch_metrics(batch: Batch, version: int) -> dict[str, Any]:
     """Reward and staleness statistics of a step's batch (one reward per trajectory).
 
-    ``staleness_tokens`` counts the step's sampled tokens by staleness (``{"0": n0, "1": n1, ...}``), so that
-    staleness per sampled token (mean, quantiles, max) over a run is exact; the per-sequence mean cannot give it.
-    It is the one non-number here: consumers that want numbers filter by type (policy record, /metrics)."""
-    lags = version - batch.policy_version.astype(np.int64)
-    sampled = batch.loss_mask.row_sums()
-    tokens: Counter[int] = Counter()
-    for lag, n in zip(lags.tolist(), sampled.tolist(), strict=True):
-        tokens[lag] += n
+    Staleness is per sampled token (the version trained minus the version that sampled it, ``token_versions``:
+    a request moved to newer versions mid-way has tokens of several): ``staleness_mean`` and ``staleness_max``
+    over the tokens trained, ``staleness_tokens`` counts them by staleness (``{"0": n0, "1": n1, ...}``), so
+    that staleness per sampled token (mean, quantiles, max) over a run is exact. It is the one non-number here:
+    consumers that want numbers filter by type (policy record, /metrics)."""
+    mask, versions = batch.loss_mask, batch.token_versions
+    sampled = mask.values[mask.offsets[0]:mask.offsets[-1]] == 1
+    lags = version - versions.values[versions.offsets[0]:versions.offsets[-1]][sampled].astype(np.int64)
+    values, counts = np.unique(lags, return_counts=True)
+    tokens: Counter[int] = Counter(dict(zip(values.tolist(), counts.tolist(), strict=True)))
+    if not lags.size:  # nothing trained (every token left out): the sequences' oldest versions say how stale
+        lags = version - batch.policy_version.astype(np.int64)
     rewards: dict[str, float] = {}
     for tid, reward in zip(batch.trajectory_ids, batch.reward.tolist(), strict=True):
         rewards.setdefault(tid, reward)

@@ -1,10 +1,14 @@
 // The streamrl dashboard: long-polls /dashboard/data and draws small canvas charts (no libraries, no CDN).
 // Each chart's canvas carries data-points (points drawn) so that tests can read progress from the DOM.
+// With several policies a tab per policy (and the policies table) picks whose charts are drawn: ?policy=NAME
+// in the page's address, passed on to /dashboard/data; one policy looks as it always did.
 "use strict";
 
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"];
 const state = { seq: null, since: 0, points: [], versions: new Map(), data: null,
-                key: sessionStorage.getItem("streamrl-key") };
+                key: sessionStorage.getItem("streamrl-key"),
+                policy: new URLSearchParams(location.search).get("policy"),  // null: the gateway's default
+                generation: 0, fetching: null };
 
 function fmt(v) {
   if (v === null || v === undefined || Number.isNaN(v)) return "-";
@@ -96,11 +100,55 @@ function trainer(versions, key) {
   return versions.filter(v => v.trainer && v.trainer[key] !== undefined).map(v => [v.version, v.trainer[key]]);
 }
 
+function el(tag, props = {}, text = "") {
+  const e = document.createElement(tag);
+  Object.assign(e, props);
+  if (text) e.textContent = text;
+  return e;
+}
+
+// the policy tabs and the policies table: shown with several policies only
+function renderPolicies(d) {
+  const several = (d.policies || []).length > 1;
+  const tabs = document.getElementById("policy-tabs");
+  tabs.hidden = !several;
+  document.getElementById("policies-section").hidden = !several;
+  document.getElementById("requests-section").hidden = !several;
+  if (!several) return;
+  tabs.replaceChildren(...d.policies.map(p => {
+    const b = el("button", { type: "button", className: p.warnings.length ? "warned" : "" }, `${p.name} v${p.version}`);
+    b.dataset.policy = p.name;
+    b.setAttribute("aria-pressed", String(p.name === d.policy.name));
+    if (p.warnings.length) b.title = "warnings: " + p.warnings.join(", ");
+    b.addEventListener("click", () => select(p.name));
+    return b;
+  }));
+  document.querySelector("#policies tbody").replaceChildren(...d.policies.map(p => {
+    const tr = el("tr", { className: p.name === d.policy.name ? "selected" : "" });
+    tr.dataset.policy = p.name;
+    const cells = [p.name + (p.default ? " (default)" : ""), `v${p.version}` + (p.served_name ? "" : " (base model)"),
+                   fmt(p.swaps), fmt(p.requests), fmt(p.requests_failed), fmt(p.calls), fmt(p.rewards),
+                   p.warnings.join(", ")];
+    cells.forEach((c, i) => tr.append(el("td", { className: i >= 2 && i <= 6 ? "num" : i === 7 && c ? "bad" : "" }, c)));
+    tr.addEventListener("click", () => select(p.name));
+    return tr;
+  }));
+}
+
+function loraText(l) {
+  if (!l || l.status === "unknown") return "unknown";
+  if (l.status === "off") return "LoRA off";
+  const has = `${l.max_loras} GPU / ${l.max_cpu_loras} CPU`;
+  return l.status === "ok" ? has : `${has}: too few (needs ${l.needs.max_loras} / ${l.needs.max_cpu_loras})`;
+}
+
 function render() {
   const d = state.data, points = state.points;
   const vs = [...state.versions.values()].sort((a, b) => a.version - b.version);
   document.getElementById("policy").textContent =
     `policy ${d.policy.name}: v${d.policy.version}` + (d.policy.served_name ? ` (${d.policy.served_name})` : " (base model)");
+  renderPolicies(d);
+  const several = d.policies.length > 1;
   const rewarded = vs.filter(v => v.rewards > 0);
   draw("reward-version", [
     { name: "served", points: rewarded.map(v => [v.version, v.reward_mean]),
@@ -133,14 +181,25 @@ function render() {
   draw("lag", [{ name: "records behind", points: trainer(vs, "kafka_lag") }]);
   draw("swap", [{ name: "seconds", points: vs.filter(v => v.publish_to_route_s !== null)
                    .map(v => [v.version, v.publish_to_route_s]) }]);
-  draw("failures", [{ name: "failed requests", points: delta(points, "requests_failed") },
+  const failures = [{ name: "failed requests", points: delta(points, "requests_failed") },
                     { name: "records failed", points: delta(points, "records_failed") },
                     { name: "records dropped", points: delta(points, "records_dropped") },
                     { name: "buffered", points: points.filter(p => p.records_buffered !== undefined)
-                        .map(p => [p.time, p.records_buffered]) }], { time: true });
-  document.querySelector("#upstreams tbody").innerHTML = d.upstreams.map(u =>
-    `<tr><td>${u.url}</td><td class="${u.healthy ? "" : "bad"}">${u.healthy ? "yes" : "no"}</td>` +
-    `<td class="num">${u.in_flight}</td><td>${u.last_error || ""}</td></tr>`).join("");
+                        .map(p => [p.time, p.records_buffered]) }];
+  if (several) failures.push({ name: `failed (${d.policy.name})`, points: delta(points, "policy_requests_failed") });
+  draw("failures", failures, { time: true });
+  if (several)
+    draw("requests", [{ name: d.policy.name, points: rate(points, "policy_requests") },
+                      { name: "gateway (all routes)", color: "#9ca3af", points: rate(points, "requests") }], { time: true });
+  document.querySelector("#upstreams tbody").replaceChildren(...d.upstreams.map(u => {
+    const tr = el("tr");
+    tr.append(el("td", {}, u.url), el("td", { className: u.healthy ? "" : "bad" }, u.healthy ? "yes" : "no"),
+              el("td", { className: "num" }, String(u.in_flight)),
+              el("td", { className: u.lora && (u.lora.status === "too_few" || u.lora.status === "off") ? "bad" : "" },
+                 loraText(u.lora)),
+              el("td", {}, u.last_error || ""));
+    return tr;
+  }));
   const last = points[points.length - 1] || {};
   const rows = Object.keys(last).filter(k => k.startsWith("records_") || k === "rewards" || k === "requests")
     .map(k => `<tr><td>${k.replace("records_", "records ")}</td><td class="num">${fmt(last[k])}</td></tr>`);
@@ -153,26 +212,48 @@ function setStatus(s, text) {
   el.dataset.state = s; el.textContent = text;
 }
 
+// show another policy: its data from the start (the long poll in flight is dropped), its name in the address
+function select(policy) {
+  if (state.data && policy === state.data.policy.name) return;
+  state.policy = policy;
+  Object.assign(state, { seq: null, since: 0, points: [], versions: new Map(), generation: state.generation + 1 });
+  const url = new URL(location.href);
+  url.searchParams.set("policy", policy);
+  history.replaceState(null, "", url);
+  if (state.fetching) state.fetching.abort();
+}
+
 async function poll() {
   for (;;) {
+    const generation = state.generation;
     const q = new URLSearchParams({ since: state.since });
     if (state.seq !== null) q.set("seq", state.seq);
+    if (state.policy) q.set("policy", state.policy);
     const headers = state.key ? { Authorization: "Bearer " + state.key } : {};
-    let r;
+    let r, d;
+    state.fetching = new AbortController();
     try {
-      r = await fetch("/dashboard/data?" + q, { headers, cache: "no-store" });
+      r = await fetch("/dashboard/data?" + q, { headers, cache: "no-store", signal: state.fetching.signal });
+      d = r.ok ? await r.json() : null;
     } catch (e) {
+      if (generation !== state.generation) continue;  // another policy was selected
       setStatus("error", "gateway unreachable, retrying");
       await new Promise(res => setTimeout(res, 2000));
       continue;
     }
+    if (generation !== state.generation) continue;
     if (r.status === 401 || r.status === 403) {
       setStatus("key", "needs an API key with the admin scope");
       document.getElementById("key-form").hidden = false;
       return;
     }
+    if (r.status === 404 && state.policy) {  // a policy this gateway does not serve (an old link): the default one
+      setStatus("error", `no policy ${state.policy} here: showing the default one`);
+      state.policy = null;
+      history.replaceState(null, "", location.pathname);
+      continue;
+    }
     if (!r.ok) { setStatus("error", `HTTP ${r.status}`); await new Promise(res => setTimeout(res, 2000)); continue; }
-    const d = await r.json();
     state.points = state.points.concat(d.points).slice(-3600);
     if (d.points.length) state.since = d.points[d.points.length - 1].time;
     for (const v of d.versions) state.versions.set(v.version, v);  // only the changed ones come

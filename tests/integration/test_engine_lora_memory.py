@@ -12,7 +12,7 @@ from vllm.lora import lora_model, model_manager
 from streamrl.engine import lora_memory as vllm_lora_memory
 from streamrl.engine.server import Engine, EngineConfig
 
-EXTENSION = "streamrl.engine.lora_memory.PageableLoRAHostMemory"
+EXTENSION = "streamrl.engine.worker.StreamrlWorkerExtension"
 
 
 def test_importing_the_extension_keeps_adapters_pageable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,12 +36,17 @@ def test_the_engines_worker_keeps_adapters_pageable(engine: Engine) -> None:
     assert "adapters' host copies stay in pageable memory in this process" in engine.log_file.read_text()
 
 
-def test_the_engine_names_the_extension_unless_asked_to_pin() -> None:
-    def extension(config: EngineConfig) -> str | None:
-        cmd = Engine(config).command()
-        return cmd[cmd.index("--worker-extension-cls") + 1] if "--worker-extension-cls" in cmd else None
+def test_the_engine_names_the_extension_and_says_whether_to_pin() -> None:
+    """The worker extension (``engine/worker.py``) keeps adapters pageable unless the engine's environment says
+    to pin, and carries in-flight updates' worker half, so an engine with token capture always names it."""
+    from streamrl.engine.worker_env import PIN_ENV
 
-    assert extension(EngineConfig(model="m")) == EXTENSION
-    assert extension(EngineConfig(model="m", pin_lora_memory=True)) is None
-    module, _, name = EXTENSION.rpartition(".")
-    assert getattr(__import__(module, fromlist=[name]), name) is vllm_lora_memory.PageableLoRAHostMemory
+    def extension(config: EngineConfig) -> tuple[str | None, str]:
+        engine = Engine(config)
+        cmd = engine.command()
+        named = cmd[cmd.index("--worker-extension-cls") + 1] if "--worker-extension-cls" in cmd else None
+        return named, engine.environment()[PIN_ENV]
+
+    assert extension(EngineConfig(model="m")) == (EXTENSION, "0")
+    assert extension(EngineConfig(model="m", pin_lora_memory=True)) == (EXTENSION, "1")
+    assert extension(EngineConfig(model="m", pin_lora_memory=True, token_capture=False)) == (None, "1")

@@ -4,6 +4,7 @@ each call (issue #43's serving half)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +90,16 @@ def test_two_policies_route_and_swap_independently(broker: EmbeddedBroker, engin
         assert r.headers["x-policy-version"] == "3" and r.json()["model"] == "support@v3"
         assert chat(gw, "sql@v2").headers["x-policy-version"] == "2"  # a pinned version of the other policy
         assert health["policy"]["name"] == "support"  # the default policy's view stays where it was
+        # the engine's LoRA slots (4 GPU, 8 CPU: tests/support/services.py) hold 2 policies x 3 loaded versions
+        assert health["upstreams"][0]["lora"] == {"status": "ok", "max_loras": 4, "max_cpu_loras": 8,
+                                                  "max_lora_rank": 16, "needs": {"max_loras": 4, "max_cpu_loras": 6}}
+        # the dashboard: every policy listed, each one's versions on its own view
+        board = httpx.get(f"{gw.url}/dashboard/data", params={"policy": "sql"}).json()
+        assert board["policy"] == {"name": "sql", "version": 2, "served_name": "sql@v2"}
+        assert {v["version"] for v in board["versions"] if v["published"]} == {1, 2}
+        assert {p["name"]: p["version"] for p in board["policies"]} == {"support": 3, "sql": 2}
+        assert [v["version"] for v in httpx.get(f"{gw.url}/dashboard/data").json()["versions"] if v["published"]] == [3]
+        assert httpx.get(f"{gw.url}/dashboard/data", params={"policy": "nope"}).status_code == 404
 
     try:  # each call's record names the policy and the version that served it, as its headers did
         records = reader.wait_for(lambda r: isinstance(r, CompletionRecord) and r.request_id in SENT,
@@ -98,6 +109,29 @@ def test_two_policies_route_and_swap_independently(broker: EmbeddedBroker, engin
     assert {r.request_id: (r.policy_name, r.policy_version) for r in records} == SENT
     assert sorted(SENT.values()) == [("sql", 0), ("sql", 2), ("sql", 2), ("support", 0), ("support", 0),
                                      ("support", 3)]
+
+
+def test_an_engine_with_too_few_lora_slots_is_named_in_health_and_the_log(engine: Engine,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Three policies need 6 GPU and 9 CPU slots of the engine started by the test session (4 and 8): a warning
+    naming them and the flags, ``too_few`` in ``/health``, and it serves on (logging off: nothing else to start)."""
+    caplog.set_level(logging.WARNING, "streamrl.gateway.upstreams")
+    config = GatewayConfig(upstreams=(engine.url,), port=free_port(), policy_name="a", policies=("b", "c"),
+                           follow_policy=False)
+    with GatewayServer(config) as gw:
+        health = httpx.get(f"{gw.url}/health").json()
+        assert health["status"] == "ok" and health["upstreams"][0]["healthy"]
+        assert health["upstreams"][0]["lora"] == {"status": "too_few", "max_loras": 4, "max_cpu_loras": 8,
+                                                  "max_lora_rank": 16, "needs": {"max_loras": 6, "max_cpu_loras": 9}}
+        assert f'streamrl_gateway_upstream_lora_slots_short{{upstream="{engine.url}"}} 1.0' in \
+            httpx.get(f"{gw.url}/metrics").text
+        r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=60,
+                       json={"model": "c", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["x-policy-version"] == "0"
+    [warning] = [r.getMessage() for r in caplog.records if "LoRA slots" in r.getMessage()]
+    assert f"upstream {engine.url} has too few LoRA slots for this gateway's 3 policies" in warning
+    assert "--max-loras 4 (needs 6), --max-cpu-loras 8 (needs 9)" in warning
+    assert "Restart it with --max-loras 6 --max-cpu-loras 9" in warning
 
 
 SUPPORT_KEY, BOTH_KEY, ADMIN_KEY = "sk-support-" + "a" * 16, "sk-both-" + "b" * 16, "sk-admin-" + "c" * 16

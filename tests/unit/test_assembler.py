@@ -207,3 +207,24 @@ def test_max_ready_groups_defaults_to_what_could_still_be_trained_in_time() -> N
     assert TrainerConfig(model="m", groups_per_step=2, max_lag=4).max_ready_groups == 10
     with pytest.raises(ValueError, match="max_ready_groups"):
         TrainerConfig(model="m", groups_per_step=4, max_ready_groups=3)
+
+
+def test_staleness_is_judged_per_sampled_token() -> None:
+    """A call the engine moved from version 1 to 6 after 2 of its 4 tokens, trained at 6 with max_lag 2: the
+    trajectory stays (its newest tokens are fresh), its first two tokens leave the loss (counted), and the
+    batch carries each token's version. A trajectory all of whose tokens are too old is dropped as before."""
+    a = asm(group_size=3)
+    moved = call("a", [1, 2], [3, 4, 5, 6], version=1)
+    moved.version_spans = [(0, 1), (2, 6)]
+    for record, r in [(moved, 1.0), (call("b", [1, 2], [7, 8], version=5), 0.0),
+                      (call("c", [1, 2], [9], version=1), 1.0)]:
+        a.add(record, b"", now=0)
+        a.add(RewardRecord(record.trajectory_id, r, group_id="g"), b"", now=0)
+    [g] = a.poll(now=0)
+    counts: Counter[str] = Counter()
+    batch = build_batch(g, current_version=6, max_lag=2, std_norm=True, counts=counts)
+    assert batch is not None and batch.column("trajectory_id").to_pylist() == ["a", "b"]
+    assert counts["stale_trajectories"] == 1 and counts["stale_tokens"] == 2
+    row = batch.to_pylist()[0]
+    assert row["token_versions"] == [1, 1, 1, 1, 6, 6] and row["policy_version"] == 1
+    assert row["loss_mask"] == [0, 0, 0, 0, 1, 1]  # prompt, the two stale tokens, then the fresh ones

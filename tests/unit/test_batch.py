@@ -107,18 +107,29 @@ def test_parquet_and_ipc_round_trips_are_bit_exact(tmp_path) -> None:
 
 def test_a_version_1_batch_is_read_at_temperature_one(tmp_path) -> None:
     record = step_batch([ready("g", (1.0, 0.0))], std_norm=False)
-    old = pa.Table.from_batches([record]).drop_columns(["temperature"]).replace_schema_metadata(
+    old = pa.Table.from_batches([record]).drop_columns(["temperature", "token_versions"]).replace_schema_metadata(
         {"streamrl.batch_version": "1"})
     pq.write_table(old, tmp_path / "old.parquet")
     back = read_parquet(tmp_path / "old.parquet")
     assert Batch.of(back).temperature.tolist() == [1.0, 1.0]
     assert back.drop_columns(["temperature"]).equals(record.drop_columns(["temperature"]))
-    assert back.schema.metadata[b"streamrl.batch_version"] == b"2"
+    assert back.schema.metadata[b"streamrl.batch_version"] == b"3"
+
+
+def test_a_version_2_batch_has_every_token_at_its_sequences_version(tmp_path) -> None:
+    """Before requests could move between versions mid-way, a sequence's tokens all came from its one version."""
+    record = step_batch([ready("g", (1.0, 0.0))], std_norm=False)
+    versions = Batch.of(record).token_versions
+    assert all((versions[i] == record.column("policy_version")[i].as_py()).all() for i in range(record.num_rows))
+    old = pa.Table.from_batches([record]).drop_columns(["token_versions"]).replace_schema_metadata(
+        {"streamrl.batch_version": "2"})
+    pq.write_table(old, tmp_path / "old.parquet")
+    assert read_parquet(tmp_path / "old.parquet").equals(record)
 
 
 @pytest.mark.parametrize(("change", "reason", "message"), [
-    (lambda r: r.replace_schema_metadata({"streamrl.batch_version": "3"}), "batch_unknown_version",
-     "batch version 3: this streamrl reads versions 1 to 2 (upgrade streamrl"),
+    (lambda r: r.replace_schema_metadata({"streamrl.batch_version": "4"}), "batch_unknown_version",
+     "batch version 4: this streamrl reads versions 1 to 3 (upgrade streamrl"),
     (lambda r: r.replace_schema_metadata({}), "batch_no_version", "not a streamrl batch"),
     (lambda r: r.replace_schema_metadata({"streamrl.batch_version": "two"}), "batch_bad_version", "not a number"),
     (lambda r: r.drop_columns(["advantage"]), "batch_malformed", "without column(s) advantage"),

@@ -90,7 +90,7 @@ def test_bad_ids_are_rejected() -> None:
 
 def test_header_layout_is_documented() -> None:
     magic, kind, version, n = struct.unpack_from("<3sBBI", encode(completion()))
-    assert (magic, kind, version) == (b"SRL", schema.KIND_COMPLETION, 3) and n > 0
+    assert (magic, kind, version) == (b"SRL", schema.KIND_COMPLETION, 4) and n > 0
 
 
 def test_purpose_round_trips_and_a_v1_completion_reads_as_train() -> None:
@@ -216,3 +216,33 @@ def test_gateway_state_round_trips_and_a_malformed_one_is_refused() -> None:
     v1 = orjson.dumps({"gateway_id": "g", "policy_name": "p", "started_at": 1.0, "at": 2.0, "routed_version": 3})
     old = decode(struct.pack("<3sBBI", schema.MAGIC, schema.KIND_GATEWAY_STATE, 1, len(v1)) + v1)
     assert (old.joined_offset, old.routed_version) == (-1, 3)
+
+
+def test_version_spans_round_trip_and_give_each_tokens_version() -> None:
+    moved = completion(n_completion=6, version_spans=[(0, 3), (4, 5)])  # policy_version 3
+    back = decode(encode(moved))
+    assert back.version_spans == [(0, 3), (4, 5)]
+    assert schema.token_versions(back).tolist() == [3, 3, 3, 3, 5, 5]
+    assert schema.token_versions(completion(n_completion=2)).tolist() == [3, 3]
+    plain = encode(completion())
+    header = orjson.loads(plain[9:9 + struct.unpack_from("<I", plain, 5)[0]])
+    assert header["version_spans"] is None  # a request that never moved says nothing more
+
+
+@pytest.mark.parametrize("spans", [[], [[1, 2]], [[0, 1], [0, 2]], [[0, 1], [3]], [[0, -1]], [[0, True]], "x"])
+def test_malformed_version_spans_are_refused(spans) -> None:
+    body = encode(completion(n_completion=6))
+
+    def with_spans(spans: object) -> bytes:
+        value = body.replace(b'"version_spans":null', b'"version_spans":' + orjson.dumps(spans))
+        return value[:5] + struct.pack("<I", struct.unpack_from("<I", body, 5)[0] + len(value) - len(body)) + value[9:]
+
+    assert decode(with_spans([[0, 1], [2, 2]])).version_spans == [(0, 1), (2, 2)]  # the edit itself is sound
+    with pytest.raises(RecordError):
+        decode(with_spans(spans))
+
+
+def test_a_version_3_completion_reads_with_no_spans() -> None:
+    body = bytearray(encode(completion()))
+    body[4] = 3
+    assert decode(bytes(body)).version_spans is None

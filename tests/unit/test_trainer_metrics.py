@@ -11,12 +11,16 @@ from streamrl.trainer.tracking import numbers
 
 
 def sequence(group: str, version: int, sampled: int, prompt: int = 3, reward: float = 0.0,
-             trajectory: str = "t") -> dict:
-    """A row of ``prompt`` prompt tokens then ``sampled`` sampled ones, sampled by ``version``."""
+             trajectory: str = "t", moved: tuple[int, int] | None = None) -> dict:
+    """A row of ``prompt`` prompt tokens then ``sampled`` sampled ones, sampled by ``version`` (``moved``: from
+    sampled token ``moved[0]`` on by version ``moved[1]``)."""
     n = prompt + sampled
+    versions = [version] * n
+    if moved is not None:
+        versions[prompt + moved[0]:] = [moved[1]] * (sampled - moved[0])
     return {"group_id": group, "trajectory_id": trajectory, "request_ids": [], "token_ids": [0] * n,
-            "loss_mask": [0] * prompt + [1] * sampled, "behaviour_logprobs": [0.0] * n, "advantage": 0.0,
-            "reward": reward, "policy_version": version, "temperature": 1.0}
+            "loss_mask": [0] * prompt + [1] * sampled, "behaviour_logprobs": [0.0] * n, "token_versions": versions,
+            "advantage": 0.0, "reward": reward, "policy_version": version, "temperature": 1.0}
 
 
 def test_staleness_tokens_count_sampled_tokens_by_staleness() -> None:
@@ -28,6 +32,16 @@ def test_staleness_tokens_count_sampled_tokens_by_staleness() -> None:
     m = batch_metrics(batch, 5)
     assert m["staleness_tokens"] == {"0": 12, "1": 7, "3": 30}  # prompt tokens are not sampled: not counted
     assert list(m["staleness_tokens"]) == ["0", "1", "3"]
-    assert m["staleness_mean"] == pytest.approx(1.0) and m["staleness_max"] == 3.0  # per sequence, as before
+    assert m["staleness_mean"] == pytest.approx((7 * 1 + 30 * 3) / 49) and m["staleness_max"] == 3.0  # per token
     assert m["reward_mean"] == 0.5 and m["trajectories"] == 4
     assert "staleness_tokens" not in numbers(m)  # trackers (and /metrics, the policy record) take numbers only
+
+
+def test_a_moved_sequences_tokens_count_at_the_version_that_sampled_them() -> None:
+    """A request the engine moved from version 2 to 5 after 10 of its 30 tokens: 10 tokens 3 behind, 20 fresh."""
+    batch = Batch.of(pa.RecordBatch.from_pylist(
+        [sequence("g1", 2, 30, moved=(10, 5), reward=1.0, trajectory="a"), sequence("g1", 5, 4, trajectory="b")],
+        schema=BATCH_SCHEMA))
+    m = batch_metrics(batch, 5)
+    assert m["staleness_tokens"] == {"0": 24, "3": 10}
+    assert m["staleness_mean"] == pytest.approx(30 / 34) and m["staleness_max"] == 3.0

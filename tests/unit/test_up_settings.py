@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.engine.server import lora_slots
+from streamrl.engine.lora_slots import lora_slots
 from streamrl.packaged_models import (
     MODELS,
     REAL_MODEL_SETTINGS,

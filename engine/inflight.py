@@ -1,0 +1,215 @@
+"""In-flight updates: a running request moves to its policy's newest adapter version between two decode steps.
+
+The gateway serves each adapter version under its own name (``<policy>@v<N>``) and, in the ``in-flight``
+update mode, marks the requests it routed by policy name (not the ones a client pinned to ``<policy>@v<N>``)
+with :data:`FOLLOW` in ``SamplingParams.extra_args`` (through the capture header; ``engine/capture.py``). The
+gateway routes a version only once it is loaded on the engine, so the first marked request that arrives on
+``<policy>@v<N>`` says that ``N`` is loaded and routed; from the next step on, every marked request of that
+policy still on an older version runs on ``N`` (:class:`MovePlanner`, in the engine core's scheduler). Why the
+scheduler and not a reload in place: versions keep their own names, so pinned requests, evaluations of one
+version and the record of which version produced which token all stay exact; and the scheduler is the one
+place that knows, per request, which step (so which sampled token) is the first on the new version.
+
+The KV cache of the tokens before the switch is kept (PipelineRL's choice): they were computed under the
+older adapter, which the trainer's recompute does not see; the alternative (recomputing the prefix under the
+new adapter, AReaL's) is not built yet.
+
+Two halves, pinned with token capture to ``TESTED_VERSIONS``:
+
+* engine core: the capture scheduler sets the moved requests' ``lora_request`` (so its LoRA budget and block
+  hashes follow) and hands the step's moves to the worker as ``SchedulerOutput.streamrl_moves``; each move
+  also goes to the API server with the step's outputs (:data:`MOVES_KEY`), where the capture turns it into the
+  choice's version spans;
+* worker: vLLM has no extension point for a running request's adapter, so :func:`install_worker_hook` wraps
+  ``GPUModelRunner._update_states`` (the CPU runner inherits it) to apply the moves to the runner's request
+  states and persistent batch before the step's inputs are built. This module is the only place that does.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+FOLLOW = "streamrl_follow"
+"""``SamplingParams.extra_args`` key of a request that may move to its policy's newest version."""
+
+MOVES_KEY = "streamrl_moves"
+"""``kv_transfer_params`` key, on the first output of a step's message to one API server, carrying
+``[[request id, first token index on the new version, version], ...]``; also the ``SchedulerOutput``
+attribute carrying ``{request id: LoRARequest}`` to the worker."""
+
+_SERVED = re.compile(r"(?P<policy>.+)@v(?P<version>[0-9]+)")
+
+log = logging.getLogger("vllm.streamrl_inflight")
+
+
+def served_version(lora_name: str | None) -> tuple[str, int] | None:
+    """(policy, version) of an adapter served as ``<policy>@v<N>``; None for anything else."""
+    if not lora_name:
+        return None
+    m = _SERVED.fullmatch(lora_name)
+    return (m["policy"], int(m["version"])) if m else None
+
+
+@dataclass(slots=True)
+class Move:
+    request_id: str
+    client_index: int
+    first_token: int
+    """Index (in the request's sampled tokens) of the first token the new version produces."""
+    version: int
+    lora_request: Any
+
+
+class MovePlanner:
+    """Which marked requests move to which version, decided in the engine core's thread.
+
+    ``newest`` holds, per policy, the newest version a marked request arrived on (with its ``LoRARequest``);
+    only a change of it makes a step look through the requests, so a step without news costs one check."""
+
+    def __init__(self) -> None:
+        self.newest: dict[str, tuple[int, Any]] = {}
+        self._news: set[str] = set()
+        """Policies whose newest version changed since the last step."""
+        self.moved = 0
+        """Requests moved so far (in flight when they moved)."""
+
+    def arrived(self, request: Any) -> Move | None:
+        """Note a new request; a marked one behind its policy's newest version moves before its first step."""
+        if not _follows(request):
+            return None
+        served = served_version(request.lora_request.lora_name)
+        if served is None:
+            return None
+        policy, version = served
+        newest = self.newest.get(policy)
+        if newest is None or version > newest[0]:
+            self.newest[policy] = (version, request.lora_request)
+            if newest is not None:
+                self._news.add(policy)
+            return None
+        if version < newest[0]:
+            return self._move(request, policy, *newest)
+        return None
+
+    def plan(self, requests: dict[str, Any]) -> list[Move]:
+        """The moves of this step: every unfinished marked request of a policy with news, still on an older version."""
+        if not self._news:
+            return []
+        news, self._news = self._news, set()
+        moves = []
+        for request in requests.values():
+            if request.is_finished() or not _follows(request):
+                continue
+            served = served_version(request.lora_request.lora_name)
+            if served is None or served[0] not in news:
+                continue
+            version, lora_request = self.newest[served[0]]
+            if served[1] < version:
+                moves.append(self._move(request, served[0], version, lora_request))
+        return moves
+
+    def _move(self, request: Any, policy: str, version: int, lora_request: Any) -> Move:
+        first = len(request.output_token_ids) + getattr(request, "num_output_placeholders", 0)
+        request.lora_request = lora_request
+        self.moved += 1
+        return Move(request.request_id, request.client_index, first, version, lora_request)
+
+
+def _follows(request: Any) -> bool:
+    params = request.sampling_params
+    return (getattr(request, "lora_request", None) is not None and params is not None
+            and bool((params.extra_args or {}).get(FOLLOW)))
+
+
+def apply_moves(runner: Any, moves: dict[str, Any]) -> int:
+    """Put moved requests on their new adapter in a model runner, before the step's LoRA inputs are built;
+    returns how many the runner holds (one it has not seen yet arrives with the new adapter already).
+
+    vLLM's first model runner (the CPU build's) keeps a request's adapter in its request state (read when the
+    request is added back to the persistent batch) and in the batch's LoRA mapping; the second (``gpu/``, the
+    GPU build's default for dense models) in its ``LoraState`` by request id and by batch row."""
+    lora_state = getattr(runner, "lora_state", None)
+    applied = 0
+    for request_id, lora_request in moves.items():
+        if lora_state is not None:  # model runner V2
+            row = runner.req_states.req_id_to_index.get(request_id)
+            if row is None:
+                continue
+            lora_state.lora_requests[request_id] = lora_request
+            lora_state.lora_ids[row] = lora_request.lora_int_id
+        else:
+            state = runner.requests.get(request_id)
+            if state is None:
+                continue
+            state.lora_request = lora_request
+            _remap(runner.input_batch, request_id, lora_request)
+        applied += 1
+    return applied
+
+
+def _remap(batch: Any, request_id: str, lora_request: Any) -> None:
+    """The persistent batch's LoRA mapping of one request (model runner V1), as its ``add_request`` sets it."""
+    row = batch.req_id_to_index.get(request_id)
+    if row is None:
+        return
+    old = int(batch.request_lora_mapping[row])
+    holders = batch.lora_id_to_request_ids.get(old)
+    if holders is not None:
+        holders.discard(request_id)
+        if not holders:
+            del batch.lora_id_to_request_ids[old]
+            batch.lora_id_to_lora_request.pop(old, None)
+    new = lora_request.lora_int_id
+    batch.request_lora_mapping[row] = new
+    batch.lora_id_to_request_ids.setdefault(new, set()).add(request_id)
+    batch.lora_id_to_lora_request[new] = lora_request
+
+
+_installed = False
+
+
+def install_worker_hook() -> bool:
+    """Make both of vLLM's model runners apply a step's moves (``SchedulerOutput.streamrl_moves``) before they
+    build its inputs, in this (worker) process; whether it could (a tested vLLM with the expected methods)."""
+    global _installed
+    if _installed:
+        return True
+    import vllm
+
+    from .capture_scheduler import version_ok
+
+    if not version_ok(vllm.__version__):
+        log.warning("vLLM %s is not a tested release: requests will not move between adapter versions",
+                    vllm.__version__)
+        return False
+    import importlib
+
+    targets = []
+    for module, name in (("vllm.v1.worker.gpu_model_runner", "_update_states"),  # V1: first thing of a step
+                         ("vllm.v1.worker.gpu.model_runner", "update_requests")):  # V2: after new requests
+        try:
+            cls = importlib.import_module(module).GPUModelRunner
+        except ImportError:  # a build without that runner: it cannot be the one that runs either
+            continue
+        if callable(getattr(cls, name, None)):
+            targets.append((cls, name))
+    if not targets:
+        log.warning("vLLM's model runners lack the methods in-flight updates wrap: requests will not move")
+        return False
+    for cls, name in targets:
+        setattr(cls, name, _with_moves(getattr(cls, name)))
+    _installed = True
+    return True
+
+
+def _with_moves(method: Any) -> Any:
+    def applying_moves(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        moves = getattr(scheduler_output, MOVES_KEY, None)
+        if moves:
+            apply_moves(self, moves)
+        return method(self, scheduler_output, *args, **kwargs)
+
+    return applying_moves
