@@ -7,6 +7,8 @@ Modes (``--modes``, by name):
   training and the trainer never waits for a whole batch to be generated from scratch.
 * ``sync``: the loop of ART-like tools: generate one step's groups with the current version, then nothing is
   served while the trainer trains and the new version is swapped in (the demo's pacer with ``max_ahead = 0``).
+* ``inflight``: ``pipeline`` with the gateway's ``update_mode = "in-flight"``: a running request moves to each
+  new version from its next decode step (docs/gateway.md, "In-flight updates"), so its later tokens are fresher.
 
 A mode name ending in ``-json`` (``pipeline-json``) is that mode with the gateway reading tokens from vLLM's JSON
 instead of the engine's capture frames. Runs are interleaved, seed by seed (seed 0 pipeline, seed 0 sync, seed 1
@@ -73,9 +75,12 @@ class Mode:
     """RL starts from an SFT warm-up: ``streamrl sft`` on the task's own correct answers (the preset's ``sft_*``),
     then the trainer's ``init_adapter``, which it publishes before its first step. The SFT's wall time (data,
     start-up, training) is added to the run's clock: its curve starts that much later."""
+    update_mode: str = "pinned"
+    """The gateway's ``update_mode``: ``in-flight`` moves running requests to each new version mid-way."""
 
 
 MODES = {"pipeline": Mode("pipeline", synchronous=False), "sync": Mode("sync", synchronous=True),
+         "inflight": Mode("inflight", synchronous=False, update_mode="in-flight"),
          "sft-pipeline": Mode("sft-pipeline", synchronous=False, warm_start=True),
          "sft-sync": Mode("sft-sync", synchronous=True, warm_start=True)}
 BASELINE = "sync"
@@ -227,6 +232,7 @@ def up_config(preset: Preset, spec: RunSpec, model: Path, run_dir: Path, port: i
     config: dict[str, Any] = {
         "up": {"model": str(model), "port": port, "work_dir": str(run_dir), "trainer_device": trainer_device,
                "policy_name": spec.policy, "token_capture": not spec.mode.endswith("-json"),
+               "update_mode": mode.update_mode,
                **({"upstreams": upstreams} if upstreams else {})},
         "engine": {"device": engine_device, "gpu_memory_utilization": mem_frac, "max_model_len": preset.max_model_len,
                    "extra_args": preset.engine_args.split() if preset.engine_args else []},
