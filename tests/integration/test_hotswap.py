@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import pytest
 from support.kafka_reader import TopicReader
 from support.relay import Relay
@@ -19,7 +20,7 @@ from support.swap_helpers import engine_adapters, engine_loads, wait_unloaded
 from streamrl.broker.clients import make_producer
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.policy_log import publish_version
-from streamrl.broker.schema import CompletionRecord, PolicyRecord, encode
+from streamrl.broker.schema import CompletionRecord, PolicyRecord, encode, token_versions
 from streamrl.broker.topics import Topics
 from streamrl.engine.server import Engine
 from streamrl.gateway.config import GatewayConfig
@@ -36,7 +37,7 @@ def unload_afterwards(engine: Engine, caplog: pytest.LogCaptureFixture) -> Itera
     caplog.set_level(logging.INFO, logger="streamrl.gateway.hotswap")
     yield
     for card in httpx.get(f"{engine.url}/v1/models").json()["data"]:
-        if card.get("parent") and card["id"].split("@")[0] in ("loadtest", "inflight", "catchup"):
+        if card.get("parent") and card["id"].split("@")[0] in ("loadtest", "loadmove", "inflight", "catchup"):
             httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": card["id"]})
 
 
@@ -53,8 +54,11 @@ def wait_routed(gw: GatewayServer, version: int, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model):
-    name = "loadtest"
+@pytest.mark.parametrize("update_mode", ["pinned", "in-flight"])
+def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model, update_mode):
+    """Also with requests moving to each new version while they run (``in-flight``): nothing fails either, and
+    the records keep the routed version (any move is in their spans)."""
+    name = "loadtest" if update_mode == "pinned" else "loadmove"
     published = {0}
     results: list[tuple[int, str, str, str]] = []  # (status, version header, served model, request id)
     errors: list[str] = []
@@ -77,7 +81,7 @@ def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model
                 except httpx.HTTPError as exc:
                     errors.append(repr(exc))
 
-    with GatewayServer(gateway_config(broker, engine, name)) as gw:
+    with GatewayServer(gateway_config(broker, engine, name, update_mode=update_mode)) as gw:
         threads = [threading.Thread(target=worker, args=(i % 2 == 0,), daemon=True) for i in range(4)]
         for t in threads:
             t.start()
@@ -106,6 +110,9 @@ def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model
         recs = reader.wait_for(lambda r: isinstance(r, CompletionRecord) and r.request_id in sample, count=12)
         assert {r.request_id: r.policy_version for r in recs} == sample
         assert all(r.policy_name == name for r in recs)
+        for r in recs:  # a moved request's tokens come from its routed version or newer ones, in order
+            versions = token_versions(r)
+            assert (versions >= r.policy_version).all() and (np.diff(versions) >= 0).all()
         # versions no longer routed were unloaded once idle, but for the one before the routed version
         # (keep_previous_versions 1), which still serves requests pinned to it
         wait_unloaded(engine, f"{name}@v1")
