@@ -199,8 +199,8 @@ class _OutputProcessorHooks:
         self._step: _Step | None = None
         self.moves = 0
         """Requests the engine core moved to a newer adapter version while they ran (``engine/inflight.py``)."""
-        self.moves_to: collections.Counter[int] = collections.Counter()
-        """The same, by the version they moved to."""
+        self.moves_to: collections.Counter[str] = collections.Counter()
+        """The same, by the version they moved to (its served name, ``<policy>@v<N>``)."""
         """The column of the step whose message is being processed, and how many of its outputs are to come."""
         self._add_request = processor.add_request
         self._process_outputs = processor.process_outputs
@@ -277,9 +277,9 @@ class _OutputProcessorHooks:
                 moves = extra.pop(MOVES_KEY, ())
                 if not extra:
                     first.kv_transfer_params = None
-                for request_id, first_token, version in moves:
+                for request_id, first_token, version, name in moves:
                     self.moves += 1
-                    self.moves_to[version] += 1
+                    self.moves_to[name] += 1
                     choice = self.live.get(request_id)
                     if choice is not None:
                         choice.moved(first_token, version)
@@ -392,7 +392,7 @@ class CaptureMiddleware:
             status, body = 404, {"error": {"message": f"token capture off: {hooks}", "code": 404}}
         else:
             status, body = 200, {"format": FORMAT_VERSION, "formats": list(FORMATS), "in_flight_moves": hooks.moves,
-                                 "in_flight_moves_to": {str(v): n for v, n in sorted(hooks.moves_to.items())},
+                                 "in_flight_moves_to": dict(sorted(hooks.moves_to.items())),
                                  "vllm": vllm.__version__, "deferred": self.defers,
                                  "logprob_steps": {"column": hooks.column_steps, "arrays": hooks.array_steps},
                                  "outboxes": OUTBOXES.state(), "anomalies": dict(ANOMALIES),

@@ -77,7 +77,8 @@ def attach_moves(outputs_by_client: dict[int, Any], moves: list[Move]) -> list[M
         if outputs is None or not outputs.outputs:
             waiting.append(m)
         else:
-            by_client.setdefault(m.client_index, []).append([m.request_id, m.first_token, m.version])
+            by_client.setdefault(m.client_index, []).append([m.request_id, m.first_token, m.version,
+                                                             m.lora_request.lora_name])
     for client, told in by_client.items():
         first = outputs_by_client[client].outputs[0]
         if first.kv_transfer_params is None:

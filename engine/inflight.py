@@ -37,7 +37,7 @@ FOLLOW = "streamrl_follow"
 
 MOVES_KEY = "streamrl_moves"
 """``kv_transfer_params`` key, on the first output of a step's message to one API server, carrying
-``[[request id, first token index on the new version, version], ...]``; also the ``SchedulerOutput``
+``[[request id, first token index on the new version, version, its served name], ...]``; also the ``SchedulerOutput``
 attribute carrying ``{request id: LoRARequest}`` to the worker."""
 
 _SERVED = re.compile(r"(?P<policy>.+)@v(?P<version>[0-9]+)")
@@ -89,6 +89,8 @@ class MovePlanner:
             self.newest[policy] = (version, request.lora_request)
             if newest is not None:
                 self._news.add(policy)
+                log.info("in-flight updates: %s@v%d routed; requests on older versions of %s move to it",
+                         policy, version, policy)
             return None
         if version < newest[0]:
             return self._move(request, policy, *newest)
@@ -109,6 +111,9 @@ class MovePlanner:
             version, lora_request = self.newest[served[0]]
             if served[1] < version:
                 moves.append(self._move(request, served[0], version, lora_request))
+        if moves:
+            log.info("in-flight updates: %d running requests moved (%s)", len(moves),
+                     ", ".join(f"to v{m.version} from token {m.first_token}" for m in moves[:4]))
         return moves
 
     def _move(self, request: Any, policy: str, version: int, lora_request: Any) -> Move:

@@ -72,7 +72,8 @@ class Gateway:
         self.pool = UpstreamPool(config.upstreams, interval_s=config.health_interval_s,
                                  timeout_s=config.health_timeout_s, eject_after=config.health_failures_to_eject,
                                  token_capture=config.token_capture, deferred_capture=config.deferred_capture,
-                                 policies=len(config.policy_names), max_loaded_versions=config.max_loaded_versions)
+                                 policies=len(config.policy_names), max_loaded_versions=config.max_loaded_versions,
+                                 in_flight=config.update_mode == "in-flight")
         self.policies = PolicyTable(config.policy_names, self.pool)
         self.router = self.policies.default
         """The default policy's (``policy_name``): ``/health``'s ``policy``, the dashboard's first."""

@@ -70,7 +70,12 @@ class _StateCollector(Collector):
         short = GaugeMetricFamily("streamrl_gateway_upstream_lora_slots_short", "1 if the upstream has fewer LoRA "
                                   "slots than this gateway's policies need (or LoRA off), 0 if enough; absent "
                                   "while unknown (an engine whose probe does not say)", labels=["upstream"])
+        moved = CounterMetricFamily("streamrl_gateway_upstream_moved_requests", "requests the upstream moved to a "
+                                    "newer version while they ran, by that version (in-flight update mode)",
+                                    labels=["upstream", "adapter"])
         for u in self.pool.upstreams:
+            for version, n in u.moved.items():
+                moved.add_metric([u.url, version], n)
             up.add_metric([u.url], 1.0 if u.healthy else 0.0)
             inflight.add_metric([u.url], u.in_flight)
             if u.lora["status"] != "unknown":
@@ -78,6 +83,7 @@ class _StateCollector(Collector):
         yield up
         yield inflight
         yield short
+        yield moved
         s = self.stats()
         if s is not None:
             records = CounterMetricFamily("streamrl_gateway_records", "records by outcome", labels=["outcome"])

@@ -72,7 +72,8 @@ class Upstream:
     """One vLLM server as the gateway sees it."""
 
     __slots__ = ("adapters", "base_models", "deferred_capture", "failed_checks", "healthy", "in_flight", "last_check",
-                 "last_error", "lora", "lora_warned", "model_cards", "models", "moves_requests", "token_capture", "url")
+                 "last_error", "lora", "lora_warned", "model_cards", "models", "moved", "moves_requests", "token_capture",
+                 "url")
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -96,6 +97,9 @@ class Upstream:
         self.moves_requests = False
         """It can move a running request to a newer adapter version and say where (probe: capture format 2,
         ``engine/inflight.py``): the gateway's ``in-flight`` update mode asks it to."""
+        self.moved: dict[str, int] = {}
+        """Requests it moved, by the adapter version they moved to (``<policy>@v<N>``: its probe's
+        ``in_flight_moves_to``), read at each health check in the ``in-flight`` update mode."""
         self.lora: dict[str, Any] = {"status": "unknown"}
         """Its LoRA slots against what the gateway's policies need (``lora_check``), asked with the capture
         each time it comes into rotation."""
@@ -109,13 +113,14 @@ class Upstream:
         return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
                 "models": self.base_models, "adapters": sorted(self.adapters), "last_error": self.last_error,
                 "token_capture": None if self.token_capture is None else "json" if not self.token_capture
-                else "engine, deferred" if self.deferred_capture else "engine", "lora": self.lora}
+                else "engine, deferred" if self.deferred_capture else "engine", "lora": self.lora,
+                **({"in_flight_moves": self.moved} if self.moves_requests else {})}
 
 
 class UpstreamPool:
     def __init__(self, urls: tuple[str, ...], *, interval_s: float = 1.0, timeout_s: float = 2.0,
                  eject_after: int = 2, token_capture: bool = True, deferred_capture: bool = True,
-                 policies: int = 1, max_loaded_versions: int = 3) -> None:
+                 policies: int = 1, max_loaded_versions: int = 3, in_flight: bool = False) -> None:
         self.upstreams = [Upstream(u) for u in urls]
         self.policies, self.max_loaded_versions = policies, max_loaded_versions
         self.lora_needs = lora_slots(policies, max_loaded_versions)
@@ -126,6 +131,8 @@ class UpstreamPool:
         """Ask each upstream whether it offers the engine's token capture (off: always the JSON path)."""
         self.deferred_capture = deferred_capture
         """Use deferred capture where an upstream offers it (``GatewayConfig.deferred_capture``)."""
+        self.in_flight = in_flight
+        """The ``in-flight`` update mode: each health check also reads how many requests each engine moved."""
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.eject_after = eject_after
@@ -236,6 +243,9 @@ class UpstreamPool:
                 capture = self.token_capture and probe.get("format") == FORMAT_VERSION
                 deferred = capture and self.deferred_capture and probe.get("deferred") is True
                 moves = capture and SPANS_FORMAT_VERSION in (probe.get("formats") or ())
+            elif self.in_flight and up.moves_requests:
+                moved = (await self._probe(up, timeout)).get("in_flight_moves_to")
+                up.moved = {str(k): int(v) for k, v in moved.items()} if isinstance(moved, dict) else {}
         except Exception as exc:
             up.failed_checks += 1
             error = f"{type(exc).__name__}: {exc}"

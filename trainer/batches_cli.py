@@ -2,38 +2,44 @@
 
 Each step's batch is written as ``DIR/<seq>.arrow`` (an IPC file, renamed into place whole) or, with
 ``--to -``, as the next message of one IPC stream on stdout (its sequence number in the message's custom
-metadata). The learner acknowledges by writing a small JSON file, ``{"seq": N, "version": V}``, renamed
-into place (``DIR/ack.json``, or ``--ack FILE``), after its checkpoint of version ``V`` holding batch
-``N`` is durable; the next batch follows the acknowledgement. The batch handed out last is kept in the
-stream's state directory until it is acknowledged, so a restarted ``streamrl batches`` hands out that same
-batch again: whichever side is killed, every group is trained once. docs/trainer.md, "Out of process".
+metadata). The learner acknowledges after its checkpoint of version ``V`` holding batch ``N`` is durable,
+either by renaming ``{"seq": N, "version": V}`` into the ack file (``DIR/ack.json``, or ``--ack FILE``) or,
+with ``--ack-port``, by ``POST /ack`` (``batches_ack.py``: the stream then writes that same file); the next
+batch follows the acknowledgement. The batch handed out last is kept in the stream's state directory until
+it is acknowledged, so a restarted ``streamrl batches`` hands out that same batch again: whichever side is
+killed, every group is trained once. docs/trainer.md, "Out of process".
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import threading
-import time
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streamrl.config_flags import add_config_flags, given
-from streamrl.usage import UsageError, as_usage_error, check_bootstrap_servers, check_dir
+from streamrl.usage import UsageError, as_usage_error, check_bootstrap_servers, check_dir, check_port_free
 
+from .batches_ack import FileAcks, HttpAcks
 from .config import TrainerConfig
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 log = logging.getLogger("streamrl.batches")
 
 DESCRIPTION = """\
 The trainer's batch stream for a learner of your own in another process: each step's Arrow batch (the
 schema of docs/trainer.md) as an IPC file per step in DIR, or one IPC stream on stdout; the learner
-acknowledges each batch after its checkpoint by writing {"seq": N, "version": V} to the ack file.
+acknowledges each batch after its checkpoint by writing {"seq": N, "version": V} to the ack file, or,
+with --ack-port, by POST /ack {"seq": N, "adapter_version": V} on 127.0.0.1.
 
   streamrl batches --to ./steps --bootstrap-servers HOST:9092 --state-dir ./stream-state
   streamrl batches --to - --ack ./ack.json --bootstrap-servers HOST:9092 --state-dir ./stream-state | learner
+  streamrl batches --to ./steps --ack-port 8377 --bootstrap-servers HOST:9092 --state-dir ./stream-state
 
 Docs: docs/trainer.md, "Bring your own learner"."""
 
@@ -43,25 +49,18 @@ FEED_FIELDS = ("bootstrap_servers", "topic_prefix", "kafka", "key_ids", "consume
                "advantage_std_norm", "poll_timeout_s", "max_steps")
 """The TrainerConfig fields that choose the batches (``max_steps``: stop after this many acknowledged)."""
 
-ACK_POLL_S = 0.05
-"""How often the acknowledgement file is looked at while a batch is out."""
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to", required=True, metavar="DIR|-", help="directory for one IPC file per step, or - for stdout")
-    p.add_argument("--ack", type=Path, help="the acknowledgement file (default DIR/ack.json; required with --to -)")
+    p.add_argument("--ack", type=Path, help="the acknowledgement file (default DIR/ack.json; with --to -, required "
+                                             "unless --ack-port is given, then default <state-dir>/ack.json)")
+    p.add_argument("--ack-port", type=int, metavar="PORT",
+                   help="take acknowledgements as POST /ack on this port (0: a free one, logged) instead of the "
+                        "learner writing the ack file; the stream writes it")
+    p.add_argument("--ack-host", default="127.0.0.1", help="the address --ack-port listens on (default 127.0.0.1)")
     p.add_argument("--config", help="TOML or JSON file of TrainerConfig fields (flags override it)")
     add_config_flags(p, TrainerConfig, skip=tuple(f.name for f in fields(TrainerConfig) if f.name not in FEED_FIELDS),
                      names={"group_timeout_s": "group-timeout"})
-
-
-def read_ack(path: Path) -> tuple[int, int] | None:
-    """(seq, version) of the learner's last acknowledgement, or None before the first."""
-    try:
-        ack = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    return int(ack["seq"]), int(ack["version"])
 
 
 class Sink:
@@ -95,14 +94,15 @@ class Sink:
             self.stream.close()
 
 
-def serve(config: TrainerConfig, to: str, ack_path: Path, stop: threading.Event) -> int:
-    """Hand out batches until ``stop``, ``max_steps`` acknowledged or the end of a replay; returns batches acknowledged."""
+def serve(config: TrainerConfig, to: str, acks: FileAcks, stop: threading.Event) -> int:
+    """Hand out batches until ``stop``, ``max_steps`` acknowledged or the end of a replay; returns batches
+    acknowledged. ``acks`` is how the learner acknowledges (a file, or HTTP writing that file)."""
     from .batch import batch_seq
     from .batch_io import read_ipc_file, write_ipc_file
     from .stream import BatchStream
 
     outstanding_path = config.state_path / "outstanding.arrow"
-    learner = read_ack(ack_path)
+    learner = acks.last()
     outstanding = read_ipc_file(outstanding_path) if outstanding_path.exists() else None
     out_seq = batch_seq(outstanding) if outstanding is not None else 0
     acked_seq = max(learner[0] if learner else 0, out_seq)
@@ -110,22 +110,22 @@ def serve(config: TrainerConfig, to: str, ack_path: Path, stop: threading.Event)
     sink = Sink(to)
     done = 0
 
-    def wait_for_ack(seq: int) -> int | None:
-        while not stop.is_set():
-            got = read_ack(ack_path)
-            if got is not None and got[0] >= seq:
-                return got[1]
-            time.sleep(ACK_POLL_S)
-        return None
-
-    def hand_out(record) -> bool:
+    def hand_out(record: pa.RecordBatch) -> bool:
         nonlocal done
+        seq = batch_seq(record)
+        assert seq is not None  # (stamped by the stream)
+        acks.expect(seq, stream.version)
         sink.emit(record)
-        version = wait_for_ack(batch_seq(record))
-        if version is None:
-            return False
-        stream.ack(record, version)
-        sink.acknowledged(batch_seq(record))
+        try:
+            version = acks.wait(seq, stop)
+            if version is None:
+                return False
+            stream.ack(record, version)
+            sink.acknowledged(seq)
+        except BaseException as exc:
+            acks.settled(seq, error=repr(exc))
+            raise
+        acks.settled(seq)
         done += 1
         return True
 
@@ -156,18 +156,28 @@ def run(args: argparse.Namespace) -> int:
     stop_on_signals(stop)
     config = TrainerConfig.load(args.config, **given(args, TrainerConfig))
     if args.to == "-":
-        if args.ack is None:
-            raise UsageError("--to - needs --ack FILE: where the learner acknowledges each batch")
-        ack_path = args.ack
+        if args.ack is None and args.ack_port is None:
+            raise UsageError("--to - needs --ack FILE or --ack-port PORT: how the learner acknowledges each batch")
+        ack_path = args.ack or config.state_path / "ack.json"
     else:
         Path(args.to).mkdir(parents=True, exist_ok=True)
         ack_path = args.ack or Path(args.to) / "ack.json"
+    if args.ack_port is not None:
+        check_port_free(args.ack_host, args.ack_port, "--ack-port")
     if config.replay:
         check_dir(config.replay, "--replay")
     else:
         check_bootstrap_servers(config.bootstrap_servers, "--bootstrap-servers")
         with as_usage_error():
             config.kafka.client_kwargs()
-    n = serve(config, args.to, ack_path, stop)
+    try:
+        acks = FileAcks(ack_path) if args.ack_port is None else HttpAcks(ack_path, args.ack_host, args.ack_port)
+    except OSError as exc:
+        raise UsageError(f"--ack-host/--ack-port: cannot listen on {args.ack_host}:{args.ack_port}: "
+                         f"{exc.strerror or exc}") from None
+    try:
+        n = serve(config, args.to, acks, stop)
+    finally:
+        acks.close()  # after the last answer is sent: the server waits for its handlers
     log.info("%d batches acknowledged", n)
     return 0

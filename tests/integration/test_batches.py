@@ -1,6 +1,8 @@
 """``streamrl.batches`` and ``streamrl batches`` against the real embedded broker: a learner of its own,
 killed -9 at the two moments that matter, trains every group exactly once; the out-of-process stream hands
-out each step as Arrow IPC (a file per step, or a stream on stdout) and, restarted, the same batch again."""
+out each step as Arrow IPC (a file per step, or a stream on stdout) and, restarted, the same batch again;
+a learner acknowledging over HTTP (``--ack-port``) is exactly-once as well, and a wrong acknowledgement is
+refused with a 4xx saying why; the documented learner's versions are hot-swapped by a gateway."""
 
 from __future__ import annotations
 
@@ -10,14 +12,19 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pyarrow as pa
 from safetensors.torch import load_file
 from support.kafka_reader import produce
 from support.trainer_records import group_records, new_topics, policy_records
 
+from streamrl.broker.embedded import free_port
+from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.server import GatewayServer
 from streamrl.trainer.batch import Batch, batch_seq
 from streamrl.trainer.batch_io import read_ipc_file, read_ipc_stream
 
@@ -158,6 +165,153 @@ def test_the_out_of_process_stream_hands_out_arrow_ipc_and_again_after_a_kill(br
     assert sorted(trained) == groups
 
 
+HTTP_LEARNER = '''
+import json, os, signal, sys, time, urllib.error, urllib.request
+from pathlib import Path
+import pyarrow as pa  # any Arrow reader and HTTP client will do: no streamrl here
+
+url, steps, work, total = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+die = dict(arg.split("=") for arg in sys.argv[5:])  # {"before_checkpoint"|"after_checkpoint": "<step>"}
+
+def ack(seq, version):
+    """POST /ack until the stream answers (it may be restarting); anything but 200 is a bug here."""
+    body = json.dumps({"seq": seq, "adapter_version": version}).encode()
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url + "/ack", body, method="POST")) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise SystemExit(f"ack {seq} refused: {e.code} {e.read().decode()}")
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit("the stream never answered")
+
+ckpt = work / "ckpt.json"
+mine = json.loads(ckpt.read_text()) if ckpt.exists() else {"seq": 0, "version": 0, "groups": []}
+if mine["seq"]:
+    ack(mine["seq"], mine["version"])  # what the checkpoint holds: acknowledged now, or again (a no-op)
+while len(mine["groups"]) < total:
+    path = steps / f"{mine['seq'] + 1:010d}.arrow"
+    while not path.exists():
+        time.sleep(0.02)
+    batch = pa.ipc.open_file(str(path)).read_all()
+    seq, groups = int(batch.schema.metadata[b"streamrl.seq"]), batch.column("group_id").to_pylist()
+    step = mine["version"] + 1
+    if die.get("before_checkpoint") == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    mine = {"seq": seq, "version": step, "groups": mine["groups"] + list(dict.fromkeys(groups))}
+    tmp = work / "ckpt.tmp"
+    with open(tmp, "w") as f:
+        json.dump(mine, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt)
+    if die.get("after_checkpoint") == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    assert ack(mine["seq"], step) == {"seq": mine["seq"], "adapter_version": step, "already": False}
+'''
+
+
+def test_an_http_acknowledging_learner_killed_9_trains_every_group_exactly_once(broker, tmp_path) -> None:
+    """The learner acknowledges with ``POST /ack``; it is killed -9 after a checkpoint (before its ack) and
+    with a batch in hand, and the stream itself is killed -9 twice with a batch out: every group once."""
+    topics = new_topics(broker.bootstrap_servers)
+    rng = np.random.default_rng(8)
+    groups = [f"h{i}" for i in range(4)]
+    produce(broker.bootstrap_servers, topics, [r for g in groups for r in group_records(g, rng)])
+    steps, state, work = tmp_path / "steps", tmp_path / "state", tmp_path / "learner"
+    work.mkdir()
+    script = tmp_path / "learner.py"
+    script.write_text(HTTP_LEARNER)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def learner(*die: str) -> int:
+        proc = subprocess.run([sys.executable, str(script), url, str(steps), str(work), str(len(groups)), *die],
+                              capture_output=True, timeout=120)
+        assert proc.returncode in (0, -signal.SIGKILL), proc.stderr.decode()[-3000:]
+        return proc.returncode
+
+    def checkpoint() -> dict:
+        return json.loads((work / "ckpt.json").read_text())
+
+    stream = serve(broker.bootstrap_servers, topics.prefix, state, str(steps), "--ack-port", str(port))
+    try:
+        assert learner("after_checkpoint=2") == -signal.SIGKILL  # batch 2 checkpointed, not acknowledged
+        assert checkpoint()["seq"] == 2 and read_ack_file(state / "feed_ack.json") == (1, 1)
+        assert learner("before_checkpoint=3") == -signal.SIGKILL  # its restart acknowledged 2; 3 in hand
+        assert checkpoint()["seq"] == 2 and read_ack_file(steps / "ack.json") == (2, 2)
+        for _ in range(2):  # the stream killed with batch 3 out, twice: each restart hands it out again
+            wait_for(lambda: httpx.get(f"{url}/health").json()["awaiting"] == 3, 30, "batch 3 out", stream)
+            os.killpg(stream.pid, signal.SIGKILL)
+            stream.wait()
+            (steps / f"{3:010d}.arrow").unlink()
+            stream = serve(broker.bootstrap_servers, topics.prefix, state, str(steps), "--ack-port", str(port))
+            wait_for((steps / f"{3:010d}.arrow").exists, 60, "batch 3 handed out again", stream)
+        assert learner() == 0
+        assert sorted(checkpoint()["groups"]) == groups and checkpoint()["version"] == 4  # each once
+        assert read_ack_file(state / "feed_ack.json") == (4, 4) == read_ack_file(steps / "ack.json")
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "awaiting": None,
+                                                      "acknowledged": {"seq": 4, "adapter_version": 4}}
+        stream.send_signal(signal.SIGTERM)
+        assert stream.wait(timeout=30) == 0
+    finally:
+        if stream.poll() is None:
+            os.killpg(stream.pid, signal.SIGKILL)
+            stream.wait()
+
+
+def test_http_acknowledgements_that_cannot_be_taken_get_a_4xx_saying_why(broker, tmp_path) -> None:
+    topics = new_topics(broker.bootstrap_servers)
+    rng = np.random.default_rng(9)
+    produce(broker.bootstrap_servers, topics, group_records("x0", rng))
+    steps, state, port = tmp_path / "steps", tmp_path / "state", free_port()
+    url = f"http://127.0.0.1:{port}"
+    stream = serve(broker.bootstrap_servers, topics.prefix, state, str(steps), "--ack-port", str(port))
+    try:
+        wait_for((steps / f"{1:010d}.arrow").exists, 60, "batch 1", stream)
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "awaiting": 1, "acknowledged": None}
+
+        def ack(body: object, status: int, says: str = "") -> dict:
+            r = httpx.post(f"{url}/ack", content=body if isinstance(body, bytes) else json.dumps(body).encode())
+            assert r.status_code == status and says in r.json().get("error", ""), (body, r.status_code, r.text)
+            return r.json()
+
+        ack(b"{seq: 1", 400, "not JSON")
+        ack([1, 1], 400, "JSON object")
+        ack({"seq": 1}, 400, "adapter_version is missing")
+        ack({"seq": "1", "adapter_version": 1}, 400, "seq must be an integer")
+        ack({"seq": 1, "adapter_version": True}, 400, "adapter_version must be an integer")
+        ack({"seq": 1, "adapter_version": 1, "step": 3}, 400, "unknown fields ['step']")
+        ack({"seq": 2, "adapter_version": 1}, 409, "batch 2 has not been handed out (the newest is batch 1)")
+        assert httpx.post(f"{url}/ack", content=b"x" * 5000).status_code == 413
+        assert httpx.get(f"{url}/ack").status_code == 405 and httpx.post(f"{url}/nope").status_code == 404
+        assert not (state / "feed_ack.json").exists() or read_ack_file(state / "feed_ack.json") == (0, 0)
+
+        assert ack({"seq": 1, "adapter_version": 3}, 200) == {"seq": 1, "adapter_version": 3, "already": False}
+        assert read_ack_file(state / "feed_ack.json") == (1, 3) == read_ack_file(steps / "ack.json")
+        assert ack({"seq": 1, "version": 3}, 200)["already"]  # a retry after a lost answer: the same answer
+        ack({"seq": 1, "adapter_version": 4}, 409, "batch 1 is already acknowledged at version 3")
+        produce(broker.bootstrap_servers, topics, group_records("x1", rng))
+        wait_for((steps / f"{2:010d}.arrow").exists, 60, "batch 2", stream)
+        ack({"seq": 2, "adapter_version": 2}, 409, "version 2 goes backwards")
+        ack({"seq": 2, "adapter_version": 3}, 200)  # a version may repeat (several steps per checkpoint)
+        ack({"seq": 1, "adapter_version": 3}, 409, "batch 1 is older than batch 2")
+        assert read_ack_file(state / "feed_ack.json") == (2, 3)
+        assert httpx.get(f"{url}/health").json()["acknowledged"] == {"seq": 2, "adapter_version": 3}
+        stream.send_signal(signal.SIGTERM)
+        assert stream.wait(timeout=30) == 0
+    finally:
+        if stream.poll() is None:
+            os.killpg(stream.pid, signal.SIGKILL)
+            stream.wait()
+
+
+def read_ack_file(path: Path) -> tuple[int, int]:
+    ack = json.loads(path.read_text())
+    return ack["seq"], ack["version"]
+
+
 def docs_example() -> str:
     """The learner of docs/trainer.md, "Bring your own learner", exactly as printed there."""
     text = (Path(__file__).parents[2] / "docs" / "trainer.md").read_text()
@@ -165,22 +319,46 @@ def docs_example() -> str:
     return text[start:text.index("\n```", start) + 1]
 
 
-def test_the_documented_learner_trains_acknowledges_and_publishes(tiny_model, broker, tmp_path) -> None:
+def test_the_documented_learner_trains_acknowledges_and_publishes(tiny_model, broker, engine, tmp_path) -> None:
+    """...and a gateway following the policy, started with it, hot-swaps to the version it published last."""
     topics = new_topics(broker.bootstrap_servers)
     rng = np.random.default_rng(7)
     groups = [f"d{i}" for i in range(4)]
     produce(broker.bootstrap_servers, topics, [r for g in groups for r in group_records(g, rng)])
     script = tmp_path / "learner.py"
     script.write_text(docs_example())
+    name = f"byo{uuid.uuid4().hex[:6]}"  # the engine is the session's: a name of this test's own
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.run([sys.executable, str(script), "--model", str(tiny_model), "--bootstrap-servers",
-                           broker.bootstrap_servers, "--topic-prefix", topics.prefix, "--work", str(tmp_path / "run"),
-                           "--steps", "2"], capture_output=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    gateway = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
+                            topic_prefix=topics.prefix, policy_name=name, health_interval_s=0.5)
+    proc = subprocess.Popen([sys.executable, str(script), "--model", str(tiny_model), "--bootstrap-servers",
+                             broker.bootstrap_servers, "--topic-prefix", topics.prefix, "--name", name,
+                             "--work", str(tmp_path / "run"), "--steps", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        with GatewayServer(gateway) as gw:  # started while the learner starts
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err.decode()[-3000:]
+            deadline = time.monotonic() + 60
+            while gw.gateway.router.version != 2:
+                assert time.monotonic() < deadline, f"the gateway did not route {name}@v2"
+                time.sleep(0.02)
+            answer = httpx.post(f"{gw.url}/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 2},
+                                timeout=120)
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["x-policy-version"] == "2" and answer.json()["model"] == f"{name}@v2"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for card in httpx.get(f"{engine.url}/v1/models").json()["data"]:  # leave the session's engine as found
+            if card.get("parent") and card["id"].split("@")[0] == name:
+                httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": card["id"]})
     run = tmp_path / "run"
     assert sorted(json.loads((run / "v2" / "trained.json").read_text())) == groups  # 2 steps of 2 groups, once each
     assert json.loads((run / "stream" / "feed_ack.json").read_text()) == {"seq": 2, "version": 2}
     weights = load_file(run / "v2" / "adapter_model.safetensors")
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())  # B starts at 0: it trained
     records = policy_records(broker.bootstrap_servers, topics)
-    assert [(r.version, Path(r.path)) for r in records] == [(1, (run / "v1").resolve()), (2, (run / "v2").resolve())]
+    assert [(r.name, r.version, Path(r.path)) for r in records] == [(name, 1, (run / "v1").resolve()),
+                                                                     (name, 2, (run / "v2").resolve())]

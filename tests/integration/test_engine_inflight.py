@@ -1,7 +1,12 @@
 """In-flight updates (``engine/inflight.py``, ``update_mode = "in-flight"``) against the real vLLM CPU server: a
-long stream that spans a publish moves to the new version mid-way, its record's version spans say where, the
-client gets an ordinary response, and the logged logprobs of each span are the ones its adapter gave (with the
-KV cache of the earlier tokens kept from the older adapter, as the engine keeps it)."""
+long stream moves to the new version mid-way, its record's version spans say where, the client gets an ordinary
+response, a stream pinned to its version does not move, and the logged logprobs of each span are the ones its
+adapter gave (with the KV cache of the earlier tokens kept from the older adapter, as the engine keeps it).
+
+When the move happens is not left to a race between a publish and the stream's end: once the streams run, the
+test loads v2 into the engine and sends it one marked request on v2 itself, which is what a gateway's first
+request after a swap does, and what moves the running ones at the engine's next step. The swap itself under
+load, in this mode, is tests/integration/test_hotswap.py's."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from streamrl.broker.policy_log import publish_version
 from streamrl.broker.schema import CompletionRecord, token_versions
 from streamrl.broker.topics import Topics
 from streamrl.engine.server import Engine
+from streamrl.engine.wire import CAPTURE_HEADER, FOLLOW_HEADER
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 
@@ -75,16 +81,22 @@ def test_a_long_stream_moves_to_the_new_version_mid_way(broker: EmbeddedBroker, 
         for thread in threads:
             thread.start()
         assert all(event.wait(60) for event in started.values()), "the long streams did not start"
-        publish_version(broker.bootstrap_servers, topics, NAME, 2, adapters[1], base_model)
-        wait_routed(gw, 2)
-        # the first request the engine sees on v2 tells it v2 is routed: the long one moves at its next step
-        short = httpx.post(f"{gw.url}/v1/completions", json={"model": NAME, "prompt": "a", "max_tokens": 2},
-                           timeout=60)
-        assert short.status_code == 200 and short.headers["x-policy-version"] == "2"
+        loaded = httpx.post(f"{engine.url}/v1/load_lora_adapter",
+                            json={"lora_name": f"{NAME}@v2", "lora_path": str(adapters[1])}, timeout=60)
+        assert loaded.status_code == 200, loaded.text
+        # the first marked request the engine sees on v2 tells it v2 is routed: the long one moves at its next step
+        short = httpx.post(f"{engine.url}/v1/completions", json={"model": f"{NAME}@v2", "prompt": "a", "max_tokens": 2},
+                           headers={CAPTURE_HEADER: "1", FOLLOW_HEADER: "1"}, timeout=60)
+        assert short.status_code == 200 and short.headers[CAPTURE_HEADER] == "1"
         for thread in threads:
             thread.join(300)
             assert not thread.is_alive()
         probe = httpx.get(f"{engine.url}/streamrl/capture").json()
+        deadline = time.monotonic() + 10  # the gateway reads the engine's moves at each health check
+        while not httpx.get(f"{gw.url}/health").json()["upstreams"][0].get("in_flight_moves"):
+            assert time.monotonic() < deadline, ("the gateway's /health does not say the engine moved requests",
+                                                 httpx.get(f"{gw.url}/health").json()["upstreams"], probe)
+            time.sleep(0.1)
 
     # the clients' answers are ordinary ones, naming the version they started with
     for out in outs.values():
@@ -100,7 +112,7 @@ def test_a_long_stream_moves_to_the_new_version_mid_way(broker: EmbeddedBroker, 
     rec = records[outs[NAME]["id"]]
     n = len(rec.completion_token_ids)
     assert n == LONG and rec.policy_version == 1
-    assert probe["in_flight_moves"] >= 1 and probe["in_flight_moves_to"].get("2", 0) >= 1
+    assert probe["in_flight_moves"] >= 1 and probe["in_flight_moves_to"].get(f"{NAME}@v2", 0) >= 1
     assert rec.version_spans is not None and len(rec.version_spans) == 2, rec.version_spans
     (first, v1), (switch, v2) = rec.version_spans
     assert (first, v1, v2) == (0, 1, 2) and 0 < switch < n, rec.version_spans

@@ -99,7 +99,7 @@ def test_moves_travel_with_the_step_to_their_api_server_and_become_spans() -> No
     from streamrl.engine.inflight import Move
 
     outputs = {0: EngineCoreOutputs(outputs=[EngineCoreOutput(request_id="r1", new_token_ids=[5])])}
-    moves = [Move("r1", 0, 3, 2, None), Move("r9", 1, 0, 2, None)]  # API server 1 has no output this step
+    moves = [Move("r1", 0, 3, 2, lora("p@v2", 2)), Move("r9", 1, 0, 2, lora("p@v2", 2))]  # API server 1 has no output this step
     assert [m.request_id for m in attach_moves(outputs, moves)] == ["r9"]
     received = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outputs[0]))
 
@@ -125,7 +125,7 @@ def test_moves_travel_with_the_step_to_their_api_server_and_become_spans() -> No
         _CURRENT.reset(token)
     assert params.extra_args[FOLLOW] is True  # marked for the engine core
     hooks.process_outputs(received.outputs)
-    assert processor.seen == [None] and hooks.moves == 1
+    assert processor.seen == [None] and hooks.moves == 1 and hooks.moves_to == {"p@v2": 1}
     assert capture.choices[0].spans == [(0, 1), (3, 2)]
 
 
