@@ -284,6 +284,7 @@ def run_one(spec: RunSpec, preset: Preset, model: Path, out: Path, upstreams: li
     cfg.write_text(json.dumps(up_config(preset, spec, model, run_dir, gateway_port, trainer_port, upstreams,
                                         warm["adapter"] if warm else None), indent=2))
     gpus = GpuSampler()
+    moved_before = engine_moves(upstreams)
     started, started_at = time.monotonic(), time.time()
     with open(run_dir / "up.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "up", "--config", str(cfg)],
@@ -326,6 +327,9 @@ def run_one(spec: RunSpec, preset: Preset, model: Path, out: Path, upstreams: li
             proc.wait(30)
     gpus.stop.set()
     result = summarise(spec, preset, run_dir, t_ready, scrapes, gpus, model, proc.returncode)
+    moved_after = engine_moves(upstreams)
+    if moved_before is not None and moved_after is not None:
+        result["in_flight_moves"] = moved_after - moved_before
     if engine_samples:
         result["engine"] = engine_timeline(engine_samples, result["t0"])
         span = engine_samples[-1][0] - engine_samples[0][0]
@@ -340,6 +344,21 @@ def run_one(spec: RunSpec, preset: Preset, model: Path, out: Path, upstreams: li
     elif timed_out:
         result.update(complete=False, why=f"still running {grace_s:.0f} s past its max_seconds")
     return result
+
+
+def engine_moves(urls: list[str]) -> int | None:
+    """Requests the shared engines have moved to a newer version while they ran, so far (their capture probes'
+    ``in_flight_moves``; the ``inflight`` mode's runs differ by it); None when an engine does not say."""
+    total = 0
+    for url in urls:
+        try:
+            moves = httpx.get(f"{url}/streamrl/capture", timeout=5).json().get("in_flight_moves")
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not isinstance(moves, int):
+            return None
+        total += moves
+    return total
 
 
 def merged_scrape(client: httpx.Client, urls: list[str]) -> dict[str, float]:

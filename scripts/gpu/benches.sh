@@ -3,11 +3,11 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-neighbours | gateway-paired | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | sft | unpaced-real | judge-real | trainer
+#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-neighbours | gateway-paired | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | sft | unpaced-real | judge-real | trainer | policies
 #   learn: bench/learn_bench.py, PRESET (short | long-tail | agent, default short) over SEEDS (default 0: one run per
 #          mode; more seeds are run while they fit: the bench skips a run that would not end inside the device's
 #          limit, DEVICE_LIMIT_S (default 570) counted from this script's start, and says so), MODES (default
-#          pipeline,sync), LEARN_SECONDS (each run's demo time, default the preset's); OUT gets
+#          pipeline,sync,inflight; a seed's first mode turns with its value), LEARN_SECONDS (each run's demo time, default the preset's); OUT gets
 #          learn-PRESET-sSEEDS.json (rewritten after every run), .log, .png (with matplotlib), and per run its
 #          log's tail and trainer history; pool the commands' files with `learn_bench.py merge`. On a fresh
 #          machine run `model` first (its own command: the install and the conversion, about 2.5 minutes), so
@@ -51,6 +51,13 @@
 #          with the judge's only (`streamrl up --demo --demo-reward exact|judge`), held-out accuracy per version;
 #          JUDGE_RUNS (default "throughput exact judge") picks the parts; a 4,096 context (the exact run of
 #          2026-12-01 had 2,048: the policy's requests are far below either, the judge's groups of 16 are not)
+#   policies: #43, bench/policies_bench.py on SmolLM2 (after model; converted here otherwise): POLICIES (default 1,8,2,4,
+#          run in this order) policies on one engine (LoRA slots for 8) and one gateway, one real trainer each (all on
+#          the one GPU, vLLM capped at 0.35 of it), the same load for every count: CLIENTS (default 16) clients of
+#          GROUP (16) calls in flight, MAX_TOKENS (128) tokens a reply; POLICY_SECONDS (default 30) measured per
+#          count once every policy serves a trained version; a count that would not end inside DEVICE_LIMIT_S
+#          (default 570, from this script's start) is skipped; OUT gets policies.json, .log and policies-logs.tar.gz
+#          (each count's combined log without the 200 lines, trainer histories)
 set -uo pipefail
 stash=${1:?STASH}; out=${2:?OUT}; shift 2
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -158,7 +165,7 @@ for bench in "$@"; do
       name=learn-$preset-s${seeds//,/-}${TAG:-}
       budget=$(( ${DEVICE_LIMIT_S:-570} - SECONDS )); (( budget < 120 )) && budget=120
       rm -rf "/root/$name"
-      python3 "$repo/bench/learn_bench.py" run --preset "$preset" --seeds "$seeds" --modes "${MODES:-pipeline,sync}" \
+      python3 "$repo/bench/learn_bench.py" run --preset "$preset" --seeds "$seeds" --modes "${MODES:-pipeline,sync,inflight}" \
           --model-cache "$stash" ${LEARN_SECONDS:+--max-seconds "$LEARN_SECONDS"} --budget-s "$budget" \
           --out "/root/$name" --json "$out/$name.json" > "$out/$name.log" 2>&1
       run_logs "/root/$name" "$name"
@@ -214,6 +221,20 @@ TOML
             --json "$out/sft-rows-$rows.json" > "$out/sft-rows-$rows.log" 2>&1
         tail -2 "$out/sft-rows-$rows.log"
       done ;;
+    policies)  # #43: 1-8 policies on one engine, real trainers, the same total load: tokens/s, publish -> served
+      budget=$(( ${DEVICE_LIMIT_S:-570} - SECONDS )); (( budget < 120 )) && budget=120
+      rm -rf /root/pb
+      python3 "$repo/bench/policies_bench.py" --model smollm2-135m --model-cache "$stash" \
+          --policies "${POLICIES:-1,8,2,4}" --clients "${CLIENTS:-16}" --group-size "${GROUP:-16}" \
+          --groups-per-step "${GPS:-8}" --max-tokens "${MAX_TOKENS:-128}" --seconds "${POLICY_SECONDS:-30}" \
+          --learning-rate 5e-4 --lora-rank 16 --micro-batch-tokens 4096 --engine-device 0 \
+          --gpu-memory-utilization 0.35 --trainer-device cuda:0 --budget-s "$budget" --out /root/pb \
+          --json "$out/policies.json" > "$out/policies.log" 2>&1
+      (cd /root/pb && for d in p*/; do
+         grep -v 'HTTP/1.1" 200' "$d/up.log" | grep -v '^engine' | tail -2000 > "$d/up-tail.log"
+       done; tail -200 engine.log > engine-tail.log
+       tar czf "$out/policies-logs.tar.gz" engine-tail.log p*/up-tail.log p*/history*.jsonl p*/*.json 2>/dev/null)
+      tail -14 "$out/policies.log" ;;
     trainer) (cd "$repo" && python3 bench/trainer_bench.py --shapes qwen2.5-1.5b --rows 4 --warmup 2 --steps 3 \
                --variants eager,compile --out "$out/trainer.json" > "$out/trainer.log" 2>&1); tail -8 "$out/trainer.log" ;;
     *) echo "unknown bench $bench" ;;
