@@ -66,6 +66,7 @@ CALL = pa.struct([
     ("request_id", pa.string()), ("choice_index", pa.int32()), ("purpose", pa.string()),
     ("group_id", pa.string()), ("key_id", pa.string()), ("model", pa.string()), ("endpoint", pa.string()),
     ("upstream", pa.string()), ("policy_name", pa.string()), ("policy_version", pa.int32()),
+    ("version_spans", pa.list_(pa.list_(pa.int32(), 2))),
     ("prompt_token_ids", pa.list_(pa.int32())), ("completion_token_ids", pa.list_(pa.int32())),
     ("logprobs", pa.list_(pa.float32())), ("response_text", pa.string()), ("finish_reason", pa.string()),
     ("request_json", pa.string()), ("tool_calls_json", pa.string()), ("usage_json", pa.string()),
@@ -551,7 +552,9 @@ def _call_row(c: _Call) -> dict[str, Any]:
     return {
         "request_id": r.request_id, "choice_index": r.choice_index, "purpose": r.purpose, "group_id": r.group_id,
         "key_id": r.key_id, "model": r.model, "endpoint": r.endpoint, "upstream": r.upstream,
-        "policy_name": r.policy_name, "policy_version": r.policy_version, "prompt_token_ids": r.prompt_token_ids,
+        "policy_name": r.policy_name, "policy_version": r.policy_version,
+        "version_spans": None if r.version_spans is None else [list(s) for s in r.version_spans],
+        "prompt_token_ids": r.prompt_token_ids,
         "completion_token_ids": r.completion_token_ids, "logprobs": r.logprobs, "response_text": r.response_text,
         "finish_reason": r.finish_reason, "request_json": _json(r.request), "tool_calls_json": _json(r.tool_calls),
         "usage_json": _json(r.usage), "created": r.created, "ttft_s": r.ttft_s, "total_s": r.total_s,

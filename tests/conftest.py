@@ -16,7 +16,7 @@ import httpx
 import pytest
 from support.kafka_reader import TopicReader
 from support.relay import Relay
-from support.services import LOG_DIR, start_engine, start_gateway
+from support.services import LOG_DIR, start_engine, start_gateway, warm_up
 
 from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.topics import Topics, create_topics
@@ -74,22 +74,15 @@ def broker() -> Iterator[EmbeddedBroker]:
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_model: Path) -> Iterator[Engine]:
-    """A real vLLM OpenAI server on the tiny model, shared by all tests of the session."""
+def engine(tiny_model: Path, own_temp_dir: None) -> Iterator[Engine]:
+    """A real vLLM OpenAI server on the tiny model, shared by all tests of the session, warmed up (its first
+    request with logprobs makes vLLM's CPU kernels: done here, not in the first test that uses it). Started when a
+    test first needs it, not in the background: beside the tests that start vLLM servers of their own, a session
+    engine starting on the 2-core machine slowed them by more than it saved (test_e2e 41 -> 97 s)."""
     e = start_engine(tiny_model, "vllm-0")
+    warm_up(e).join(180)
     yield e
     e.stop()
-
-
-@pytest.fixture
-def plain_engine(tiny_model: Path) -> Iterator[Engine]:
-    """A second real vLLM server on the tiny model, plain (without streamrl's token capture), of one test: it
-    may stop it."""
-    e = start_engine(tiny_model, "vllm-plain", token_capture=False)
-    try:
-        yield e
-    finally:
-        e.stop()
 
 
 @pytest.fixture(scope="module")

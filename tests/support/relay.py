@@ -1,7 +1,7 @@
 """A TCP relay between the gateway and the session's real vLLM server, for tests that need an upstream
 to misbehave on cue: go away and come back on the same port, answer late, hang up on a reused
-connection, keep one request in flight until the test lets it finish, or be slow to end a response.
-It only moves bytes; everything behind it is real."""
+connection, keep one request in flight until the test lets it finish, be slow to end a response, or lack a
+route (a plain vLLM, which has no capture probe). Otherwise it only moves bytes; everything behind it is real."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ import contextlib
 import threading
 
 from streamrl.broker.embedded import free_port
+
+NOT_FOUND = (b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 22\r\n"
+             b"connection: close\r\n\r\n{\"detail\":\"Not Found\"}")
+"""What vLLM's server (FastAPI) answers for a path it has no route for."""
 
 
 class Relay:
@@ -36,6 +40,9 @@ class Relay:
         self.hold_after: bytes | None = None
         """Pass an answer on up to and including these bytes, then hold the rest until ``release()``: an
         upstream slow to end a response whose content it has sent."""
+        self.not_found: tuple[str, ...] = ()
+        """Answer a GET of one of these paths 404 itself (and close that connection), as a server without the
+        route: ``(PROBE_PATH,)`` makes the engine behind look like a plain vLLM, without streamrl's capture."""
         self.holding = threading.Event()
         """Set once the relay holds something back: a request with ``hold_marker`` went upstream (its
         answer is now held), or an answer reached ``hold_after``."""
@@ -53,6 +60,11 @@ class Relay:
             while data := await reader.read(65536):
                 if data.startswith((b"GET ", b"POST ")):
                     requests += 1
+                    if data.startswith(tuple(f"GET {path} ".encode() for path in self.not_found)):
+                        client.write(NOT_FOUND)
+                        await client.drain()
+                        client.close()
+                        break
                     if requests > 1 and self.hang_up_reused:
                         client.close()
                         break

@@ -4,24 +4,48 @@ their logs go."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
 import httpx
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.child import wait_http
 from streamrl.engine.server import Engine, EngineConfig
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
 
 LOG_DIR = Path(os.environ.get("STREAMRL_TEST_LOGS", "/tmp/streamrl-test-logs"))
+ENGINE_START_S = 600
 
 
-def start_engine(model: Path, name: str, *, token_capture: bool = True) -> Engine:
-    """``token_capture=False``: a plain vLLM server, without streamrl's capture middleware."""
+def start_engine(model: Path, name: str, *, token_capture: bool = True, wait: bool = True) -> Engine:
+    """``token_capture=False``: a plain vLLM server, without streamrl's capture middleware. ``wait=False``: only
+    launched (it starts while other work goes on); ``engine.wait_healthy(ENGINE_START_S)`` before using it."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    return Engine(EngineConfig(model=str(model), max_loras=4, max_model_len=1024, token_capture=token_capture),
-                  log_file=LOG_DIR / f"{name}.log").start(timeout=600)
+    engine = Engine(EngineConfig(model=str(model), max_loras=4, max_model_len=1024, token_capture=token_capture),
+                    log_file=LOG_DIR / f"{name}.log")
+    return engine.start(timeout=ENGINE_START_S) if wait else engine.launch()
+
+
+def warm_up(engine: Engine) -> threading.Thread:
+    """A thread that waits for the launched ``engine`` and sends it one sampled request with logprobs: vLLM's CPU
+    build makes its logprob kernels on the first such request (3 s here with torch's inductor cache warm, more
+    without); started right after the launch, that happens while other tests run. Best effort: whatever fails
+    here fails again, and is reported, in the first test that uses the engine."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            wait_http(engine.url, ENGINE_START_S, engine.proc, what="vLLM")
+            httpx.post(f"{engine.url}/v1/chat/completions", timeout=120, json={
+                "model": engine.config.model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 2,
+                "logprobs": True, "return_token_ids": True})
+
+    thread = threading.Thread(target=run, name="engine-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def start_gateway(broker: EmbeddedBroker, engine: Engine, token_capture: bool,
