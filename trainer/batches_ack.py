@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from http import HTTPStatus
@@ -25,6 +24,8 @@ from pathlib import Path
 from socket import AF_INET6
 from typing import Any
 from urllib.parse import urlsplit
+
+from .feed_state import write_ack_file
 
 log = logging.getLogger("streamrl.batches")
 
@@ -48,20 +49,8 @@ def read_ack(path: Path) -> tuple[int, int] | None:
 
 
 def write_ack(path: Path, seq: int, version: int) -> None:
-    """The ack file as a learner writes it (temporary name, rename), fsynced with its directory: after this
-    returns, a restart of the stream finds the acknowledgement."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"seq": seq, "version": version}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """The ack file as a learner writes it, durably: after this returns, a restart of the stream finds it."""
+    write_ack_file(path, seq, version)
 
 
 class FileAcks:

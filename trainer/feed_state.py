@@ -146,15 +146,7 @@ class FeedLog:
                 self._path(s).unlink(missing_ok=True)
 
     def _write_ack(self, seq: int, version: int) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / ACK_FILE
-        tmp = path.with_name(f".{ACK_FILE}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"seq": seq, "version": version}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
-        _fsync_dir(self.directory)
+        write_ack_file(self.directory / ACK_FILE, seq, version)
 
     def _read(self, seq: int) -> FeedState:
         with pa.memory_map(str(self._path(seq))) as source:
@@ -163,3 +155,16 @@ class FeedLog:
         return FeedState({k: int(v) for k, v in meta["offsets"].items()},
                          list(zip(table.column("stream").to_pylist(), table.column("value").to_pylist(), strict=True)),
                          list(meta["done"]), {int(k): float(v) for k, v in meta["published"].items()})
+
+
+def write_ack_file(path: Path, seq: int, version: int) -> None:
+    """An acknowledgement ``{"seq", "version"}`` written durably (temporary name, fsync, rename, fsync of the
+    directory): after this returns, a restart finds it. The feed's own ack and a learner's both go through here."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"seq": seq, "version": version}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    _fsync_dir(path.parent)
