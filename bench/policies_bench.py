@@ -29,6 +29,14 @@ Each P is measured from the moment every policy serves a trained version (warm-u
     python3 bench/policies_bench.py --model smollm2-135m --model-cache STASH --policies 1,8,2,4 \\
         --engine-device 0 --trainer-device cuda:0 --json OUT/policies.json               # one GPU (benches.sh policies)
 
+Serving alone (``--imitate-training RATE``): no trainers (``streamrl up --no-train``); the bench publishes a copy of
+one LoRA adapter (random, rank ``--lora-rank``, made once on the CPU) as each policy's next version, RATE versions
+a second over all policies in turn (each P the same swap rate), so the engine serves and swaps as many adapters as
+with trainers but shares the GPU with none: what P costs the engine itself, apart from the trainers' contention.
+
+    python3 bench/policies_bench.py --model smollm2-135m --model-cache STASH --policies 1,8,2,4 \
+        --engine-device 0 --imitate-training 1.0 --json OUT/policies-serving.json        # benches.sh policies-serving
+
 P values run in the order given (the JSON is rewritten after each); ``--budget-s`` skips a P that would not end
 inside it (a device's limit per command). Logs of every part stay in ``--out``.
 """
@@ -276,11 +284,68 @@ def pct(xs: list[float] | np.ndarray, q: float, digits: int = 1) -> float | None
 # ------------------------------------------------------------------------------------------------ one P
 
 
+class Publisher(threading.Thread):
+    """Training imitated: ``rate`` versions a second over the policies in turn, each a copy of ``adapter`` under the
+    run's ``adapters/NAME/vN`` (the gateway's adapter root) published as NAME's next version. The first round (v1 of
+    every policy) goes out at once, so the warm-up does not wait for it."""
+
+    def __init__(self, bootstrap: str, prefix: str, names: list[str], adapter: Path, base_model: str,
+                 run_dir: Path, rate: float) -> None:
+        super().__init__(name="publisher", daemon=True)
+        self.bootstrap, self.prefix, self.names, self.adapter = bootstrap, prefix, names, adapter
+        self.base_model, self.run_dir, self.rate = base_model, run_dir, rate
+        self.halt = threading.Event()
+        self.published = 0
+
+    def run(self) -> None:
+        from streamrl.broker.policy_log import PolicyLog, adapter_record
+        from streamrl.broker.topics import Topics
+
+        log = PolicyLog(self.bootstrap, Topics(self.prefix), client_id="policies-bench", publisher="policies-bench")
+        versions = dict.fromkeys(self.names, 0)
+        try:
+            for i, name in enumerate(itertools.cycle(self.names)):
+                if i >= len(self.names) and self.halt.wait(1.0 / self.rate):
+                    return
+                versions[name] += 1
+                target = self.run_dir / "adapters" / name / f"v{versions[name]}"
+                shutil.copytree(self.adapter, target)
+                log.publish(adapter_record(name, versions[name], target, self.base_model))
+                self.published += 1
+        finally:
+            log.close()
+
+
+def make_adapter(model: str, out: Path, rank: int) -> Path:
+    """A LoRA adapter of ``model`` as the trainer writes one (its target modules, rank ``rank``), its B matrices
+    random so that serving it is not serving the base model; made once, on the CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.trainer.config import TrainerConfig
+    from streamrl.trainer.model import attach_lora
+    from streamrl.trainer.publish import write_adapter_files
+
+    target = out / f"adapter-r{rank}"
+    if (target / "adapter_config.json").exists():
+        return target
+    torch.manual_seed(0)
+    peft_model = attach_lora(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                             TrainerConfig(model=model, lora_rank=rank))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 1e-3)
+    write_adapter_files(peft_model, target, {"imitated": True})
+    return target
+
+
 def up_config(p: int, names: list[str], model: str, upstream: str, run_dir: Path, port: int, broker_port: int,
               args: argparse.Namespace) -> dict[str, Any]:
     return {
         "up": {"model": model, "port": port, "work_dir": str(run_dir), "upstreams": [upstream],
                "broker_port": broker_port, "policy_name": names[0], "policies": names[1:],
+               "train": not args.imitate_training,
                "trainer_device": args.trainer_device, "topic_prefix": f"pb{p}"},
         "gateway": {"max_loaded_versions": args.max_loaded_versions},
         "trainer": {"learning_rate": args.learning_rate, "group_size": args.group_size,
@@ -308,8 +373,8 @@ def stop_up(proc: subprocess.Popen) -> None:
         proc.wait(30)
 
 
-def run_p(p: int, model: str, upstream: str, engine_pid: int | None, out: Path,
-          args: argparse.Namespace) -> dict[str, Any]:
+def run_p(p: int, model: str, upstream: str, engine_pid: int | None, out: Path, args: argparse.Namespace,
+          adapter: Path | None = None) -> dict[str, Any]:
     from streamrl.broker.embedded import free_port
     from streamrl.child import wait_http
 
@@ -326,12 +391,16 @@ def run_p(p: int, model: str, upstream: str, engine_pid: int | None, out: Path,
     with open(run_dir / "up.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "up", "--config", str(cfg)],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    load = None
+    load = publisher = None
     gpu = GpuMemory()
     result: dict[str, Any] = {"policies": p, "names": names}
     try:
         wait_http(gw, 300, proc, what="gateway")
-        files = trainer_files(run_dir, names)
+        if adapter is not None:  # training imitated: no trainer to wait for
+            publisher = Publisher(f"127.0.0.1:{broker_port}", f"pb{p}", names, adapter, model, run_dir,
+                                  args.imitate_training)
+            publisher.start()
+        files = trainer_files(run_dir, names) if adapter is None else {}
         for name, (config_file, _) in files.items():  # every trainer has loaded its model and serves /metrics
             deadline = time.monotonic() + 600
             while not config_file.exists():
@@ -357,6 +426,10 @@ def run_p(p: int, model: str, upstream: str, engine_pid: int | None, out: Path,
         records = policy_records(f"127.0.0.1:{broker_port}", f"pb{p}")
         roles = process_roles(engine_pid, proc.pid)
         gpu.halt.set()
+        if publisher is not None:
+            publisher.halt.set()
+            publisher.join(30)
+            result["imitated_versions_published"] = publisher.published
         load.stop()
         samples, load = load.samples, None
         gpu.join(15)
@@ -366,6 +439,8 @@ def run_p(p: int, model: str, upstream: str, engine_pid: int | None, out: Path,
             result["gpu_mib_added_by_stack"] = result["gpu_used_mib_max"] - before  # trainers, adapters
         result["up_exit"] = proc.poll()  # None: every part was still running at the window's end
     finally:
+        if publisher is not None:
+            publisher.halt.set()
         if load is not None:
             load.stop()
         gpu.halt.set()
@@ -376,7 +451,8 @@ def run_p(p: int, model: str, upstream: str, engine_pid: int | None, out: Path,
     result["wall_s"] = round(time.monotonic() - t_start, 1)
     gateway_log = (run_dir / "logs" / "gateway.log").read_text(errors="replace")
     result.update(summarise(names, samples, records, gateway_log, t0, t1))
-    result.update(trainer_steps(names, run_dir, t0, t1))
+    if adapter is None:
+        result.update(trainer_steps(names, run_dir, t0, t1))
     return result
 
 
@@ -468,14 +544,16 @@ def _f(x: Any, digits: int = 0) -> str:
 def print_table(runs: list[dict[str, Any]]) -> None:
     print("\n| policies | rollout tok/s total | vs 1 policy | per policy mean (min-max) | publish->served p50 / p99 ms "
           "| publish->routed p50 / p99 ms | versions (unserved) | failed / requests | latency p50 / p99 ms "
+          "| older version after routing (requests / versions) | request gap p99 ms "
           "| trainer step_s p50, each | version cycle s p50, each | GPU MiB used (engine / trainers) |")
-    print("| ---: | ---: | ---: | --- | --- | --- | ---: | ---: | --- | --- | --- | --- |")
+    print("| ---: | ---: | ---: | --- | --- | --- | ---: | ---: | --- | --- | ---: | --- | --- | --- |")
     for r in sorted(runs, key=lambda r: r["policies"]):
         if "error" in r:
-            print(f"| {r['policies']} | failed: {r['error']} |" + " |" * 10)
+            print(f"| {r['policies']} | failed: {r['error']} |" + " |" * 12)
             continue
         per = list(r["rollout_tokens_per_s_per_policy"].values())
         trainers = r.get("trainers", {})
+        older = r.get("older_version_after_routing", {})
         gpu = (f"{_f(r.get('gpu_used_mib_max'))} ({_f(r.get('engine_mib'))} / "
                f"{_f(r.get('trainers_mib') or r.get('gpu_mib_added_by_stack'))})"
                if "gpu_used_mib_max" in r else r.get("gpu_memory", "n/a"))
@@ -485,6 +563,7 @@ def print_table(runs: list[dict[str, Any]]) -> None:
               f"| {_f(r['publish_to_routed_p50_ms'])} / {_f(r['publish_to_routed_p99_ms'])} "
               f"| {r['versions_published']} ({r['versions_unserved']}) | {r['failed_requests']} / {r['requests']} "
               f"| {_f(r['latency_p50_ms'])} / {_f(r['latency_p99_ms'])} "
+              f"| {older.get('requests', '')} / {older.get('versions', '')} | {_f(r.get('request_gap_p99_ms'))} "
               f"| {', '.join(_f(t['step_s_p50'], 2) for t in trainers.values())} "
               f"| {', '.join(_f(t['cycle_s_p50'], 2) for t in trainers.values())} | {gpu} |")
 
@@ -528,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds from the start within which every P must end: one that would not is skipped (0: none)")
     p.add_argument("--out", default="runs/policies-bench", help="each P's run directory (logs, histories)")
     p.add_argument("--json", help="the result file (default OUT/policies_bench.json), rewritten after every P")
+    p.add_argument("--imitate-training", type=float, default=0.0, metavar="RATE",
+                   help="no trainers: the bench publishes RATE adapter versions a second over all policies in turn "
+                        "(serving and swapping alone; default 0: a real trainer per policy)")
     args = p.parse_args(argv)
     try:
         counts = parse_policies(args.policies)
@@ -572,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
             upstream = engine.url
             result["engine"]["start_s"] = round(time.monotonic() - t, 1)
         result["engine"]["warmup_s"] = round(warm_engine(upstream, args.clients * args.group_size, args.max_tokens), 1)
+        adapter = make_adapter(model, out, args.lora_rank) if args.imitate_training else None
         overhead = 90.0  # a P's start-up, warm-up and stop beyond its window: a guess, then the longest seen + 10 s
         for count in counts:  # (more trainers start more slowly: 4 s more per policy)
             if args.budget_s and time.monotonic() - began + args.seconds + overhead + 4 * count > args.budget_s:
@@ -580,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"P={count}: {args.clients} clients over {count} policies, {args.seconds:.0f} s ...", flush=True)
             try:
-                r = run_p(count, model, upstream, engine.proc.pid if engine and engine.proc else None, out, args)
+                r = run_p(count, model, upstream, engine.proc.pid if engine and engine.proc else None, out, args,
+                          adapter)
             except Exception as exc:  # the other counts still run; the failure is in the result
                 r = {"policies": count, "error": f"{type(exc).__name__}: {exc}"}
             result["runs"].append(r)

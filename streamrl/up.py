@@ -116,6 +116,11 @@ class UpConfig:
     """Gateway processes on the gateway's port (``streamrl gateway --workers N``: ``SO_REUSEPORT``, each its
     own gateway id, producer and spool, coordinated through the gateways topic); overrides the [gateway]
     table's ``workers`` when above 1."""
+    train: bool = True
+    """Start a trainer per policy. Off (``--no-train``), ``up`` serves and records only: a learner of one's own
+    reads the stream (``streamrl batches``, docs/trainer.md, "Bring your own learner") and publishes its
+    versions (``streamrl publish``) from under the run's ``adapters/`` (the gateway's ``adapter_root`` unless the
+    [gateway] table sets it), which the gateway swaps in as it does the trainer's."""
     trainer_device: str | None = None
     """Trainer device: auto, cpu, cuda, cuda:N (the [trainer] table's ``device``)."""
     trainer_nproc: int = 1
@@ -430,14 +435,14 @@ class Stack:
         self.model = self._model()
         self.bootstrap_servers = self._broker()
         trainers = [c.trainer_config(self.model, self.bootstrap_servers, name) for name in c.policy_names]
-        for trainer in trainers:
+        for trainer in trainers if c.train else ():
             self._trainer(trainer)
         self.upstreams = self._engine()
         self._gateway()
         if c.judge or (c.demo is not None and c.demo.reward == "judge"):
             self._judge()
         if c.demo is not None:
-            for trainer in trainers:  # groups generated before a trainer can use them would only age
+            for trainer in trainers if c.train else ():  # groups generated before a trainer can use them would age
                 self._wait_trainer(trainer)
             for trainer in trainers:
                 demo = c.demo
@@ -495,7 +500,10 @@ class Stack:
         once at start: what a run was trained with is never a guess."""
         c = self.config
         settings = c.trainer_settings()
-        if settings:
+        if not c.train:
+            self.log.line("up", "no trainer (--no-train): the stack serves and records; versions come from "
+                                "`streamrl publish` (a learner of one's own: `streamrl batches`)")
+        elif settings:
             self.log.line("up", "trainer settings: " + ", ".join(f"{k} = {v!r} ({source})"
                                                                  for k, (v, source) in settings.items()))
         model_settings = settings_for(c.model)

@@ -3,7 +3,7 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-neighbours | gateway-paired | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | sft | unpaced-real | judge-real | trainer | policies
+#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-neighbours | gateway-paired | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | sft | unpaced-real | judge-real | trainer | policies | policies-serving
 #   learn: bench/learn_bench.py, PRESET (short | long-tail | agent, default short) over SEEDS (default 0: one run per
 #          mode; more seeds are run while they fit: the bench skips a run that would not end inside the device's
 #          limit, DEVICE_LIMIT_S (default 570) counted from this script's start, and says so), MODES (default
@@ -58,6 +58,8 @@
 #          count once every policy serves a trained version; a count that would not end inside DEVICE_LIMIT_S
 #          (default 570, from this script's start) is skipped; OUT gets policies.json, .log and policies-logs.tar.gz
 #          (each count's combined log without the 200 lines, trainer histories)
+#   policies-serving: the same with training imitated (`policies_bench.py --imitate-training RATE`, default 1.0 version/s
+#          over all policies, each a copy of one random adapter; no trainer on the GPU): what P costs the engine alone
 set -uo pipefail
 stash=${1:?STASH}; out=${2:?OUT}; shift 2
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -235,6 +237,15 @@ TOML
        done; tail -200 engine.log > engine-tail.log
        tar czf "$out/policies-logs.tar.gz" engine-tail.log p*/up-tail.log p*/history*.jsonl p*/*.json 2>/dev/null)
       tail -14 "$out/policies.log" ;;
+    policies-serving)  # #43: the same counts and load, training imitated (no trainers; RATE versions/s published)
+      budget=$(( ${DEVICE_LIMIT_S:-570} - SECONDS )); (( budget < 120 )) && budget=120
+      rm -rf /root/pbs
+      python3 "$repo/bench/policies_bench.py" --model smollm2-135m --model-cache "$stash" \
+          --policies "${POLICIES:-1,8,2,4}" --clients "${CLIENTS:-16}" --group-size "${GROUP:-16}" \
+          --max-tokens "${MAX_TOKENS:-128}" --seconds "${POLICY_SECONDS:-30}" --lora-rank 16 --engine-device 0 \
+          --gpu-memory-utilization 0.35 --imitate-training "${RATE:-1.0}" --budget-s "$budget" --out /root/pbs \
+          --json "$out/policies-serving.json" > "$out/policies-serving.log" 2>&1
+      tail -14 "$out/policies-serving.log" ;;
     trainer) (cd "$repo" && python3 bench/trainer_bench.py --shapes qwen2.5-1.5b --rows 4 --warmup 2 --steps 3 \
                --variants eager,compile --out "$out/trainer.json" > "$out/trainer.log" 2>&1); tail -8 "$out/trainer.log" ;;
     *) echo "unknown bench $bench" ;;

@@ -193,3 +193,48 @@ def test_external_broker_and_upstream_then_ctrl_c(tmp_path: Path, tiny_model: Pa
     assert "(models 'policy' 'sql')" in text and "stopping judge, gateway, trainer-policy, trainer-sql" in text
     assert "SIGINT: shutting down" in text and not re.search(r"(gateway|trainer)\S* still running .* killed", text)
     assert _leftovers(str(tmp_path)) == []
+
+
+def test_no_train_serves_what_a_learner_of_ones_own_publishes(tmp_path: Path, tiny_model: Path,
+                                                               broker: EmbeddedBroker, engine: Engine,
+                                                               adapters: list[Path]) -> None:
+    """``--no-train``: up starts the gateway and no trainer; an adapter written under the run's ``adapters/`` and
+    published with ``streamrl publish`` (what an outside learner does) is swapped in and served."""
+    import shutil
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "streamrl.cli", "up", "--model", str(tiny_model), "--port", str(port),
+           "--work-dir", str(tmp_path), "--bootstrap-servers", broker.bootstrap_servers,
+           "--upstream", engine.url, "--topic-prefix", "upnotrain", "--policy-name", "own", "--no-train"]
+    log = (tmp_path / "up.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    gw = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while "gateway | ready at" not in (tmp_path / "up.log").read_text():
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "gateway not ready"
+            time.sleep(0.2)
+        adapter = tmp_path / "adapters" / "own" / "v1"
+        shutil.copytree(adapters[0], adapter)
+        published = subprocess.run([sys.executable, "-m", "streamrl.cli", "publish", str(adapter), "--name", "own",
+                                    "--base-model", str(tiny_model), "--bootstrap-servers", broker.bootstrap_servers,
+                                    "--topic-prefix", "upnotrain"], capture_output=True, text=True, timeout=60)
+        assert published.returncode == 0, published.stderr
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{gw}/health", timeout=10).json()["policies"]["own"]["version"] != 1:
+            assert time.monotonic() < deadline, "the published version was not routed"
+            time.sleep(0.1)
+        reply = httpx.post(f"{gw}/v1/chat/completions", timeout=60, json={
+            "model": "own", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert reply.status_code == 200 and reply.headers["X-Policy-Version"] == "1"
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    text = (tmp_path / "up.log").read_text()
+    assert "no trainer (--no-train)" in text and "stopping gateway\n" in text.replace("stopping gateway,", "x")
+    assert not (tmp_path / "trainer.json").exists() and "trainer |" not in text

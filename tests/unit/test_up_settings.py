@@ -105,3 +105,4 @@ def test_lora_slots_too_few_for_the_policies_are_a_usage_error(tmp_path: Path) -
     with pytest.raises(UsageError, match=r"\[gateway\] policies is set by up"):
         (tmp_path / "up.toml").write_text('[gateway]\npolicies = ["x"]\n')
         Stack(load_config(tmp_path / "up.toml", work_dir=str(tmp_path))).preflight()
+
