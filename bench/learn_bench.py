@@ -463,21 +463,30 @@ def summarise(spec: RunSpec, preset: Preset, run_dir: Path, t_ready: float | Non
     return result
 
 
-SERVED = re.compile(rb"now served by \S+ \(was .*\), (\d+) ms after publication")
+SERVED = re.compile(rb"now served by (\S+) \(was .*\), (\d+) ms after publication")
+WAITED = re.compile(rb"(\S+) waits for an older version to drain")
 
 
 def publish_to_served(up_log: Path) -> dict[str, Any]:
     """Each version's publish -> served time as the gateway logged it (exact; the metric's histogram gives
-    only bucket bounds), and its p50 / p99 / max (ms)."""
+    only bucket bounds), its p50 / p99 / max (ms), and which versions waited for room under the gateway's
+    ``max_loaded_versions`` (an older version still running requests) with their times: the swap tail's
+    one cause the log names."""
     try:
-        ms = [int(m.group(1)) for m in SERVED.finditer(up_log.read_bytes())]
+        text = up_log.read_bytes()
     except OSError:
-        ms = []
-    if not ms:
+        text = b""
+    served = [(m.group(1).decode(), int(m.group(2))) for m in SERVED.finditer(text)]
+    if not served:
         return {"versions": 0, "ms": []}
+    waited = {m.group(1).decode() for m in WAITED.finditer(text)}
+    ms = [x for _, x in served]
+    waited_ms = [x for name, x in served if name in waited]
     return {"versions": len(ms), "p50_ms": learn_stats.nearest_rank(ms, 0.5),
             "p99_ms": learn_stats.nearest_rank(ms, 0.99), "max_ms": max(ms),
-            "over_500_ms": sum(x > 500 for x in ms), "ms": ms}
+            "over_500_ms": sum(x > 500 for x in ms), "ms": ms,
+            "waited_for_room": len(waited_ms), "waited_ms": waited_ms,
+            "over_500_ms_waited": sum(x > 500 for x in waited_ms)}
 
 
 def step_anatomy(versions: dict) -> dict:

@@ -68,12 +68,13 @@ bash "$repo/scripts/gpu/install.sh" "$stash" "$site" > "$out/install.log" 2>&1 |
 export PYTHONPATH=$site PATH=$site/bin:$PATH PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 cd /root  # outside the checkout: its streamrl/ folder would shadow the laid-out package
 
-run_logs() {  # run_logs DIR NAME: each run's log tail (no engine lines, no 200s) and trainer history into OUT
+run_logs() {  # run_logs DIR NAME: each run's log tail (no engine lines, no 200s), its hot-swap lines, trainer history into OUT
   local d r
   for d in "$1"/s*-*/; do
     [ -d "$d" ] || continue
     r=$(basename "$d")
     grep -v 'HTTP/1.1" 200' "$d/up.log" 2>/dev/null | grep -v '^engine' | tail -300 > "$out/$2-$r.log"
+    grep 'streamrl.gateway.hotswap' "$d/up.log" > "$out/$2-$r-swaps.log" 2>/dev/null  # every version's, whole run
     cp "$d/history.jsonl" "$out/$2-$r-history.jsonl" 2>/dev/null
   done
 }
