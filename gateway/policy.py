@@ -5,6 +5,10 @@ now (the adapter ``<name>@v<N>`` of the routed version, or the base model before
 and hands out a ``Lease`` that counts the request against that version until it finishes. Swapping
 is one assignment on the event loop, so it is atomic for every request: those already holding a lease
 finish on their version, the next ``resolve`` gets the new one. ``hotswap.py`` drives the swaps.
+
+In the ``in-flight`` update mode an engine moves running requests to the newest version (``engine/inflight.py``),
+and a lease then follows its request (``Lease.reached_engine``): otherwise every older version would stay
+counted, so loaded, until its longest reply ended, and a new version would wait for room behind it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class VersionState:
 class Lease:
     """One request's hold on the model that serves it. ``release()`` exactly once when done."""
 
-    __slots__ = ("_router", "_state", "engine_model", "follows", "policy_name", "version")
+    __slots__ = ("_router", "_state", "engine_model", "follows", "marked_on", "policy_name", "sent", "version")
 
     def __init__(self, router: PolicyRouter | None, state: VersionState | None, engine_model: str,
                  policy_name: str | None, version: int, follows: bool = False) -> None:
@@ -41,15 +45,48 @@ class Lease:
         self.follows = follows
         """Routed by the policy's name to a version (not pinned to one): in the ``in-flight`` update mode the
         request may move to a newer version while it runs."""
+        self.marked_on: str | None = None
+        """The upstream this request went to marked to move (``mark``), else None."""
+        self.sent = 0
+        """Its place in the order in which marked requests were sent (``mark``)."""
         if state is not None:
             state.in_flight += 1
+
+    @property
+    def holds(self) -> int:
+        """The version this lease counts against (a newer one than ``version`` once its request moved)."""
+        return 0 if self._state is None else self._state.record.version
+
+    def mark(self, upstream: str) -> None:
+        """The request is being sent to ``upstream`` marked to move to its policy's newest version."""
+        if self._router is not None and self._state is not None:
+            self.marked_on = upstream
+            self.sent = self._router.sent_marked(self)
+
+    def reached_engine(self) -> None:
+        """An output of this marked request came back, so its engine has seen a marked request on this
+        version: from that step on it runs every marked request of the policy sent before on this version
+        (``MovePlanner``), and their leases move here, letting the older versions drain. Only those sent
+        earlier move: one still on its way to the engine must find its version loaded there."""
+        if self.marked_on is not None and self._router is not None and self._state is not None:
+            self._router.moved_forward(self.marked_on, self.sent, self._state)
+
+    def _hold(self, state: VersionState) -> None:
+        old, self._state = self._state, state
+        state.in_flight += 1
+        if old is not None:
+            self._let_go(old)
+
+    def _let_go(self, state: VersionState) -> None:
+        state.in_flight -= 1
+        if state.in_flight == 0 and self._router is not None:
+            self._router.on_idle(state)
 
     def release(self) -> None:
         state, self._state = self._state, None
         if state is not None and self._router is not None:
-            state.in_flight -= 1
-            if state.in_flight == 0:
-                self._router.on_idle(state)
+            self._router.marked.pop(self, None)
+            self._let_go(state)
 
 
 class PolicyRouter:
@@ -60,6 +97,11 @@ class PolicyRouter:
         self.versions: dict[int, VersionState] = {}
         """Versions loaded (or being loaded/unloaded) somewhere, by version number."""
         self.idle_callbacks: list[Callable[[VersionState], None]] = []
+        self.marked: dict[Lease, None] = {}
+        """Leases of requests in flight that were sent marked to move (``Lease.mark``), in the order sent."""
+        self._sent = 0
+        self.moved_leases = 0
+        """Leases that followed their request to a newer version (``moved_forward``)."""
 
     @property
     def version(self) -> int:
@@ -95,13 +137,30 @@ class PolicyRouter:
             self.on_idle(old)
         return old
 
+    def sent_marked(self, lease: Lease) -> int:
+        self._sent += 1
+        self.marked.pop(lease, None)  # sent again (another upstream): its place is the new one
+        self.marked[lease] = None
+        return self._sent
+
+    def moved_forward(self, upstream: str, sent_before: int, state: VersionState) -> None:
+        """``upstream``'s engine runs the marked requests sent to it before ``sent_before`` on ``state``'s
+        version or a newer one: the leases of those on older versions now count against ``state``."""
+        version = state.record.version
+        for lease in list(self.marked):
+            if lease.sent >= sent_before:
+                break
+            if lease.marked_on == upstream and lease.holds < version:
+                lease._hold(state)
+                self.moved_leases += 1
+
     def on_idle(self, state: VersionState) -> None:
         if state is not self.routed:
             for callback in self.idle_callbacks:
                 callback(state)
 
     def state(self) -> dict[str, object]:
-        return {"name": self.name, "version": self.version,
+        return {"name": self.name, "version": self.version, "moved_leases": self.moved_leases,
                 "loaded": {s.served_name: {"in_flight": s.in_flight, "unloading": s.unloading}
                            for s in self.versions.values()}}
 

@@ -373,6 +373,7 @@ class Proxy:
                            else self._upstream_headers)
                 if self._in_flight and call.lease.follows and call.engine_capture and up.moves_requests:
                     headers = {**headers, FOLLOW_HEADER: "1"}  # it may move to a newer version while it runs
+                    call.lease.mark(up.url)
                 resp = await session.post(up.url + call.endpoint.route, data=data, timeout=self._timeout,
                                           headers=headers)
             except aiohttp.ClientConnectorError as exc:
@@ -421,6 +422,7 @@ class Proxy:
             self._done_with_upstream(call)
         content_type = resp.headers.get("Content-Type", JSON)
         if resp.status == 200 and call.engine_capture:
+            call.lease.reached_engine()
             return self._engine_body(call, resp, raw, content_type)
         if resp.status != 200 or not (call.record or call.strip_ids or call.strip_logprobs):
             return Response(raw, resp.status, headers=call.headers, media_type=content_type)
@@ -579,6 +581,7 @@ class Proxy:
                         if not first_output and not call.endpoint.before_output(payload):
                             first_output = True
                             self.metrics.ttft.observe(now - started)
+                            call.lease.reached_engine()
                         frames.ended = frames.ended or payload.endswith(_DONE_EVENT)
                     else:
                         frames.captured = True

@@ -37,7 +37,8 @@ def unload_afterwards(engine: Engine, caplog: pytest.LogCaptureFixture) -> Itera
     caplog.set_level(logging.INFO, logger="streamrl.gateway.hotswap")
     yield
     for card in httpx.get(f"{engine.url}/v1/models").json()["data"]:
-        if card.get("parent") and card["id"].split("@")[0] in ("loadtest", "loadmove", "inflight", "catchup"):
+        if card.get("parent") and card["id"].split("@")[0].startswith(("loadtest", "loadmove", "inflight", "catchup",
+                                                                         "roommove")):
             httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": card["id"]})
 
 
@@ -208,6 +209,50 @@ def test_a_load_waiting_for_room_gives_way_to_a_newer_version(broker, engine, to
         assert held["version"] == "1"
         wait_routed(gw, 4)
         assert engine_loads(engine, f"{name}@v4") == 1 and engine_loads(engine, f"{name}@v3") == 0
+
+
+def test_in_flight_a_moved_request_no_longer_holds_its_version(broker, engine, topics, adapters, base_model,
+                                                              relay: Relay, caplog: pytest.LogCaptureFixture):
+    """The ``in-flight`` update mode with two versions loaded at most: a stream on v1 is kept open (its answer
+    held in the relay), v2 is routed, and once a request on v2 has come back from the engine (which moves every
+    marked request sent before it to v2 at that step), the open stream's lease counts against v2: v1 drains and
+    is unloaded while the stream is still open, and v3 is loaded without waiting for room. In the ``pinned``
+    mode the same stream holds v1 until it ends (``test_a_load_waiting_for_room_gives_way_to_a_newer_version``)."""
+    name = f"roommove{uuid.uuid4().hex[:6]}"
+    publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
+    held: dict[str, object] = {}
+    relay.hold_marker = b"held while it moves"
+    config = gateway_config(broker, engine, name, upstreams=(relay.url,), max_loaded_versions=2,
+                            keep_previous_versions=0, update_mode="in-flight")
+    with GatewayServer(config) as gw:
+        wait_routed(gw, 1)
+        router, up = gw.gateway.router, gw.gateway.pool.upstreams[0]
+        deadline = time.monotonic() + 30
+        while not up.moves_requests:  # read from the engine's probe at a health check
+            assert time.monotonic() < deadline, "the gateway does not know that the engine moves requests"
+            time.sleep(0.01)
+        thread = held_stream(gw.url, name, "held while it moves", held)
+        try:
+            assert relay.holding.wait(30), "the request did not reach the engine"
+            assert [lease.holds for lease in router.marked] == [1]  # sent marked to move
+            publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
+            wait_routed(gw, 2)
+            assert router.versions[1].in_flight == 1  # the engine has not shown a marked request on v2 yet
+            new = httpx.post(f"{gw.url}/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 4},
+                             timeout=120)
+            assert new.status_code == 200 and new.headers["x-policy-version"] == "2"
+            wait_unloaded(engine, f"{name}@v1")  # the open stream moved: v1 drained
+            assert thread.is_alive() and router.moved_leases == 1 and router.versions[2].in_flight == 1
+            publish_version(broker.bootstrap_servers, topics, name, 3, adapters[2], base_model)
+            wait_routed(gw, 3)
+            assert f"{name}@v3 waits for an older version" not in caplog.text
+        finally:
+            relay.release()
+            thread.join(120)
+        assert held["version"] == "1"  # the client's answer is an ordinary one, named by the version it began on
+        lines = held["lines"]
+        assert isinstance(lines, list) and lines[-1] == "data: [DONE]"
+        assert not router.marked and all(s.in_flight == 0 for s in router.versions.values())
 
 
 def test_catch_up_bad_checksum_and_max_loaded(broker, engine, topics, adapters, base_model):

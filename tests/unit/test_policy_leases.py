@@ -1,0 +1,94 @@
+"""Leases (``gateway/policy.py``): what each request holds loaded, and how, in the ``in-flight`` update mode, a
+marked request's lease follows it to the version its engine moved it to, so that older versions drain."""
+
+from __future__ import annotations
+
+from streamrl.broker.schema import PolicyRecord
+from streamrl.gateway.policy import PolicyRouter, VersionState
+from streamrl.gateway.upstreams import UpstreamPool
+
+A, B = "http://a:1", "http://b:1"
+
+
+def router_with(*versions: int) -> tuple[PolicyRouter, list[VersionState]]:
+    router = PolicyRouter("policy", UpstreamPool((A, B)))
+    states = []
+    for v in versions:
+        state = VersionState(PolicyRecord("policy", v, f"/a/v{v}", "base", v, "0" * 64), loaded_at=1.0)
+        router.versions[v] = state
+        states.append(state)
+    return router, states
+
+
+def in_flight(states: list[VersionState]) -> list[int]:
+    return [s.in_flight for s in states]
+
+
+def test_a_moved_request_stops_holding_its_older_version_once_its_engine_ran_a_newer_one() -> None:
+    router, (v1, v2, v3) = router_with(1, 2, 3)
+    idle: list[int] = []
+    router.idle_callbacks.append(lambda s: idle.append(s.record.version))
+    router.route(v1)
+    long_a = router.resolve("policy")
+    long_a.mark(A)
+    router.route(v2)
+    long_b = router.resolve("policy")  # on v2, on the other upstream
+    long_b.mark(B)
+    pinned = router.resolve("policy@v1")  # pinned: never marked, never moves
+    router.route(v3)
+    short = router.resolve("policy")
+    short.mark(A)
+    assert in_flight([v1, v2, v3]) == [2, 1, 1] and long_a.holds == 1
+
+    short.reached_engine()  # A's engine has run a marked request on v3: A's older marked requests moved
+    assert long_a.holds == 3 and long_a.version == 1  # the version it was served by, for the record, stays
+    assert in_flight([v1, v2, v3]) == [1, 1, 2] and idle == []  # the pinned one still holds v1
+    assert long_b.holds == 2  # B's engine has not shown it yet
+    assert router.moved_leases == 1 and router.state()["moved_leases"] == 1
+
+    pinned.release()
+    assert idle == [1]  # v1 drained: the hot-swap may unload it
+    for lease in (long_a, long_b, short):
+        lease.release()
+    assert in_flight([v1, v2, v3]) == [0, 0, 0] and idle == [1, 2] and not router.marked  # v3 is routed
+
+
+def test_only_requests_sent_before_the_one_that_came_back_move() -> None:
+    """One sent later may still be on its way to the engine, which must find its version loaded."""
+    router, (v1, v2) = router_with(1, 2)
+    router.route(v2)
+    short = router.resolve("policy")
+    short.mark(A)
+    router.route(v1)  # a lease on an older version sent after it (a request that sat in the gateway)
+    late = router.resolve("policy")
+    late.mark(A)
+    short.reached_engine()
+    assert late.holds == 1 and in_flight([v1, v2]) == [1, 1]
+    later = router.resolve("policy")  # on v1 too, sent after: a newer evidence on v2 moves both
+    later.mark(A)
+    router.route(v2)
+    again = router.resolve("policy")
+    again.mark(A)
+    again.reached_engine()
+    assert late.holds == later.holds == 2 and in_flight([v1, v2]) == [0, 4]
+
+
+def test_unmarked_and_re_sent_requests() -> None:
+    router, (v1, v2) = router_with(1, 2)
+    router.route(v1)
+    plain = router.resolve("policy")  # not marked (the mode is off, or the engine cannot move requests)
+    retried = router.resolve("policy")
+    retried.mark(B)
+    retried.mark(A)  # B hung up before answering: sent again, to A
+    router.route(v2)
+    short = router.resolve("policy")
+    short.mark(A)
+    short.reached_engine()
+    assert plain.holds == 1 and retried.holds == 2 and list(router.marked) == [retried, short]
+    unmarked = router.resolve("policy")
+    unmarked.reached_engine()  # not marked: says nothing about its engine
+    assert plain.holds == 1
+    for lease in (plain, retried, short, unmarked):
+        lease.release()
+        lease.release()  # once only counts
+    assert in_flight([v1, v2]) == [0, 0]
