@@ -9,6 +9,8 @@ Modes (``--modes``, by name):
   served while the trainer trains and the new version is swapped in (the demo's pacer with ``max_ahead = 0``).
 * ``inflight``: ``pipeline`` with the gateway's ``update_mode = "in-flight"``: a running request moves to each
   new version from its next decode step (docs/gateway.md, "In-flight updates"), so its later tokens are fresher.
+* ``pipeline-room``: ``pipeline`` with room for one more loaded version (the gateway's ``max_loaded_versions`` 4,
+  not 3): under long replies a new version then need not wait for one of two older ones to finish its replies.
 
 A mode name ending in ``-json`` (``pipeline-json``) is that mode with the gateway reading tokens from vLLM's JSON
 instead of the engine's capture frames. Runs are interleaved, seed by seed (seed 0 pipeline, seed 0 sync, seed 1
@@ -77,10 +79,13 @@ class Mode:
     start-up, training) is added to the run's clock: its curve starts that much later."""
     update_mode: str = "pinned"
     """The gateway's ``update_mode``: ``in-flight`` moves running requests to each new version mid-way."""
+    max_loaded_versions: int | None = None
+    """The gateway's ``max_loaded_versions``; None: its default (3)."""
 
 
 MODES = {"pipeline": Mode("pipeline", synchronous=False), "sync": Mode("sync", synchronous=True),
          "inflight": Mode("inflight", synchronous=False, update_mode="in-flight"),
+         "pipeline-room": Mode("pipeline-room", synchronous=False, max_loaded_versions=4),
          "sft-pipeline": Mode("sft-pipeline", synchronous=False, warm_start=True),
          "sft-sync": Mode("sft-sync", synchronous=True, warm_start=True)}
 BASELINE = "sync"
@@ -250,6 +255,8 @@ def up_config(preset: Preset, spec: RunSpec, model: Path, run_dir: Path, port: i
     }
     if config["trainer"]["row_tokens"] is None:
         del config["trainer"]["row_tokens"]
+    if mode.max_loaded_versions is not None:
+        config["gateway"] = {"max_loaded_versions": mode.max_loaded_versions}
     if init_adapter:
         config["trainer"]["init_adapter"] = init_adapter
     if spec.mode == "warmup":  # one trained version served, not timed

@@ -252,3 +252,18 @@ def test_publish_to_served_reads_each_version_and_names_those_that_waited_for_ro
     assert got["ms"] == [80, 1398, 301, 90] and got["max_ms"] == 1398 and got["over_500_ms"] == 1
     assert got["waited_for_room"] == 2 and got["waited_ms"] == [1398, 301] and got["over_500_ms_waited"] == 1
     assert bench.publish_to_served(tmp_path / "absent.log") == {"versions": 0, "ms": []}
+
+
+def test_a_modes_gateway_settings_reach_streamrl_up(tmp_path: Path) -> None:
+    """``pipeline-room`` gives the gateway room for one more version; the file it writes is one ``streamrl up``
+    takes (its own checker reads every table), and other modes leave the gateway's default."""
+    from streamrl.up import load_config
+
+    bench = load_bench("learn_bench")
+    for mode, room in (("pipeline-room", 4), ("pipeline", 3)):
+        config = bench.up_config(presets.PRESETS["long-tail"], bench.RunSpec(mode, 0, 0), tmp_path / "model",
+                                 tmp_path / "run", 8080, 8081, ["http://127.0.0.1:9"])
+        path = tmp_path / f"{mode}.json"
+        path.write_text(json.dumps(config))
+        assert load_config(path).gateway_config(["http://127.0.0.1:9"], "127.0.0.1:9092", 8080).max_loaded_versions \
+            == room
