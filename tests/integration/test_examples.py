@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine.server import Engine
 from streamrl.gateway.config import GatewayConfig
 from streamrl.gateway.server import GatewayServer
+from streamrl.judge.config import JudgeConfig
+from streamrl.judge.service import JudgeService
 from streamrl.producers.client import AsyncGateway
 from streamrl.producers.episode import Outcome
 from streamrl.trainer.assembler import ReadyGroup, Trajectory, merge_calls
@@ -253,8 +256,11 @@ def test_email_search_reads_the_mailbox(gateway: GatewayServer, completions: Top
 # -------------------------------------------------------------------------------------- judged, no reward
 
 
-def test_autotask_generates_inputs_and_asks_for_judging(gateway: GatewayServer, completions: TopicReader,
-                                                        rewards: TopicReader) -> None:
+def test_autotask_generates_inputs_and_is_judged(broker: EmbeddedBroker, base_model: str, gateway: GatewayServer,
+                                                 completions: TopicReader, rewards: TopicReader) -> None:
+    """Inputs written by a model through the gateway from the one-line description, answered, and scored by the
+    real ``streamrl judge`` service (``JudgeService``) through the same gateway: one judged reward per
+    trajectory, relative to its group, which is what the trainer then trains on (tests/integration/test_judge.py)."""
     from examples.autotask.agent import AutoTask
 
     task = AutoTask(description="Name a colour.", n_inputs=4, generation_max_tokens=48, max_tokens=8)
@@ -269,3 +275,26 @@ def test_autotask_generates_inputs_and_asks_for_judging(gateway: GatewayServer, 
     for o in outcomes:
         (call,) = calls_of(completions, o)
         assert call.request["messages"][1]["content"] in task._inputs
+
+    # short explanations: the random tiny model writes gibberish up to the bound (structured output keeps it JSON)
+    config = JudgeConfig(base_url=f"{gateway.url}/v1", model=base_model, bootstrap_servers=broker.bootstrap_servers,
+                         topic_prefix=TOPICS.prefix, max_explanation_chars=24, max_tokens=256, quiet_period_s=30,
+                         commit_interval_s=0.2, name="autotask")
+    stop = threading.Event()
+    runner = threading.Thread(target=JudgeService(config, stop).run, daemon=True)
+    runner.start()
+    try:
+        tids = {o.trajectory_id for o in outcomes}
+        judged = rewards.wait_for(lambda r: isinstance(r, RewardRecord) and r.judged_by == "autotask"
+                                  and r.trajectory_id in tids, count=2, timeout=120)
+    finally:
+        stop.set()
+        runner.join(30)
+    assert {r.trajectory_id for r in judged} == tids and len(judged) == 2
+    group = {r.group_id for r in asked}
+    for r in judged:
+        assert 0.0 <= r.metrics["judge_score"] <= 1.0 and r.reward == pytest.approx(r.metrics["judge_score"])
+        assert {r.group_id} == group and r.group_size == 2 and r.metrics["judge_prompt_tokens"] > 0
+    # the judge's own call went through the gateway, recorded as purpose judge (never trained on)
+    completions.wait_for(lambda c: isinstance(c, CompletionRecord) and c.group_id == f"judge.{next(iter(group))}"
+                         and c.purpose == "judge")
