@@ -9,6 +9,8 @@ Modes (``--modes``, by name):
   served while the trainer trains and the new version is swapped in (the demo's pacer with ``max_ahead = 0``).
 * ``inflight``: ``pipeline`` with the gateway's ``update_mode = "in-flight"``: a running request moves to each
   new version from its next decode step (docs/gateway.md, "In-flight updates"), so its later tokens are fresher.
+* ``inflight-recompute``: ``inflight`` with the gateway's ``in_flight_cache = "recompute"``: at a move the engine
+  computes the request's cache again under the new adapter (AReaL's choice) instead of keeping the older one's.
 * ``pipeline-room``: ``pipeline`` with room for one more loaded version (the gateway's ``max_loaded_versions`` 4,
   not 3): under long replies a new version then need not wait for one of two older ones to finish its replies.
 
@@ -81,10 +83,14 @@ class Mode:
     """The gateway's ``update_mode``: ``in-flight`` moves running requests to each new version mid-way."""
     max_loaded_versions: int | None = None
     """The gateway's ``max_loaded_versions``; None: its default (3)."""
+    in_flight_cache: str = "keep"
+    """The gateway's ``in_flight_cache`` (with ``update_mode = "in-flight"``): ``keep`` or ``recompute``."""
 
 
 MODES = {"pipeline": Mode("pipeline", synchronous=False), "sync": Mode("sync", synchronous=True),
          "inflight": Mode("inflight", synchronous=False, update_mode="in-flight"),
+         "inflight-recompute": Mode("inflight-recompute", synchronous=False, update_mode="in-flight",
+                                    in_flight_cache="recompute"),
          "pipeline-room": Mode("pipeline-room", synchronous=False, max_loaded_versions=4),
          "sft-pipeline": Mode("sft-pipeline", synchronous=False, warm_start=True),
          "sft-sync": Mode("sft-sync", synchronous=True, warm_start=True)}
@@ -255,8 +261,10 @@ def up_config(preset: Preset, spec: RunSpec, model: Path, run_dir: Path, port: i
     }
     if config["trainer"]["row_tokens"] is None:
         del config["trainer"]["row_tokens"]
-    if mode.max_loaded_versions is not None:
-        config["gateway"] = {"max_loaded_versions": mode.max_loaded_versions}
+    gateway = {**({"max_loaded_versions": mode.max_loaded_versions} if mode.max_loaded_versions else {}),
+               **({"in_flight_cache": mode.in_flight_cache} if mode.in_flight_cache != "keep" else {})}
+    if gateway:
+        config["gateway"] = gateway
     if init_adapter:
         config["trainer"]["init_adapter"] = init_adapter
     if spec.mode == "warmup":  # one trained version served, not timed

@@ -41,7 +41,7 @@ import orjson
 
 from streamrl.engine.capture_outbox import Outboxes, new_token
 from streamrl.engine.capture_scheduler import MARK, STEP_KEY, TESTED_VERSIONS, version_ok
-from streamrl.engine.inflight import FOLLOW, MOVES_KEY, served_version
+from streamrl.engine.inflight import FOLLOW, KEEP, MOVES_KEY, RECOMPUTE, served_version
 from streamrl.engine.wire import (
     BODY,
     CAPTURE,
@@ -49,6 +49,8 @@ from streamrl.engine.wire import (
     CAPTURE_PATHS,
     DEFER_PREFIX,
     FOLLOW_HEADER,
+    FOLLOW_KEEP,
+    FOLLOW_RECOMPUTE,
     FORMAT_VERSION,
     FORMATS,
     NO_CAPTURE,
@@ -124,15 +126,21 @@ class _Choice:
         return np.concatenate(self.logprobs) if self.logprobs else np.zeros(0, np.float32)
 
 
+def follow_policy(header: bytes | None) -> str | None:
+    """The cache policy a ``FOLLOW_HEADER`` value asks for (``1``: keep, ``recompute``), None: no moves."""
+    return {FOLLOW_KEEP.encode(): KEEP, FOLLOW_RECOMPUTE.encode(): RECOMPUTE}.get(header) if header else None
+
+
 class _Capture:
     """What one HTTP request's engine requests produced."""
 
     __slots__ = ("choices", "endpoint", "follow")
 
-    def __init__(self, endpoint: str, follow: bool = False) -> None:
+    def __init__(self, endpoint: str, follow: str | None = None) -> None:
         self.endpoint = endpoint
         self.follow = follow
-        """The gateway asked for in-flight updates: the requests may move, the capture carries version spans."""
+        """The gateway asked for in-flight updates (with this cache policy at a move, ``inflight.KEEP`` or
+        ``RECOMPUTE``): the requests may move, the capture carries version spans."""
         self.choices: list[_Choice] = []
 
     def complete(self) -> bool:
@@ -222,7 +230,7 @@ class _OutputProcessorHooks:
                 params.extra_args = {**(params.extra_args or {}), MARK: True}  # ... in its step's column
             served = served_version(getattr(getattr(request, "lora_request", None), "lora_name", None))
             if capture.follow and served is not None:
-                params.extra_args = {**(params.extra_args or {}), FOLLOW: True}
+                params.extra_args = {**(params.extra_args or {}), FOLLOW: capture.follow}
             choice = _Choice(request.request_id, request.external_req_id or request.request_id, request_index,
                              request.prompt_token_ids, keep, served[1] if served is not None else 0)
             capture.choices.append(choice)
@@ -356,7 +364,7 @@ class CaptureMiddleware:
         hooks = self.hooks(scope)
         if isinstance(hooks, str):
             return await self.app(scope, receive, send)
-        capture = _Capture(endpoint, any(k == _FOLLOW_KEY and v == b"1" for k, v in scope["headers"]))
+        capture = _Capture(endpoint, follow_policy(next((v for k, v in scope["headers"] if k == _FOLLOW_KEY), None)))
         token = _CURRENT.set(capture)
         consumer = asked[len(DEFER_PREFIX):].decode("latin-1") if asked.startswith(DEFER_PREFIX.encode()) else ""
         wrapped: _FramedSend | _DeferredSend = (_DeferredSend(send, capture, consumer)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .inflight import MOVES_KEY, Move, MovePlanner
+from .inflight import MOVES_KEY, Move, MovePlanner, rehash, restart
 
 TESTED_VERSIONS = ("0.26.0", "0.32.0")
 """The vLLM releases every hook streamrl puts into vLLM was tested against (token capture's two halves, and
@@ -108,11 +108,16 @@ class _CaptureMixin:
             self._own_logprobs.add(request.request_id)
         move = self.mover.arrived(request)
         if move is not None:
+            if move.recompute:  # nothing computed yet: its prompt's blocks are to be the new adapter's
+                rehash(request)
             self._moves.append(move)
         super().add_request(request)  # type: ignore[misc]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         moves = self.mover.plan(self.requests)  # type: ignore[attr-defined]
+        for move in moves:
+            if move.recompute:
+                restart(self, move)
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         if moves:  # the worker applies them before this step's inputs are built
             setattr(output, MOVES_KEY, {m.request_id: m.lora_request for m in moves})

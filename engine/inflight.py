@@ -10,9 +10,13 @@ scheduler and not a reload in place: versions keep their own names, so pinned re
 version and the record of which version produced which token all stay exact; and the scheduler is the one
 place that knows, per request, which step (so which sampled token) is the first on the new version.
 
-The KV cache of the tokens before the switch is kept (PipelineRL's choice): they were computed under the
-older adapter, which the trainer's recompute does not see; the alternative (recomputing the prefix under the
-new adapter, AReaL's) is not built yet.
+The cache policy is the request's (:data:`FOLLOW`'s value, from the gateway's ``in_flight_cache``). ``keep``: the
+KV cache of the tokens before the switch is kept (PipelineRL's choice): they were computed under the older
+adapter, which the trainer's recompute does not see. ``recompute`` (AReaL's): at the move the running request
+is preempted as vLLM preempts for room (its blocks freed, back to the front of the waiting queue) with its
+block hashes made again under the new adapter, so its prompt and tokens so far are prefilled again under the
+new adapter (cached blocks of that adapter, e.g. a group's shared prompt, are reused) and every later token is
+sampled exactly as a request pinned to the new version would sample it (:func:`restart`).
 
 Two halves, pinned with token capture to ``TESTED_VERSIONS``:
 
@@ -27,13 +31,19 @@ Two halves, pinned with token capture to ``TESTED_VERSIONS``:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from dataclasses import dataclass
 from typing import Any
 
 FOLLOW = "streamrl_follow"
-"""``SamplingParams.extra_args`` key of a request that may move to its policy's newest version."""
+"""``SamplingParams.extra_args`` key of a request that may move to its policy's newest version; its value is the
+cache policy at a move, :data:`KEEP` or :data:`RECOMPUTE`."""
+
+KEEP, RECOMPUTE = "keep", "recompute"
+"""Cache policies at a move: keep the KV cache computed under the older adapter, or compute it again."""
+CACHE_POLICIES = (KEEP, RECOMPUTE)
 
 MOVES_KEY = "streamrl_moves"
 """``kv_transfer_params`` key, on the first output of a step's message to one API server, carrying
@@ -61,6 +71,8 @@ class Move:
     """Index (in the request's sampled tokens) of the first token the new version produces."""
     version: int
     lora_request: Any
+    recompute: bool = False
+    """Its KV cache is computed again under the new adapter (:func:`restart`), not kept."""
 
 
 class MovePlanner:
@@ -120,7 +132,40 @@ class MovePlanner:
         first = len(request.output_token_ids) + getattr(request, "num_output_placeholders", 0)
         request.lora_request = lora_request
         self.moved += 1
-        return Move(request.request_id, request.client_index, first, version, lora_request)
+        recompute = (request.sampling_params.extra_args or {}).get(FOLLOW) == RECOMPUTE
+        return Move(request.request_id, request.client_index, first, version, lora_request, recompute)
+
+
+def restart(scheduler: Any, move: Move) -> None:
+    """The ``recompute`` cache policy, in the engine core before the step is scheduled: the moved request's
+    block hashes are made again under its new adapter (the old ones name the older adapter's blocks, which a
+    re-prefill would otherwise find cached), and a running one is preempted as vLLM's own
+    ``reset_prefix_cache(reset_running_requests=True)`` preempts (blocks freed, output still in flight dropped
+    and sampled again), so that the scheduler prefills it again, in this step if there is room. Its first token
+    on the new version is then the first one after those it has."""
+    import time
+
+    request = scheduler.requests.get(move.request_id)
+    if request is None:
+        return
+    if request.status.name == "RUNNING":
+        scheduler.running.remove(request)
+        preempt = scheduler._preempt_request
+        if "drop_stale_output" in inspect.signature(preempt).parameters:  # vLLM 0.32
+            preempt(request, time.monotonic(), drop_stale_output=True)
+        else:  # vLLM 0.26: as its reset_prefix_cache does after the same call
+            preempt(request, time.monotonic())
+            request.async_tokens_to_discard = request.num_output_placeholders
+            request.num_output_placeholders = 0
+        scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
+        move.first_token = len(request.output_token_ids)
+    rehash(request)
+
+
+def rehash(request: Any) -> None:
+    """A request's block hashes under the adapter it now has (vLLM's hasher puts the adapter in each hash)."""
+    request.block_hashes.clear()
+    request.update_block_hashes()
 
 
 def _follows(request: Any) -> bool:

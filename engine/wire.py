@@ -59,8 +59,10 @@ SPANS_FORMAT_VERSION = 2
 """The capture format with per-choice version spans (in-flight updates); the probe lists both."""
 FORMATS = (FORMAT_VERSION, SPANS_FORMAT_VERSION)
 FOLLOW_HEADER = "X-Streamrl-Follow"
-"""Request header (value ``1``): the request may move to its policy's newest version while it runs
-(``engine/inflight.py``); its capture comes in format 2."""
+"""Request header: the request may move to its policy's newest version while it runs (``engine/inflight.py``);
+its capture comes in format 2. Its value is the cache policy at a move: :data:`FOLLOW_KEEP` keeps the KV cache
+of the tokens so far, :data:`FOLLOW_RECOMPUTE` computes it again under the new adapter."""
+FOLLOW_KEEP, FOLLOW_RECOMPUTE = "1", "recompute"
 CAPTURE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 BODY = b"B"

@@ -14,6 +14,8 @@ from streamrl.config_file import load_config
 
 UpdateMode = Literal["pinned", "in-flight"]
 UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
+InFlightCache = Literal["keep", "recompute"]
+IN_FLIGHT_CACHES: tuple[str, ...] = get_args(InFlightCache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,11 @@ class GatewayConfig:
     on; ``in-flight``, requests routed by the policy's name move to it from their next decode step on (an
     engine started by ``streamrl engine`` only; requests pinned to ``<name>@v<N>`` never move), and their records
     say which tokens which version sampled (``version_spans``; docs/gateway.md, "In-flight updates")."""
+    in_flight_cache: InFlightCache = "keep"
+    """In the ``in-flight`` update mode, what a moving request's KV cache does: ``keep``, the tokens so far keep
+    the cache computed under the older adapter (PipelineRL's choice, no extra work); ``recompute``, the engine
+    computes it again under the new adapter at the move, so later tokens are sampled exactly as a request of the
+    new version would sample them (AReaL's choice; a re-prefill per move). docs/gateway.md, "In-flight updates"."""
     deferred_capture_wait_s: float = 30.0
     """How long a call's record waits in the producer for its deferred capture before it is counted invalid."""
     record_request: bool = True
@@ -163,6 +170,9 @@ class GatewayConfig:
             raise ValueError("spool_after_ms must be >= 1")
         if self.update_mode not in UPDATE_MODES:
             raise ValueError(f"update_mode must be one of {', '.join(UPDATE_MODES)}, not {self.update_mode!r}")
+        if self.in_flight_cache not in IN_FLIGHT_CACHES:
+            raise ValueError(f"in_flight_cache must be one of {', '.join(IN_FLIGHT_CACHES)}, "
+                             f"not {self.in_flight_cache!r}")
         if self.producer_client not in PRODUCER_CLIENTS:
             raise ValueError(f"producer_client must be one of {', '.join(PRODUCER_CLIENTS)}, not {self.producer_client!r}")
         object.__setattr__(self, "upstreams", tuple(u.rstrip("/") for u in self.upstreams))

@@ -32,6 +32,8 @@ from streamrl.engine.wire import (
     CAPTURE_HEADER,
     DEFER_PREFIX,
     FOLLOW_HEADER,
+    FOLLOW_KEEP,
+    FOLLOW_RECOMPUTE,
     FrameSplitter,
     WireError,
     capture_counts,
@@ -258,6 +260,8 @@ class Proxy:
         self._upstream_headers = {"Content-Type": JSON, **config.extra_headers}
         self._capture_headers = {**self._upstream_headers, CAPTURE_HEADER: "1"}
         self._in_flight = config.update_mode == "in-flight"
+        self._follow = FOLLOW_RECOMPUTE if config.in_flight_cache == "recompute" else FOLLOW_KEEP
+        """The follow header's value: the cache policy at a move."""
         self._consumer: str | None = None
         """With ``defer_to``: the record producer's name on the upstreams' capture streams."""
         self._deferred_headers: dict[str, dict[str, str]] = {}
@@ -372,7 +376,7 @@ class Proxy:
                 headers = (self._deferring(up) if call.deferred else self._capture_headers if call.engine_capture
                            else self._upstream_headers)
                 if self._in_flight and call.lease.follows and call.engine_capture and up.moves_requests:
-                    headers = {**headers, FOLLOW_HEADER: "1"}  # it may move to a newer version while it runs
+                    headers = {**headers, FOLLOW_HEADER: self._follow}  # it may move to a newer version while it runs
                     call.lease.mark(up.url)
                 resp = await session.post(up.url + call.endpoint.route, data=data, timeout=self._timeout,
                                           headers=headers)

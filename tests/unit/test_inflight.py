@@ -170,3 +170,37 @@ def test_moves_reach_the_worker_through_the_scheduler_output() -> None:
     setattr(output, MOVES_KEY, {"r": LoRARequest("p@v2", 2, "/tmp/x")})
     back = pickle.loads(pickle.dumps(output))
     assert getattr(back, MOVES_KEY)["r"].lora_name == "p@v2"
+
+
+def test_the_cache_policy_rides_with_the_request_and_recompute_re_hashes_it() -> None:
+    """The follow header's value becomes the request's cache policy; a ``recompute`` move makes the request's
+    block hashes again under its new adapter (whatever its state), and preempts it when it runs (vLLM's own
+    preemption, checked against the real engine in tests/integration/test_engine_inflight.py)."""
+    from streamrl.engine.capture import follow_policy
+    from streamrl.engine.inflight import KEEP, RECOMPUTE, rehash, restart
+
+    assert (follow_policy(b"1"), follow_policy(b"recompute"), follow_policy(b"2"), follow_policy(None)) == (
+        KEEP, RECOMPUTE, None, None)
+    planner = MovePlanner()
+    kept, redone = request("k", "p@v1", 1, outputs=4), request("r", "p@v1", 1, outputs=6)
+    redone.sampling_params.extra_args = {FOLLOW: RECOMPUTE}
+    for r in (kept, redone):
+        planner.arrived(r)
+    planner.arrived(request("new", "p@v2", 2))
+    moves = {m.request_id: m for m in planner.plan({"k": kept, "r": redone})}
+    assert not moves["k"].recompute and moves["r"].recompute
+
+    hashed: list[str] = []
+    waiting = SimpleNamespace(status=SimpleNamespace(name="WAITING"), output_token_ids=[7] * 6, block_hashes=["old"],
+                              update_block_hashes=lambda: hashed.append(redone_lora(waiting)))
+
+    def redone_lora(r: SimpleNamespace) -> str:
+        r.block_hashes.append("new")
+        return "done"
+
+    waiting.lora_request = moves["r"].lora_request
+    scheduler = SimpleNamespace(requests={"r": waiting}, running=[])
+    restart(scheduler, moves["r"])  # not running: nothing to preempt, its hashes are made again
+    assert waiting.block_hashes == ["new"] and hashed == ["done"] and moves["r"].first_token == 6
+    rehash(waiting)
+    assert waiting.block_hashes == ["new"]

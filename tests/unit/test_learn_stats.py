@@ -260,10 +260,10 @@ def test_a_modes_gateway_settings_reach_streamrl_up(tmp_path: Path) -> None:
     from streamrl.up import load_config
 
     bench = load_bench("learn_bench")
-    for mode, room in (("pipeline-room", 4), ("pipeline", 3)):
+    for mode, room, cache in (("pipeline-room", 4, "keep"), ("pipeline", 3, "keep"), ("inflight-recompute", 3, "recompute")):
         config = bench.up_config(presets.PRESETS["long-tail"], bench.RunSpec(mode, 0, 0), tmp_path / "model",
                                  tmp_path / "run", 8080, 8081, ["http://127.0.0.1:9"])
         path = tmp_path / f"{mode}.json"
         path.write_text(json.dumps(config))
-        assert load_config(path).gateway_config(["http://127.0.0.1:9"], "127.0.0.1:9092", 8080).max_loaded_versions \
-            == room
+        gateway = load_config(path).gateway_config(["http://127.0.0.1:9"], "127.0.0.1:9092", 8080)
+        assert (gateway.max_loaded_versions, gateway.in_flight_cache) == (room, cache)
