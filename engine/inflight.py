@@ -43,7 +43,6 @@ cache policy at a move, :data:`KEEP` or :data:`RECOMPUTE`."""
 
 KEEP, RECOMPUTE = "keep", "recompute"
 """Cache policies at a move: keep the KV cache computed under the older adapter, or compute it again."""
-CACHE_POLICIES = (KEEP, RECOMPUTE)
 
 MOVES_KEY = "streamrl_moves"
 """``kv_transfer_params`` key, on the first output of a step's message to one API server, carrying

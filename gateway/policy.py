@@ -13,6 +13,7 @@ counted, so loaded, until its longest reply ended, and a new version would wait 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -85,7 +86,7 @@ class Lease:
     def release(self) -> None:
         state, self._state = self._state, None
         if state is not None and self._router is not None:
-            self._router.marked.pop(self, None)
+            self._router.unmark(self, state.record.version)
             self._let_go(state)
 
 
@@ -99,6 +100,9 @@ class PolicyRouter:
         self.idle_callbacks: list[Callable[[VersionState], None]] = []
         self.marked: dict[Lease, None] = {}
         """Leases of requests in flight that were sent marked to move (``Lease.mark``), in the order sent."""
+        self._marked_versions: Counter[int] = Counter()
+        """How many marked leases hold each version: a request's answer looks through ``marked`` only when
+        some of them hold an older version than its own, not on every call."""
         self._sent = 0
         self.moved_leases = 0
         """Leases that followed their request to a newer version (``moved_forward``)."""
@@ -139,18 +143,32 @@ class PolicyRouter:
 
     def sent_marked(self, lease: Lease) -> int:
         self._sent += 1
-        self.marked.pop(lease, None)  # sent again (another upstream): its place is the new one
+        if self.marked.pop(lease, False) is False:  # else sent again (another upstream): its place is the new one
+            self._marked_versions[lease.holds] += 1
         self.marked[lease] = None
         return self._sent
+
+    def unmark(self, lease: Lease, version: int) -> None:
+        if self.marked.pop(lease, False) is not False:
+            self._count(version, -1)
+
+    def _count(self, version: int, n: int) -> None:
+        self._marked_versions[version] += n
+        if not self._marked_versions[version]:
+            del self._marked_versions[version]
 
     def moved_forward(self, upstream: str, sent_before: int, state: VersionState) -> None:
         """``upstream``'s engine runs the marked requests sent to it before ``sent_before`` on ``state``'s
         version or a newer one: the leases of those on older versions now count against ``state``."""
         version = state.record.version
+        if not self._marked_versions or min(self._marked_versions) >= version:
+            return  # nothing older to move: the common case, one check per answer
         for lease in list(self.marked):
             if lease.sent >= sent_before:
                 break
             if lease.marked_on == upstream and lease.holds < version:
+                self._count(lease.holds, -1)
+                self._count(version, 1)
                 lease._hold(state)
                 self.moved_leases += 1
 
