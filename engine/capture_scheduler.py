@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .core_priority import give_way_on_cpu
 from .inflight import MOVES_KEY, Move, MovePlanner, rehash, restart
 
 TESTED_VERSIONS = ("0.26.0", "0.32.0")
@@ -155,6 +156,7 @@ def capture_scheduler(*args: Any, vllm_config: Any, **kwargs: Any) -> Any:
     import vllm
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    give_way_on_cpu()  # the one streamrl hook that runs in the engine core's process
     base: type = Scheduler
     if vllm_config.scheduler_config.async_scheduling:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler

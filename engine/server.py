@@ -19,7 +19,7 @@ from pathlib import Path
 from streamrl.broker.embedded import free_port
 from streamrl.child import spawn, stop_group, wait_http
 from streamrl.engine.capture_scheduler import TESTED_VERSIONS, version_ok
-from streamrl.engine.worker_env import PIN_ENV
+from streamrl.engine.worker_env import CORE_NICE_ENV, PIN_ENV
 from streamrl.usage import UsageError
 
 KEEP_ALIVE_S = 75
@@ -59,6 +59,9 @@ class EngineConfig:
     pin_lora_memory: bool = False
     """Let vLLM pin adapters' host copies (its default). Off, they stay pageable: beside a trainer on the same
     GPU a load then takes 1/5 of the time (``engine/lora_memory.py``)."""
+    core_nice: int | None = None
+    """How much nicer vLLM's engine core makes itself; None: 10 on a CPU-only machine, where its busy-waiting
+    otherwise starves the API server on the one core vLLM leaves it (``engine/core_priority.py``), 0 on a GPU one."""
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -125,6 +128,8 @@ class Engine:
         env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(KEEP_ALIVE_S))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
         env[PIN_ENV] = "1" if self.config.pin_lora_memory else "0"
+        if self.config.core_nice is not None:
+            env[CORE_NICE_ENV] = str(self.config.core_nice)
         if self.config.device is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.config.device
         return env

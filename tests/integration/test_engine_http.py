@@ -29,3 +29,14 @@ def test_idle_connection_outlives_vllms_default_keep_alive(engine: Engine) -> No
         assert conn.sock is sock  # the same connection, not a new one
     finally:
         conn.close()
+
+
+def test_engine_core_gives_way_to_the_api_server_on_the_cpu(engine: Engine) -> None:
+    """On a CPU-only machine the engine core runs nicer than the API server (``engine/core_priority.py``): its
+    busy-waiting on the worker otherwise starved the API server for seconds while a request ran."""
+    import psutil
+
+    server = psutil.Process(engine.proc.pid)
+    cores = [p for p in server.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    assert len(cores) == 1, [(p.name(), p.cmdline()) for p in server.children(recursive=True)]
+    assert server.nice() == 0 and cores[0].nice() == 10, (server.nice(), cores[0].nice())
