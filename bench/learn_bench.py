@@ -199,7 +199,7 @@ def make_task(preset: Preset) -> Any:
     """The preset's demo task, as the demo builds it; ValueError when it writes no demonstrations."""
     from streamrl.producers.demo_cli import DemoConfig
 
-    task = DemoConfig(task=preset.task, max_tokens=preset.max_tokens, context_words=preset.context_words,
+    task = DemoConfig(task=preset.task, task_options=preset.task_options, max_tokens=preset.max_tokens, context_words=preset.context_words,
                       eval_problems=preset.eval_problems).make_task()
     if not callable(getattr(task, "demonstration", None)):
         raise ValueError(f"task {preset.task!r} writes no demonstrations (a `demonstration(problem)` method): "
@@ -252,7 +252,7 @@ def up_config(preset: Preset, spec: RunSpec, model: Path, run_dir: Path, port: i
                     "max_lag": preset.max_lag, "metrics_port": trainer_port, "seed": spec.seed,
                     "group_timeout_s": 30.0, "micro_batch_tokens": preset.micro_batch_tokens,
                     "row_tokens": preset.row_tokens},
-        "demo": {"task": preset.task, "group_size": preset.group_size, "concurrency": preset.concurrency,
+        "demo": {"task": preset.task, "task_options": preset.task_options, "group_size": preset.group_size, "concurrency": preset.concurrency,
                  "max_tokens": preset.max_tokens, "context_words": preset.context_words, "stall_s": preset.stall_s,
                  "groups_per_step": preset.groups_per_step, "max_ahead": 0 if mode.synchronous else preset.max_ahead,
                  "until_reward": preset.until_reward, "stop_groups": preset.stop_groups,

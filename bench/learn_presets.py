@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import tomllib
 import typing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ class Preset:
     task: str = "numbers"
     """The demo task: numbers, calculator or arithmetic, or an agent task as ``module:attr`` (examples/); the
     score is the held-out evaluation where the task has a held-out set (arithmetic, the examples' agents)."""
+    task_options: dict[str, Any] = field(default_factory=dict)
+    """An agent task's own settings (the demo's ``task_options``), e.g. ``{first_tool = "search_inbox"}``."""
     max_tokens: int = 64
     """Reply tokens per call at most."""
     context_words: int = 0
@@ -165,6 +168,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (SHORT, LONG_TAIL, AGENT, WARM_
 
 def _coerce(name: str, tp: Any, value: Any, where: str) -> Any:
     """A TOML value as field ``name`` of type ``tp`` wants it (ints for floats, lists for tuples), or ValueError."""
+    if typing.get_origin(tp) is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: {name} must be a table, not {value!r}")
+        return dict(value)
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if args and typing.get_origin(tp) is not tuple:  # X | None
         tp = args[0]
@@ -222,6 +229,10 @@ def preset_toml(preset: Preset) -> str:
             text = "true" if value else "false"
         elif isinstance(value, tuple):
             text = "[" + ", ".join(repr(v) for v in value) + "]"
+        elif isinstance(value, dict):
+            if not value:
+                continue
+            text = "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items()) + "}"
         elif isinstance(value, str):
             text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
         else:

@@ -18,7 +18,8 @@ import os
 import re
 import sys
 import threading
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -58,9 +59,10 @@ def _importable_from_here() -> None:
         sys.path.insert(0, here)
 
 
-def load_task(spec: str, **settings: Any) -> Task:
+def load_task(spec: str, options: Mapping[str, Any] | None = None, **settings: Any) -> Task:
     """The task a ``module:attr`` spec names: ``attr`` itself, or, when it is a class or a function, what it
-    returns called with those of ``settings`` (model, temperature) its signature takes."""
+    returns called with those of ``settings`` (model, temperature) its signature takes and every one of
+    ``options`` (the task's own settings, e.g. ``first_tool``: one it does not take is a ValueError)."""
     check_task_spec(spec)
     module, attr = spec.split(":", 1)
     target: Any = importlib.import_module(module)
@@ -71,7 +73,17 @@ def load_task(spec: str, **settings: Any) -> Task:
             raise ValueError(f"demo task {spec!r}: {module} has no {attr}") from None
     if isinstance(target, type) or (callable(target) and not hasattr(target, "episode")):
         params = inspect.signature(target).parameters
-        target = target(**{k: v for k, v in settings.items() if k in params})
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        unknown = sorted(k for k in (options or {}) if k not in params and not takes_any)
+        if unknown:
+            raise ValueError(f"demo task {spec!r} takes no option {', '.join(map(repr, unknown))} (it takes: "
+                             f"{', '.join(params) or 'none'})")
+        try:
+            target = target(**{k: v for k, v in settings.items() if k in params}, **dict(options or {}))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"demo task {spec!r} with options {dict(options or {})}: {exc}") from None
+    elif options:
+        raise ValueError(f"demo task {spec!r} is an object, not a class or function: it takes no options")
     if not (callable(getattr(target, "sample", None)) and callable(getattr(target, "episode", None))):
         raise ValueError(f"demo task {spec!r} is not a task: it needs sample(rng) and async episode(gateway, problem, "
                          f"group_id, group_size) (streamrl.producers.agent.AgentTask has them)")
@@ -85,6 +97,9 @@ class DemoConfig:
     task: str = "numbers"
     """numbers, calculator or arithmetic; or ``module:attr``, an agent task of your own (a ``Task`` such as an
     ``agent.AgentTask``, or a class or function returning one), imported from the current directory."""
+    task_options: dict[str, Any] = field(default_factory=dict)
+    """An agent task's own settings (``module:attr`` tasks), given to its class or function by name: JSON on the
+    command line (``--demo-task-options '{"first_tool": "search_inbox"}'``), a table in the TOML file."""
     model: str = "policy"
     """Model name sent to the gateway: the stable policy name."""
     group_size: int = 8
@@ -126,6 +141,10 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             check_task_spec(self.task)
+        elif self.task_options:
+            raise ValueError(f"demo task options are for agent tasks (module:attr), not the built-in {self.task!r}")
+        if not isinstance(self.task_options, dict):
+            raise ValueError(f"demo task options must be a table of settings, not {self.task_options!r}")
         if self.group_size < 1 or self.concurrency < 1:
             raise ValueError("group_size and concurrency must be >= 1")
         if self.context_words < 0 or self.stall_s <= 0:
@@ -144,7 +163,7 @@ class DemoConfig:
         from .numbers import NumbersTask
 
         if self.task not in TASKS:
-            return load_task(self.task, model=self.model, temperature=self.temperature)
+            return load_task(self.task, self.task_options, model=self.model, temperature=self.temperature)
         if self.task == "calculator":
             return CalculatorTask(model=self.model, max_tokens=max(self.max_tokens, 64), temperature=self.temperature)
         if self.task == "arithmetic":

@@ -146,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gateway", default="http://127.0.0.1:8080")
     p.add_argument("--model", default="policy", help="the policy name the gateway serves")
     p.add_argument("--version", type=int, help="the version to score (default: the one served now; 0: the base model)")
+    p.add_argument("--task-options", type=json.loads, default={}, metavar="JSON",
+                   help='the agent task\'s own settings, as in training (e.g. \'{"first_tool": "search_inbox"}\')')
     args = p.parse_args(argv)
     try:
-        task = DemoConfig(task=args.task, model=args.model).make_task()
+        task = DemoConfig(task=args.task, model=args.model, task_options=args.task_options).make_task()
         if not getattr(task, "held_out", None):
             raise ValueError(f"task {args.task!r} has no held-out set")
         result = asyncio.run(evaluate_once(args.gateway, task, policy_name=args.model, version=args.version,  # type: ignore[arg-type]

@@ -102,3 +102,15 @@ def test_an_agent_task_is_named_module_attr() -> None:
         load_task("examples.tictactoe.agent:Nope")
     with pytest.raises(ValueError, match="is not a task"):
         load_task("examples.tictactoe.game:Board")
+
+
+def test_an_agent_task_takes_its_own_options() -> None:
+    """``task_options`` (the demo's, a preset's, ``evaluate --task-options``) reach the task's class by name; one
+    it does not take, or options for a built-in task, are clear errors."""
+    task = DemoConfig(task="examples.tictactoe.agent:TicTacToeTask", task_options={"max_tokens": 24},
+                      model="m").make_task()
+    assert isinstance(task, TicTacToeTask) and task.max_tokens == 24 and task.model == "m"
+    with pytest.raises(ValueError, match="takes no option 'first_toool'"):
+        load_task("examples.tictactoe.agent:TicTacToeTask", {"first_toool": "x"})
+    with pytest.raises(ValueError, match="agent tasks"):
+        DemoConfig(task="arithmetic", task_options={"max_tokens": 24})

@@ -215,6 +215,15 @@ def test_preset_file_starts_from_a_builtin_and_checks_keys_and_types(tmp_path: P
     path.write_text('[x]\nlayout = "three-gpu"\n')
     with pytest.raises(ValueError, match="layout must be one of"):
         presets.load_preset_file(path)
+    path.write_text('[mail]\nbase = "agent"\ntask = "examples.email_search.agent:EmailTask"\n'
+                    'task_options = {first_tool = "search_inbox", n_emails = 300}\n')
+    mail = presets.load_preset_file(path)["mail"]
+    assert mail.task_options == {"first_tool": "search_inbox", "n_emails": 300}
+    path.write_text(presets.preset_toml(mail))  # and back, as `learn_bench.py presets` prints it
+    assert presets.load_preset_file(path)["mail"] == mail
+    path.write_text('[x]\ntask_options = "first_tool=search_inbox"\n')
+    with pytest.raises(ValueError, match="task_options must be a table"):
+        presets.load_preset_file(path)
 
 
 def test_every_builtin_preset_round_trips_through_toml(tmp_path: Path) -> None:
