@@ -145,6 +145,23 @@ AGENT = replace(
     task="examples.tictactoe.agent:TicTacToeTask", max_tokens=16, max_seconds=300.0,
     levels=(0.0, 0.2, 0.4, 0.6), times_s=(60.0, 120.0, 180.0, 240.0, 300.0),
 )
+EMAIL_SEARCH = replace(
+    AGENT, name="email-search",
+    description="ART-E's task with the OpenAI Agents SDK (examples/email_search/): search_inbox and read_email over "
+                "3,000 generated emails, questions with one exact answer, the first call made a search (a "
+                "foothold: task_options first_tool), on SmolLM2-135M. Reward exact answer 1, right email read "
+                "0.25, a search hit 0.1. Held-out: 32 questions (the score is their mean reward).",
+    task="examples.email_search.agent:EmailTask", task_options={"first_tool": "search_inbox"}, max_tokens=128,
+    max_model_len=4096, levels=(0.1, 0.25, 0.5),
+)
+SHOP_AGENT = replace(
+    AGENT, name="shop-agent",
+    description="The shop assistant with the OpenAI Agents SDK (examples/agents_sdk/): a price_of function tool, "
+                "then the total of an order, the first call made a price look-up (task_options first_tool), on "
+                "SmolLM2-135M. Reward exact total 1, a tool answered 0.1. Held-out: the example's fixed orders.",
+    task="examples.agents_sdk.agent:ShopAgentTask", task_options={"first_tool": "price_of"}, max_tokens=128,
+    max_model_len=2048, levels=(0.1, 0.3, 0.5),
+)
 WARM_START = replace(
     SHORT, name="warm-start",
     description="short's settings in runs of 70 s, for RL from an SFT warm-up against RL from the base model "
@@ -162,7 +179,7 @@ TINY = Preset(
     max_seconds=12.0, until_reward=2.0, max_model_len=1024,
     levels=(0.5, 0.6, 0.7), times_s=(4.0, 8.0, 12.0),
 )
-PRESETS: dict[str, Preset] = {p.name: p for p in (SHORT, LONG_TAIL, AGENT, WARM_START, TINY)}
+PRESETS: dict[str, Preset] = {p.name: p for p in (SHORT, LONG_TAIL, AGENT, EMAIL_SEARCH, SHOP_AGENT, WARM_START, TINY)}
 """The named presets, by name."""
 
 
