@@ -23,9 +23,6 @@ this load generator. Modes, all in the same run:
   on-nofollow  ``on`` with ``--no-follow-policy``: no policy follower and no coordination, so no tail process
            (the gateway's child that reads the policy and coordination topics; before commit 22475cb two consumers
            and a producer in the gateway's own process, whose threads took its GIL)
-  off-compute, off-memory  ``off`` with ``NEIGHBOURS`` processes busy beside it for the phase: a Python loop
-           in its own caches, or streaming 64 MB arrays through memory (does logging's cost come from busy
-           CPUs as such, or from traffic through what the cores share?)
 
 For each mode: an open-loop run at a fixed rate (latency p50/p99 measured from each request's scheduled
 start, so a stall is not hidden) and a closed-loop run at fixed concurrency (highest sustained req/s).
@@ -47,8 +44,6 @@ import asyncio
 import collections
 import contextlib
 import json
-import math
-import multiprocessing
 import os
 import platform
 import random
@@ -596,8 +591,8 @@ PINNED: tuple[set[int], set[int]] | None = None
 record-producer process, the stub, the broker, this load generator). The gateways of the other modes, and
 their producers, may run on every CPU."""
 
-GATEWAY_MODES = ("off", "on", "on-framed", "on-json", "on-dashboard", "off-pinned", "on-pinned", "off-compute",
-                 "off-memory", "on-nofollow", "on-kafka-python")
+GATEWAY_MODES = ("off", "on", "on-framed", "on-json", "on-dashboard", "off-pinned", "on-pinned", "on-nofollow",
+                 "on-kafka-python")
 """``<mode>-pinned``: ``<mode>`` with the gateway process on ``--gateway-cpus`` alone and its producer process
 off them, in the same rounds as the unpinned modes: what placement does, on the same host at the same time."""
 
@@ -617,19 +612,6 @@ def gateway_cmd(stub_url: str, port: int, bootstrap: str, mode: str) -> list[str
             "on-json": [*cmd, "--no-token-capture"], "on-dashboard": cmd,
             "on-nofollow": [*cmd, "--no-follow-policy"],
             "on-kafka-python": [*cmd, "--producer-client", "kafka-python"]}[base]
-
-
-NEIGHBOURS = 2
-"""Busy processes beside the gateway in the ``off-compute`` and ``off-memory`` modes: about what logging runs
-beside it (the producer process near a core at saturation, the broker, a busier stub)."""
-
-
-def busy_memory() -> None:
-    """A neighbour that streams 64 MB through memory (a read and a write of 64 MB arrays), until killed."""
-    a = np.ones(8 << 20)
-    b = np.empty_like(a)
-    while True:
-        np.multiply(a, 1.0001, out=b)
 
 
 def poll_dashboard(gateway_url: str, pages: int) -> None:
@@ -717,8 +699,7 @@ def vllm_record_sizes(upstream: str, requests: int = 20, max_tokens: int = 256) 
         return record_sizes(broker.bootstrap_servers, "sizes.completions", compress=True)
 
 
-RATIOS = (("on", "off"), ("on-pinned", "off-pinned"), ("on-nofollow", "off"), ("off-compute", "off"),
-          ("off-memory", "off"), ("on-kafka-python", "off"))
+RATIOS = (("on", "off"), ("on-pinned", "off-pinned"), ("on-nofollow", "off"), ("on-kafka-python", "off"))
 """The closed-loop req/s ratios printed per round: logging's cost, placed alike, and what the variants do."""
 
 
@@ -846,36 +827,23 @@ def measure_mode(mode: str, url: str, gw: subprocess.Popen | None, pages: subpro
 def gateway_for(mode: str, stub_url: str, port: int, bootstrap: str, pages: int,
                 procs: list[subprocess.Popen]) -> Iterator[tuple[subprocess.Popen, subprocess.Popen | None]]:
     """The gateway of ``mode`` on ``port`` (in ``procs`` while it runs, so a failure still stops it), healthy,
-    and for ``on-dashboard`` the child process of open dashboard pages (``off-compute``, ``off-memory``: with its
-    busy neighbours started); all stopped on leaving."""
+    and for ``on-dashboard`` the child process of open dashboard pages; all stopped on leaving."""
     pinned = mode.endswith("-pinned")
     pin = [] if PINNED is None else ["taskset", "-c", ",".join(map(str, sorted(
         PINNED[0] if pinned else PINNED[0] | PINNED[1])))]  # unpinned: every CPU, not this process's
     gw = _spawn([*pin, *gateway_cmd(stub_url, port, bootstrap, mode)], f"gateway-{mode}")
     procs.append(gw)
     poller = None
-    neighbours: list[multiprocessing.process.BaseProcess] = []
     try:
         _wait_http(f"http://127.0.0.1:{port}/health")
         if PINNED is not None and pinned:  # the record producer (started before /health answers) elsewhere
             for child in children(gw.pid):
                 pin_away(child, PINNED[1])
-        if mode in ("off-compute", "off-memory"):
-            from cpu_siblings import spin  # the siblings probe's loop: computes in its own caches
-
-            ctx = multiprocessing.get_context("spawn")
-            target, work = (spin, (None, math.inf, None)) if mode == "off-compute" else (busy_memory, ())
-            neighbours = [ctx.Process(target=target, args=work, daemon=True) for _ in range(NEIGHBOURS)]
-            for proc in neighbours:
-                proc.start()
         if mode == "on-dashboard":
             poller = subprocess.Popen([sys.executable, __file__, "--poll-dashboard", f"http://127.0.0.1:{port}",
                                        "--dashboard-pages", str(pages)], stdout=subprocess.PIPE, text=True)
         yield gw, poller
     finally:
-        for proc in neighbours:
-            proc.kill()
-            proc.join()
         if poller is not None and poller.poll() is None:
             poller.kill()
             poller.wait()

@@ -165,8 +165,8 @@ class FrameReader:
 
     While records flow it polls the pipe every ``poll_s`` instead of sleeping in ``read``: a write to a
     pipe with a sleeping reader wakes the reader with the kernel's "sync" hint, which puts it on the
-    writer's CPU, where it preempts the server's event loop (``bench/pipe_wakeup_bench.py``; figures in
-    docs/gateway.md, "How it keeps overhead low"). After ``idle_s`` without data it sleeps in ``select`` again, so an idle server
+    writer's CPU, where it preempts the server's event loop (figures in docs/gateway.md, "How it keeps
+    overhead low"). After ``idle_s`` without data it sleeps in ``select`` again, so an idle server
     costs nothing; the first record after a pause wakes it."""
 
     def __init__(self, fd: int, max_bytes: int = 64 << 20, poll_s: float = 0.002, idle_s: float = 1.0) -> None:

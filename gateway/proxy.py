@@ -485,7 +485,7 @@ class Proxy:
         The hand-off waits for the end of this pass of the event loop (``_hand_off``, one ``call_soon`` for all
         of them), so that the calls a busy loop answers together are handed over one after the other, their
         code and data in the CPU's caches: on the H200 host a hand-off took 5.7 us of CPU so, and 17 us run
-        alone between other work (``bench/handoff_bench.py``)."""
+        alone between other work (docs/gateway.md, "How it keeps overhead low")."""
         if self.producer is None:
             return
         if said is None:

@@ -3,7 +3,7 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-neighbours | gateway-paired | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | sft | unpaced-real | judge-real | trainer | policies | policies-serving
+#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-paired | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | sft | unpaced-real | judge-real | trainer | policies | policies-serving
 #   learn: bench/learn_bench.py, PRESET (short | long-tail | agent, default short) over SEEDS (default 0: one run per
 #          mode; more seeds are run while they fit: the bench skips a run that would not end inside the device's
 #          limit, DEVICE_LIMIT_S (default 570) counted from this script's start, and says so), MODES (default
@@ -19,16 +19,11 @@
 #   lora-load: VERSIONS (default 24, a third each idle / generating / beside a GPU neighbour), STREAMS (128)
 #   gateway: ROUNDS (default 2) more interleaved rounds; GATEWAY_CPUS (e.g. 0-1) adds off and on with the gateway
 #          process on those CPUs alone (off-pinned, on-pinned) to the same rounds
-#   gateway-isolated: bench/cpu_siblings.py finds the vCPUs that slow CPU 0 (GATEWAY_CPUS given: those instead),
-#          then the gateway bench (direct, off, on, and off / on with the gateway on those CPUs alone; ROUNDS,
-#          default 3), every placement in the same interleaved rounds
-#   gateway-neighbours: the gateway bench's direct, off, on, off-compute and off-memory (logging off beside two busy
-#          processes that compute, or stream 64 MB through memory) and on-nofollow (logging on without the gateway's
-#          own Kafka readers); ROUNDS, default 3
+#   gateway-isolated: the gateway bench (direct, off, on, and off / on with the gateway on GATEWAY_CPUS alone, e.g.
+#          0,1: a CPU and its siblings; ROUNDS, default 3), every placement in the same interleaved rounds
 #   gateway-paired: the gateway bench's direct, off, on and on-kafka-python (ROUNDS, default 2), then off and on side
 #          by side, PAIRS (default 20) pairs of closed-loop bursts of PAIR_SECONDS (default 2): on / off per pair;
-#          GATEWAY_SECONDS (default 6) per phase; then bench/handoff_bench.py (logging's hand-off on the event
-#          loop against a bare write into the same pipe)
+#          GATEWAY_SECONDS (default 6) per phase
 #   gateway-scaling: GATEWAY_CPUS (a taskset list, e.g. 0-7) pins the gateways there and the load elsewhere
 #   loop-multi: (x2 / x4 machines) REPLICA_GPUS (default 0,1) vLLM replicas and TRAINER_GPUS (default 2,3)
 #          trainer ranks, SHAPE (default qwen2.5-7b); on x2: REPLICA_GPUS=0 TRAINER_GPUS=1
@@ -122,26 +117,14 @@ for bench in "$@"; do
           ${GATEWAY_CPUS:+--gateway-cpus "$GATEWAY_CPUS" --modes direct,off,on,on-framed,on-json,on-dashboard,off-pinned,on-pinned} \
           --json "$out/gateway${TAG:-}.json" \
           > "$out/gateway${TAG:-}.log" 2>&1; tail -16 "$out/gateway${TAG:-}.log" ;;
-    gateway-isolated)  # the vCPUs that share CPU 0's physical core, then the gateway bench, with that core its own too
-      core=${GATEWAY_CPUS:-}
-      if [ -z "$core" ]; then
-        python3 "$repo/bench/cpu_siblings.py" --cpu 0 --json "$out/cpu-siblings.json" > "$out/cpu-siblings.log" 2>&1
-        core=$(python3 -c "import json, sys; print(','.join(map(str, [0, *json.load(open(sys.argv[1]))['siblings']])))" \
-               "$out/cpu-siblings.json")
-        tail -1 "$out/cpu-siblings.log"
-      fi
+    gateway-isolated)  # the gateway bench with the gateway on GATEWAY_CPUS alone as well, in the same rounds
       python3 "$repo/bench/gateway_bench.py" --seconds 6 --stream-rate 0 --modes direct,off,on,off-pinned,on-pinned \
-          --rounds "${ROUNDS:-3}" --gateway-cpus "$core" --json "$out/gateway-isolated.json" \
-          > "$out/gateway-isolated.log" 2>&1; tail -16 "$out/gateway-isolated.log" ;;
-    gateway-neighbours)  # does logging's cost come from busy CPUs, or from traffic through what the cores share?
-      python3 "$repo/bench/gateway_bench.py" --seconds 6 --stream-rate 0 --modes direct,off,on,off-compute,off-memory,on-nofollow \
-          --rounds "${ROUNDS:-3}" --json "$out/gateway-neighbours.json" \
-          > "$out/gateway-neighbours.log" 2>&1; tail -18 "$out/gateway-neighbours.log" ;;
+          --rounds "${ROUNDS:-3}" --gateway-cpus "${GATEWAY_CPUS:?gateway-isolated needs GATEWAY_CPUS, e.g. 0,1}" \
+          --json "$out/gateway-isolated.json" > "$out/gateway-isolated.log" 2>&1; tail -16 "$out/gateway-isolated.log" ;;
     gateway-paired)  # on / off taken seconds apart: the host's drift between phases is larger than logging's cost
       python3 "$repo/bench/gateway_bench.py" --seconds "${GATEWAY_SECONDS:-6}" --stream-rate 0 --modes direct,off,on,on-kafka-python \
           --rounds "${ROUNDS:-2}" --pairs "${PAIRS:-20}" --pair-seconds "${PAIR_SECONDS:-2}" \
-          --json "$out/gateway-paired.json" > "$out/gateway-paired.log" 2>&1; tail -16 "$out/gateway-paired.log"
-      python3 "$repo/bench/handoff_bench.py" --json "$out/handoff.json" > "$out/handoff.log" 2>&1; tail -7 "$out/handoff.log" ;;
+          --json "$out/gateway-paired.json" > "$out/gateway-paired.log" 2>&1; tail -16 "$out/gateway-paired.log" ;;
     gateway-scaling)  # #18: 1, 2, 4, 8 gateway processes on one port, logging on, and publish -> served
       python3 "$repo/bench/gateway_scaling.py" --processes 1,2,4,8 --seconds 10 --concurrency 64 --clients 4 \
           --stub-processes 2 --versions 20 --version-interval 0.5 ${GATEWAY_CPUS:+--gateway-cpus "$GATEWAY_CPUS"} \
