@@ -1,10 +1,20 @@
-"""Hot-swap under load: LoRA versions published while clients keep sending requests, in two modes.
+"""Hot-swap under load: LoRA versions published while clients keep sending requests, in several modes.
 
   pipeline  the streamrl way: serving never stops; every ``--train-s`` seconds a new version is published
-            (training runs elsewhere meanwhile) and the gateway swaps it in under load.
+            (training runs elsewhere meanwhile) and the gateway swaps it in under load; a running request
+            finishes on the version it started with (the gateway's ``update_mode = "pinned"``).
+  inflight  ``pipeline`` with ``update_mode = "in-flight"``: running requests move to the new version at the
+            engine's next step, keeping the KV cache of their tokens so far.
+  inflight-recompute  ``inflight`` with ``in_flight_cache = "recompute"``: a moved request is prefilled again
+            under the new adapter.
   blocking  imitates the synchronous loop of tools like ART: serve (roll out) for ``--train-s`` seconds,
             then stop accepting requests, let the running ones finish, train (``--train-s``), load the
             new version, resume.
+
+With ``--stream`` the clients stream their answers and the bench reports the cost of a move as the clients
+see it: the gaps between an answer's chunks (one decode step each) in the second after each new version is
+routed, when the engine moves the running requests, against the gaps elsewhere, per mode; and how many
+requests the engine moved (its probe). Each mode runs its own gateway.
 
 Training is imitated by waiting ``--train-s`` seconds in both modes; what is measured is serving. Real
 parts otherwise: the embedded broker, a vLLM server on the tiny model (started here unless
@@ -15,6 +25,7 @@ serving time lost per training step.
 
     .venv/bin/python bench/hotswap_bench.py [--versions 10] [--train-s 2] [--clients 4] [--max-tokens 16]
         [--logs DIR]  (keep the gateway's and the engine's logs: the swap lines give received / verified / loaded)
+    .venv/bin/python bench/hotswap_bench.py --modes pipeline,inflight,inflight-recompute --stream --max-tokens 512
 """
 
 from __future__ import annotations
@@ -43,6 +54,13 @@ NAME = "policy"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
+MODES = {"pipeline": (), "inflight": ("--update-mode", "in-flight"),
+         "inflight-recompute": ("--update-mode", "in-flight", "--in-flight-cache", "recompute"), "blocking": ()}
+"""Each mode's gateway flags."""
+AROUND_MOVE_S = 1.0
+"""With --stream: chunk gaps ending this long after a version is routed count as around its swap."""
+
+
 @dataclass
 class Sample:
     start: float
@@ -51,25 +69,35 @@ class Sample:
     version: int
     waited: float
     """Seconds the request was held before it could be sent (blocking mode's pause)."""
+    chunks: list[float] | None = None
+    """With --stream: when each chunk of the answer arrived."""
 
 
 async def client_loop(session: aiohttp.ClientSession, url: str, gate: asyncio.Event, stop: asyncio.Event,
-                      samples: list[Sample], in_flight: list[int], max_tokens: int) -> None:
-    body = {"model": NAME, "messages": CHAT, "max_tokens": max_tokens, "temperature": 1.0}
+                      samples: list[Sample], in_flight: list[int], max_tokens: int, stream: bool = False) -> None:
+    body = {"model": NAME, "messages": CHAT, "max_tokens": max_tokens, "temperature": 1.0, "stream": stream}
+    if stream:
+        body["ignore_eos"] = True  # every answer as long as asked: long enough to be running at a swap
     while not stop.is_set():
         ready = time.perf_counter()
         await gate.wait()
         start = time.perf_counter()
         in_flight[0] += 1
+        chunks: list[float] | None = [] if stream else None
         try:
             async with session.post(url, json=body) as r:
-                await r.read()
+                if chunks is None:
+                    await r.read()
+                else:
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            chunks.append(time.perf_counter())
                 status, version = r.status, int(r.headers.get("x-policy-version", -1))
         except aiohttp.ClientError:
             status, version = 0, -1
         finally:
             in_flight[0] -= 1
-        samples.append(Sample(start, time.perf_counter(), status, version, start - ready))
+        samples.append(Sample(start, time.perf_counter(), status, version, start - ready, chunks))
 
 
 def gateway_version(gw: str) -> int:
@@ -86,6 +114,36 @@ async def wait_version(gw: str, version: int, timeout: float = 60) -> float:
     raise TimeoutError(f"version {version} not routed")
 
 
+def moves(upstream: str) -> int:
+    """Requests the engine has moved to a newer version so far (its capture probe; 0 without one)."""
+    r = httpx.get(f"{upstream}/streamrl/capture", timeout=5)
+    return int(r.json().get("in_flight_moves", 0)) if r.status_code == 200 else 0
+
+
+def chunk_gaps(samples: list, routed_at: list[float]) -> dict[str, float | int | None]:
+    """Gaps between consecutive chunks of the streamed answers (one decode step each, as the client sees it),
+    split by whether a gap ended within ``AROUND_MOVE_S`` after a version was routed: p50 / p99 / max of each
+    set, in ms, and their counts."""
+    steady, around = [], []
+    for s in samples:
+        if s.status != 200 or not s.chunks or len(s.chunks) < 2:
+            continue
+        ends = np.asarray(s.chunks[1:])
+        gaps = np.diff(np.asarray(s.chunks)) * 1000
+        near = np.zeros(len(ends), bool)
+        for t in routed_at:
+            near |= (ends >= t) & (ends < t + AROUND_MOVE_S)
+        around.append(gaps[near])
+        steady.append(gaps[~near])
+    out: dict[str, float | int | None] = {}
+    for name, parts in (("steady", steady), ("around_swap", around)):
+        a = np.concatenate(parts) if parts else np.zeros(0)
+        out[f"chunk_gap_{name}_n"] = int(a.size)
+        for label, q in (("p50", 50), ("p99", 99), ("max", 100)):
+            out[f"chunk_gap_{name}_{label}_ms"] = float(np.percentile(a, q)) if a.size else None
+    return out
+
+
 async def run_mode(mode: str, gw: str, publish, first_version: int, args: argparse.Namespace) -> dict[str, object]:
     samples: list[Sample] = []
     in_flight = [0]
@@ -97,13 +155,13 @@ async def run_mode(mode: str, gw: str, publish, first_version: int, args: argpar
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
         url = f"{gw}/v1/chat/completions"
-        clients = [asyncio.create_task(client_loop(session, url, gate, stop, samples, in_flight, args.max_tokens))
-                   for _ in range(args.clients)]
+        clients = [asyncio.create_task(client_loop(session, url, gate, stop, samples, in_flight, args.max_tokens,
+                                                   args.stream)) for _ in range(args.clients)]
         await asyncio.sleep(args.warmup_s)
         t_begin = time.perf_counter()
         for i in range(args.versions):
             version = first_version + i
-            if mode == "pipeline":
+            if mode != "blocking":
                 await asyncio.sleep(args.train_s)  # the trainer works elsewhere; serving goes on
                 published[version] = await asyncio.to_thread(publish, version)
                 routed[version] = await wait_version(gw, version) - published[version]
@@ -160,6 +218,7 @@ async def run_mode(mode: str, gw: str, publish, first_version: int, args: argpar
         "publish_to_first_served_p50_ms": pct(delays, 50), "publish_to_first_served_p99_ms": pct(delays, 99),
         "serving_time_lost_per_step_s": float(np.mean(pauses)) if pauses else 0.0,
         "throughput_rps": len(ok) / span,
+        **(chunk_gaps(samples, [published[v] + routed[v] for v in published]) if args.stream else {}),
     }
 
 
@@ -186,6 +245,12 @@ def unload_all(upstream: str, name: str) -> None:
                 httpx.post(f"{upstream}/v1/unload_lora_adapter", json={"lora_name": card["id"]})
 
 
+def stop_gateway(gateway: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(gateway.pid, signal.SIGTERM)
+    gateway.wait(30)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--versions", type=int, default=10)
@@ -195,9 +260,15 @@ def main() -> None:
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--upstream", help="use this running vLLM server (started with streamrl engine) instead")
     p.add_argument("--model", help="its model directory (default: build the tiny model)")
+    p.add_argument("--modes", default="pipeline,blocking", help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--stream", action="store_true",
+                   help="clients stream (answers of exactly --max-tokens): report chunk gaps around each swap")
     p.add_argument("--json", type=Path)
     p.add_argument("--logs", type=Path, help="keep the gateway's and the engine's logs here")
     args = p.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in MODES for m in modes):
+        p.error(f"--modes must name some of {', '.join(MODES)}, not {args.modes!r}")
 
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.policy_log import PolicyLog, adapter_record
@@ -215,7 +286,8 @@ def main() -> None:
             upstream = args.upstream.rstrip("/")
         else:
             print("starting vLLM ...", flush=True)
-            engine = Engine(EngineConfig(model=str(model), max_loras=4, max_cpu_loras=8, max_model_len=1024),
+            engine = Engine(EngineConfig(model=str(model), max_loras=4, max_cpu_loras=8,
+                                         max_model_len=max(1024, args.max_tokens + 64)),
                             log_file=work / "engine.log").start()
             upstream = engine.url
         base_model = httpx.get(f"{upstream}/v1/models").json()["data"][0]["id"]
@@ -231,27 +303,38 @@ def main() -> None:
             record = policy_log.publish(adapter_record(NAME, version, path, base_model))
             return time.perf_counter() - (time.time() - record.created)
 
-        port = free_port()
-        gateway_log = (work / "gateway.log").open("wb")
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "streamrl.cli", "--log-level", "INFO", "gateway", "--upstream", upstream,
-             "--bootstrap-servers", broker.bootstrap_servers, "--port", str(port), "--topic-prefix", "hsbench",
-             "--policy-name", NAME, "--max-loaded-versions", "3"], start_new_session=True,
-            stdout=gateway_log, stderr=subprocess.STDOUT)
-        gw = f"http://127.0.0.1:{port}"
-        wait_http(gw, 60, what="gateway", interval=0.1)
+        def start_gateway(mode: str) -> tuple[subprocess.Popen, str]:
+            """The mode's own gateway, healthy, serving the newest version published."""
+            port = free_port()
+            log = (work / f"gateway-{mode}.log").open("wb")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "streamrl.cli", "--log-level", "INFO", "gateway", "--upstream", upstream,
+                 "--bootstrap-servers", broker.bootstrap_servers, "--port", str(port), "--topic-prefix", "hsbench",
+                 "--policy-name", NAME, "--max-loaded-versions", "3", *MODES[mode]], start_new_session=True,
+                stdout=log, stderr=subprocess.STDOUT)
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url, 60, what="gateway", interval=0.1)
+            return proc, url
 
         results = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
                    "args": {k: v for k, v in vars(args).items() if k not in ("json", "logs")}}
         # warm-up: the first adapter a fresh engine serves costs seconds once (LoRA set-up); not measured
         publish(1)
-        asyncio.run(wait_version(gw, 1))
-        httpx.post(f"{gw}/v1/chat/completions", json={"model": NAME, "messages": CHAT, "max_tokens": 4}, timeout=120)
         next_version = 2
-        for mode in ("pipeline", "blocking"):
+        for mode in modes:
+            gateway, gw = start_gateway(mode)
+            asyncio.run(wait_version(gw, next_version - 1))
+            httpx.post(f"{gw}/v1/chat/completions", json={"model": NAME, "messages": CHAT, "max_tokens": 4},
+                       timeout=120)
             print(f"[{mode}] {args.versions} versions, {args.clients} clients ...", flush=True)
+            moved = moves(upstream)
             r = asyncio.run(run_mode(mode, gw, publish, next_version, args))
-            r.update(gateway_swap_timings(work / "gateway.log", range(next_version, next_version + args.versions)))
+            r["requests_moved"] = moves(upstream) - moved
+            stop_gateway(gateway)
+            gateway = None
+            unload_all(upstream, NAME)  # the next mode's gateway starts from the engine's base alone
+            r.update(gateway_swap_timings(work / f"gateway-{mode}.log",
+                                          range(next_version, next_version + args.versions)))
             next_version += args.versions
             results[mode] = r
             print(json.dumps(r), flush=True)
@@ -260,9 +343,7 @@ def main() -> None:
             args.json.write_text(json.dumps(results, indent=2))
     finally:
         if gateway is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(gateway.pid, signal.SIGTERM)
-            gateway.wait(30)
+            stop_gateway(gateway)
         if engine is None and upstream is not None:  # an engine must never outlive the files of its adapters
             unload_all(upstream, NAME)
         if engine is not None:
@@ -270,9 +351,9 @@ def main() -> None:
         broker.stop()
         if args.logs:
             args.logs.mkdir(parents=True, exist_ok=True)
-            for name in ("gateway.log", "engine.log"):
-                if (work / name).exists():
-                    shutil.copy(work / name, args.logs / name)
+            for log in [*work.glob("gateway-*.log"), work / "engine.log"]:
+                if log.exists():
+                    shutil.copy(log, args.logs / log.name)
         shutil.rmtree(work, ignore_errors=True)
 
 

