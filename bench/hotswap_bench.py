@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import signal
@@ -74,11 +75,17 @@ class Sample:
 
 
 async def client_loop(session: aiohttp.ClientSession, url: str, gate: asyncio.Event, stop: asyncio.Event,
-                      samples: list[Sample], in_flight: list[int], max_tokens: int, stream: bool = False) -> None:
+                      samples: list[Sample], in_flight: list[int], max_tokens: int, stream: bool = False,
+                      seed: int = 0) -> None:
+    """One client, sending the next request as soon as the last one ended. Streamed answers run to a length
+    drawn between half ``max_tokens`` and all of it (``ignore_eos``): long enough to be running at a swap, and
+    unequal, so that the clients do not end in the same step (then every request after a swap would start on
+    the new version, and nothing would be left to move)."""
+    rng = random.Random(seed)
     body = {"model": NAME, "messages": CHAT, "max_tokens": max_tokens, "temperature": 1.0, "stream": stream}
-    if stream:
-        body["ignore_eos"] = True  # every answer as long as asked: long enough to be running at a swap
     while not stop.is_set():
+        if stream:
+            body.update(ignore_eos=True, max_tokens=rng.randint(max(1, max_tokens // 2), max_tokens))
         ready = time.perf_counter()
         await gate.wait()
         start = time.perf_counter()
@@ -156,7 +163,8 @@ async def run_mode(mode: str, gw: str, publish, first_version: int, args: argpar
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
         url = f"{gw}/v1/chat/completions"
         clients = [asyncio.create_task(client_loop(session, url, gate, stop, samples, in_flight, args.max_tokens,
-                                                   args.stream)) for _ in range(args.clients)]
+                                                   args.stream, seed=first_version * 1000 + i))
+                   for i in range(args.clients)]
         await asyncio.sleep(args.warmup_s)
         t_begin = time.perf_counter()
         for i in range(args.versions):

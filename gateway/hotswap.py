@@ -43,6 +43,7 @@ import orjson
 
 from streamrl.broker.schema import GatewayState, LoadedVersion, PolicyRecord, RecordError, decode
 from streamrl.broker.tail_process import Records, Tail
+from streamrl.engine.wire import CAPTURE_HEADER, FOLLOW_HEADER, FOLLOW_KEEP, FOLLOW_RECOMPUTE
 
 from .config import GatewayConfig
 from .coordination import Coordination
@@ -310,6 +311,33 @@ class PolicyFollower:
         log.info("policy %r now served by %s (was %s), %.0f ms after publication", self.router.name,
                  state.served_name, old.served_name if old else "the base model",
                  (now - state.record.created) * 1000)
+        if self.config.update_mode == "in-flight":
+            self._spawn(self._announce(state.served_name))
+
+    async def _announce(self, served: str) -> None:
+        """In the in-flight update mode, tell each engine that moves requests that ``served`` is routed now, not
+        at the first request this gateway happens to send on it: one marked request of one token, the signal the
+        engine's scheduler takes (``engine/inflight.py``), so that the requests running on older versions move at
+        its next step even while no new request comes (a quiet agent; a synchronous batch waiting for its
+        longest reply). A failure costs only that wait, so it is logged at debug level."""
+        follow = FOLLOW_RECOMPUTE if self.config.in_flight_cache == "recompute" else FOLLOW_KEEP
+        headers = {CAPTURE_HEADER: "1", FOLLOW_HEADER: follow}
+        body = {"model": served, "prompt": ".", "max_tokens": 1}
+
+        async def one(up: Upstream) -> None:
+            try:
+                async with self.session.post(f"{up.url}/v1/completions", json=body, headers=headers,
+                                             timeout=aiohttp.ClientTimeout(total=30)) as r:
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"HTTP {r.status}")
+                self.metrics.route_announcements.labels(self.router.name).inc()
+            except Exception as exc:
+                log.debug("announcing %s to %s failed (%s): its running requests move at the next request on it",
+                          served, up.url, exc)
+
+        await asyncio.gather(*(one(up) for up in self.pool.upstreams
+                               if up.healthy and up.moves_requests and up.serves(served)))
 
     # -- swapping (the leader) -----------------------------------------------------------------------
     async def _run(self) -> None:

@@ -176,6 +176,11 @@ class GatewayMetrics:
         self.publish_to_route = Histogram("streamrl_gateway_publish_to_route_seconds",
                                           "from a version's publication to the policy name routed to it",
                                           ["policy"], buckets=SWAP_BUCKETS, registry=self.registry)
+        self.route_announcements = Counter("streamrl_gateway_route_announcements",
+                                           "in the in-flight update mode, engines told that a newly routed "
+                                           "version is routed (a one-token marked request: their running "
+                                           "requests move to it at the next step)", ["policy"],
+                                           registry=self.registry)
         self.loop_lag = Histogram("streamrl_gateway_event_loop_lag_seconds",
                                   "how late a timer on the event loop ran (stalls every request waits behind)",
                                   buckets=LAG_BUCKETS, registry=self.registry)

@@ -109,6 +109,43 @@ def test_a_long_stream_moves_to_the_new_version_mid_way(broker: EmbeddedBroker, 
           f"vs the other cache policy's {gap:.2e} mean")
 
 
+def test_a_publish_moves_a_running_stream_with_no_other_request(broker: EmbeddedBroker, engine: Engine,
+                                                                topics: Topics, adapters: list[Path],
+                                                                base_model: str):
+    """The gateway tells the engine at once that a version is routed (``PolicyFollower._announce``): a long
+    stream, the only request there is, moves to the version published while it runs."""
+    name = f"{NAME}-quiet"
+    reader = TopicReader(broker.bootstrap_servers, topics.completions)
+    publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
+    config = GatewayConfig(bootstrap_servers=broker.bootstrap_servers, port=free_port(), topic_prefix=topics.prefix,
+                           policy_name=name, health_interval_s=0.5, upstreams=(engine.url,), update_mode="in-flight")
+    body = {"model": name, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    with GatewayServer(config) as gw:
+        wait_routed(gw, 1)
+        deadline = time.monotonic() + 30
+        while not gw.gateway.pool.upstreams[0].moves_requests:
+            assert time.monotonic() < deadline, "the gateway does not know that the engine moves requests"
+            time.sleep(0.01)
+        with httpx.Client(timeout=300) as http, http.stream("POST", f"{gw.url}/v1/completions", json=body) as r:
+            request_id = r.headers["x-request-id"]
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # running
+            publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
+            wait_routed(gw, 2)
+            rest = [line for line in lines if line]
+            assert r.status_code == 200 and rest[-1] == "data: [DONE]"
+        routed = httpx.get(f"{gw.url}/metrics").text
+    (rec,) = reader.wait_for(lambda x: isinstance(x, CompletionRecord) and x.request_id == request_id)
+    reader.close()
+    assert len(rec.completion_token_ids) == LONG and rec.policy_version == 1
+    assert rec.version_spans is not None and [v for _, v in rec.version_spans] == [1, 2], rec.version_spans
+    assert 0 < rec.version_spans[1][0] < LONG
+    # v2's announcement moved it (v1's too, if the gateway had read the engine's probe when it routed v1)
+    counts = [float(line.rsplit(" ", 1)[1]) for line in routed.splitlines()
+              if line.startswith(f'streamrl_gateway_route_announcements_total{{policy="{name}"}}')]
+    assert counts and counts[0] >= 1, counts
+
+
 def move_mid_way(broker: EmbeddedBroker, engine: Engine, topics: Topics, adapters: list[Path], base_model: str,
                  reader: TopicReader, name: str, cache: str) -> tuple[dict[str, dict[str, object]], dict]:
     """v1 routed by a gateway in the in-flight mode, a long stream by the policy's name, then the engine told that
