@@ -312,19 +312,22 @@ class PolicyFollower:
                  state.served_name, old.served_name if old else "the base model",
                  (now - state.record.created) * 1000)
         if self.config.update_mode == "in-flight":
-            self._spawn(self._announce(state.served_name))
+            self._spawn(self._announce(state))
 
-    async def _announce(self, served: str) -> None:
+    async def _announce(self, state: VersionState) -> None:
         """In the in-flight update mode, tell each engine that moves requests that ``served`` is routed now, not
         at the first request this gateway happens to send on it: one marked request of one token, the signal the
         engine's scheduler takes (``engine/inflight.py``), so that the requests running on older versions move at
         its next step even while no new request comes (a quiet agent; a synchronous batch waiting for its
-        longest reply). A failure costs only that wait, so it is logged at debug level."""
+        longest reply). Its answer moves the leases of the marked requests sent to that engine before it, as
+        any marked answer does (``Lease.reached_engine``). A failure costs only that wait: logged at debug level."""
+        served = state.served_name
         follow = FOLLOW_RECOMPUTE if self.config.in_flight_cache == "recompute" else FOLLOW_KEEP
         headers = {CAPTURE_HEADER: "1", FOLLOW_HEADER: follow}
         body = {"model": served, "prompt": ".", "max_tokens": 1}
 
         async def one(up: Upstream) -> None:
+            sent_before = self.router.marked_sent + 1
             try:
                 async with self.session.post(f"{up.url}/v1/completions", json=body, headers=headers,
                                              timeout=aiohttp.ClientTimeout(total=30)) as r:
@@ -332,6 +335,8 @@ class PolicyFollower:
                     if r.status != 200:
                         raise RuntimeError(f"HTTP {r.status}")
                 self.metrics.route_announcements.labels(self.router.name).inc()
+                if self.router.versions.get(state.record.version) is state:  # not dropped meanwhile
+                    self.router.moved_forward(up.url, sent_before, state)
             except Exception as exc:
                 log.debug("announcing %s to %s failed (%s): its running requests move at the next request on it",
                           served, up.url, exc)

@@ -148,6 +148,11 @@ class PolicyRouter:
         self.marked[lease] = None
         return self._sent
 
+    @property
+    def marked_sent(self) -> int:
+        """How many marked requests were sent so far: ``moved_forward``'s ``sent_before`` for a signal sent now."""
+        return self._sent
+
     def unmark(self, lease: Lease, version: int) -> None:
         if self.marked.pop(lease, False) is not False:
             self._count(version, -1)

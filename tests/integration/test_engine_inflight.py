@@ -132,6 +132,10 @@ def test_a_publish_moves_a_running_stream_with_no_other_request(broker: Embedded
             next(line for line in lines if line.startswith("data: {"))  # running
             publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
             wait_routed(gw, 2)
+            deadline = time.monotonic() + 30  # the announcement's answer moves the stream's lease to v2
+            while httpx.get(f"{gw.url}/health").json()["policy"]["moved_leases"] < 1:
+                assert time.monotonic() < deadline, "the stream's lease did not follow it to v2"
+                time.sleep(0.02)
             rest = [line for line in lines if line]
             assert r.status_code == 200 and rest[-1] == "data: [DONE]"
         routed = httpx.get(f"{gw.url}/metrics").text
