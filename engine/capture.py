@@ -19,11 +19,11 @@ request it is (same body, same response bytes), while:
    from vLLM's arrays);
 3. when the response ends, the arrays go to the gateway in a ``C`` frame.
 
-Two methods of the server's one ``OutputProcessor`` instance are wrapped (``add_request``,
-``process_outputs``): vLLM has no extension point for either. The wrapping is this module alone (the engine
-core's half is a scheduler subclass named through vLLM's ``--scheduler-cls``, no patch), pinned to the vLLM
-versions it was tested on (``TESTED_VERSIONS``); on any other version, or if the shapes it relies on are
-missing, nothing is wrapped, the probe answers 404 and the gateway uses the plain path.
+Two methods of the server's one ``OutputProcessor`` instance are replaced by this module's (``add_request``,
+``process_outputs``): vLLM has no extension point for either, so ``vllm_hooks.hook_output_processor`` puts them
+in place (the engine core's half is a scheduler subclass named through vLLM's ``--scheduler-cls``, no patch),
+pinned to the vLLM versions it was tested on (``vllm_hooks.TESTED_VERSIONS``); on any other version, or if the
+shapes it relies on are missing, nothing is replaced, the probe answers 404 and the gateway uses the plain path.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ import numpy as np
 import orjson
 
 from streamrl.engine.capture_outbox import Outboxes, new_token
-from streamrl.engine.capture_scheduler import MARK, STEP_KEY, TESTED_VERSIONS, version_ok
+from streamrl.engine.capture_scheduler import MARK, STEP_KEY
 from streamrl.engine.inflight import FOLLOW, KEEP, MOVES_KEY, RECOMPUTE, served_version
+from streamrl.engine.vllm_hooks import hook_output_processor
 from streamrl.engine.wire import (
     BODY,
     CAPTURE,
@@ -210,10 +211,8 @@ class _OutputProcessorHooks:
         self.moves_to: collections.Counter[str] = collections.Counter()
         """The same, by the version they moved to (its served name, ``<policy>@v<N>``)."""
         """The column of the step whose message is being processed, and how many of its outputs are to come."""
-        self._add_request = processor.add_request
+        self._add_request = processor.add_request  # vLLM's own, called from ours
         self._process_outputs = processor.process_outputs
-        processor.add_request = self.add_request
-        processor.process_outputs = self.process_outputs
 
     def add_request(self, request: Any, prompt: Any, parent_req: Any = None, request_index: int = 0,
                     queue: Any = None) -> None:
@@ -306,16 +305,7 @@ class _OutputProcessorHooks:
 
 def install(engine_client: Any) -> _OutputProcessorHooks | str:
     """Wrap the engine client's output processor, or say why not (the probe then answers 404)."""
-    import vllm
-
-    version = getattr(vllm, "__version__", "?")
-    if not version_ok(version):
-        return f"vLLM {version} is not one of the tested versions {', '.join(TESTED_VERSIONS)}"
-    processor = getattr(engine_client, "output_processor", None)
-    if processor is None or not all(hasattr(processor, a) for a in ("add_request", "process_outputs",
-                                                                     "request_states")):
-        return f"the engine client ({type(engine_client).__name__}) has no output processor to capture from"
-    return _OutputProcessorHooks(processor)
+    return hook_output_processor(engine_client, _OutputProcessorHooks)
 
 
 class CaptureMiddleware:

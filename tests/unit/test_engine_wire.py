@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from streamrl.engine.capture import _CURRENT, _Capture, _OutputProcessorHooks
-from streamrl.engine.capture_scheduler import TESTED_VERSIONS, version_ok
+from streamrl.engine.vllm_hooks import TESTED_VERSIONS, version_ok
 from streamrl.engine.wire import (
     BODY,
     CAPTURE,
