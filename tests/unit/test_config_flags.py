@@ -10,6 +10,7 @@ from typing import Any, Literal
 import pytest
 
 from streamrl.cli import build_parser
+from streamrl.cli.up import ENGINE_FLAG_NAMES, ENGINE_OWNED, UP_TABLES, UpConfig
 from streamrl.config_flags import _strip_none, field_docs, given
 from streamrl.engine.server import EngineConfig
 from streamrl.gateway.cli import FLAG_NAMES as GATEWAY_NAMES
@@ -18,7 +19,6 @@ from streamrl.judge.config import JudgeConfig
 from streamrl.producers.demo_cli import DemoConfig
 from streamrl.trainer.cli import FLAG_NAMES as TRAINER_NAMES
 from streamrl.trainer.config import TrainerConfig
-from streamrl.up import ENGINE_FLAG_NAMES, ENGINE_OWNED, UP_TABLES, UpConfig
 
 
 def sample(tp: Any, default: Any) -> tuple[Any, list[str]]:

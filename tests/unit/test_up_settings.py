@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from streamrl.cli.up import DemoTrainer, Stack, check_lora_slots, load_config
 from streamrl.engine.lora_slots import lora_slots
 from streamrl.packaged_models import (
     MODELS,
@@ -17,7 +18,6 @@ from streamrl.packaged_models import (
     parameter_count,
     settings_for,
 )
-from streamrl.up import DemoTrainer, Stack, check_lora_slots, load_config
 from streamrl.usage import UsageError
 
 SMOLLM2 = MODELS["smollm2-135m"].settings

@@ -1,5 +1,6 @@
-"""The ``streamrl`` command. Each part defines its own subcommand in its own module (``add_arguments``,
-``run`` and a user-facing ``DESCRIPTION``); this file only wires them together, and turns a user's mistake
+"""The top layer: the ``streamrl`` command and ``streamrl up`` (``up.py``), the only code that imports every
+part; nothing imports it. Each part defines its own subcommand in its own module (``add_arguments``, ``run``
+and a user-facing ``DESCRIPTION``); this file only wires them together, and turns a user's mistake
 (``UsageError``, or a flag argparse refuses) into one line on stderr and exit code 2."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ Docs: README.md, docs/loop.md (the whole loop), docs/gateway.md, docs/trainer.md
 
 # subcommand -> (module defining ``add_arguments(parser)`` and ``run(args) -> int``, one line for the list)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("streamrl.up", "start broker, vLLM, gateway and trainer together (the whole loop on one machine)"),
+    "up": ("streamrl.cli.up", "start broker, vLLM, gateway and trainer together (the whole loop on one machine)"),
     "gateway": ("streamrl.gateway.cli", "the OpenAI-compatible gateway that logs every completion to Kafka"),
     "trainer": ("streamrl.trainer.cli", "the streaming GRPO trainer daemon"),
     "batches": ("streamrl.trainer.batches_cli", "the trainer's batch stream as Arrow IPC, for a learner of your own"),
@@ -98,7 +99,3 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"streamrl {args.command}: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
-
-
-if __name__ == "__main__":
-    sys.exit(main())
