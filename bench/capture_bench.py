@@ -46,7 +46,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -61,6 +60,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import orjson
+from harness import stamp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -540,7 +540,7 @@ def main() -> int:
             build_model(model_dir, args.shape, seed=0)
         args.model = str(model_dir)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
-                               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "modes": {}}
+                               **stamp(), "modes": {}}
     engine = Engine(EngineConfig(model=args.model, max_model_len=2048, max_loras=2,
                                  extra_args=args.engine_args.split()), log_file=args.out / "engine.log")
     results["topology"] = topology()

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import stamp
 
 
 def request_id(i: int) -> str:
@@ -124,7 +124,7 @@ def main() -> int:
     args = p.parse_args()
     import vllm
 
-    results: dict[str, Any] = {"vllm": vllm.__version__, "machine": f"{platform.machine()}, {platform.python_version()}",
+    results: dict[str, Any] = {**stamp(), "vllm": vllm.__version__,
                                "requests": args.requests, "forms": {}}
     for form in ("plain", "arrays", "column"):
         measure(form, args.requests, 20)  # warm-up

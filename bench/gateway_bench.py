@@ -45,7 +45,6 @@ import collections
 import contextlib
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -59,6 +58,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import orjson
+from harness import stamp
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_TOKENS = 200
@@ -1049,7 +1049,7 @@ def main() -> None:
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
 
-    results: dict[str, object] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+    results: dict[str, object] = {**stamp(),
                                   "rate": args.rate, "seconds": args.seconds, "gateway_cpus": args.gateway_cpus}
     stub_port, gw_port = free_port(), free_port()
     stub = _spawn([sys.executable, __file__, "--serve-stub", str(stub_port)], "stub")

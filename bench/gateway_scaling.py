@@ -34,7 +34,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from gateway_bench import (  # bench/ is on the path when run as a script: the s
     gateway_cmd,
     smt_siblings,
 )
+from harness import stamp
 
 POLICY = "policy"
 
@@ -211,7 +211,7 @@ def main() -> None:
 
     counts = [int(n) for n in args.processes.split(",")]
     results: dict[str, object] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        **stamp(),
         "seconds": args.seconds, "concurrency": args.concurrency, "clients": args.clients,
         "stub_processes": args.stub_processes, "gateway_cpus": args.gateway_cpus,
         "smt_siblings": smt_siblings(), "runs": {}}

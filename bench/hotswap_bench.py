@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -50,6 +49,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 import numpy as np
+from harness import stamp
 
 NAME = "policy"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
@@ -324,7 +324,7 @@ def main() -> None:
             wait_http(url, 60, what="gateway", interval=0.1)
             return proc, url
 
-        results = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        results = {**stamp(),
                    "args": {k: v for k, v in vars(args).items() if k not in ("json", "logs")}}
         # warm-up: the first adapter a fresh engine serves costs seconds once (LoRA set-up); not measured
         publish(1)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
 import threading
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import stamp
 
 
 def trajectories(groups: int, size: int, seed: int) -> list[tuple[str, list[dict], str, bool]]:
@@ -96,7 +96,7 @@ def main() -> int:
     topics = Topics(f"judge-bench-{os.getpid()}")
     broker = EmbeddedBroker(topics=topics, partitions=4).start()
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
-                               "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+                               **stamp()}
     try:
         served = httpx.get(f"{args.engine_url}/v1/models").json()["data"][0]["id"]
         trajs = trajectories(args.groups, args.group_size, args.seed)

@@ -61,6 +61,7 @@ from typing import Any
 
 import httpx
 import learn_stats
+from harness import stamp
 from learn_presets import LAYOUTS, PRESETS, Preset, load_preset_file, preset_toml
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
@@ -773,7 +774,7 @@ def run(args: argparse.Namespace, preset: Preset, modes: list[str], seeds: list[
     order = run_order(seeds, modes)
     result: dict[str, Any] = {"bench": "learn_bench", "preset": dataclasses.asdict(preset), "baseline": baseline,
                               "modes": modes, "seeds": seeds, "order": [[s, m] for s, m in order],
-                              "model": str(model), "command": sys.argv, "started_at": time.time(),
+                              "model": str(model), **stamp(), "started_at": time.time(),
                               "runs": [], "skipped": []}
     print(f"preset {preset.name}: {len(order)} runs of up to {preset.max_seconds:.0f} s, order "
           + ", ".join(f"s{s} {m}" for s, m in order), flush=True)

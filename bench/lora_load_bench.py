@@ -32,8 +32,6 @@ import asyncio
 import collections
 import itertools
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -44,6 +42,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from harness import stamp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -319,7 +318,7 @@ def main() -> int:
     started = time.monotonic()
     dirs = write_versions(args.model, args.out / "adapters" / f"{args.shape}-r{args.rank}", args.versions, args.rank)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
-                               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                               **stamp(),
                                "adapter_mb": sum(f.stat().st_size for f in dirs[0].iterdir()) / 1e6,
                                "adapters_written_s": time.monotonic() - started}
     engine = Engine(EngineConfig(model=args.model, max_model_len=2048, max_lora_rank=args.rank,

@@ -49,7 +49,6 @@ import contextlib
 import itertools
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -66,6 +65,7 @@ import aiohttp
 import httpx
 import numpy as np
 from gateway_bench import children
+from harness import stamp
 from learn_bench import read_history, unload_adapters, warm_engine
 
 PROMPTS = ["Tell me about the sea.", "Write a short story about a lighthouse.", "Explain how rain forms.",
@@ -635,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     max_loras, max_cpu_loras = lora_slots(max(counts), args.max_loaded_versions)
     result: dict[str, Any] = {
         "bench": "policies_bench", "command": sys.argv if argv is None else argv, "model": model,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        **stamp(),
         "args": {k: v for k, v in vars(args).items() if k not in ("json", "out")},
         "engine": {"max_loras": max_loras, "max_cpu_loras": max_cpu_loras} if not args.upstream else
         {"upstream": args.upstream}, "runs": [], "skipped": []}

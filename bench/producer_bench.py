@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gateway_bench as gb
+from harness import stamp
 
 from streamrl.producers.client import AsyncGateway
 
@@ -68,8 +67,7 @@ def main() -> None:
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
 
-    results: dict[str, object] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                                             f"{platform.python_version()}", "concurrency": args.concurrency}
+    results: dict[str, object] = {**stamp(), "concurrency": args.concurrency}
     stub_port, gw_port = free_port(), free_port()
     stub = gb._spawn([sys.executable, gb.__file__, "--serve-stub", str(stub_port)], "stub")
     broker = EmbeddedBroker(topics=Topics("bench")).start()
