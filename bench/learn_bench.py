@@ -32,8 +32,8 @@ Presets (``learn_presets.py``; ``presets`` lists them as TOML, ``--preset-file F
     python bench/learn_bench.py merge runs/all.json runs/learn-a/learn_bench.json runs/learn-b/learn_bench.json
     python bench/learn_bench.py presets
 
-Without ``--preset`` the settings are the synthetic loop's of docs/benchmarks.md (``bench/loop_bench.py``, the
-single-run harness this grew from, is now an alias of ``run``). Output: one JSON file (every run's figures, its
+Without ``--preset`` the settings are the synthetic loop's of docs/benchmarks.md (the single-run loop benchmark
+this grew from; its commands are ``run`` with ``--no-shared-engine``, each mode starting its own engine). Output: one JSON file (every run's figures, its
 curves, and the statistics), a plot (held-out against time, a thin line per seed, the median bold; needs
 matplotlib), Markdown tables on stdout.
 """

@@ -88,7 +88,7 @@ loop() {  # loop NAME ARGS...: bench/learn_bench.py run ARGS, pipeline then sync
   tail -40 "$out/$name.log"
 }
 
-synthetic() {  # the random 1.5B (or SHAPE) model on the synthetic task: loop_bench's settings of docs/benchmarks.md
+synthetic() {  # the random 1.5B (or SHAPE) model on the synthetic task: the loop's settings of docs/benchmarks.md
   echo --warmup --until-reward "${UNTIL:-0.8}" --learning-rate "${LR:-3e-3}" --group-size 8 --groups-per-step 16 \
       --max-tokens 256 --max-ahead "${MAX_AHEAD:-1}" --row-tokens 1024 --context-words 400 --max-model-len 4096 \
       --stall-s 30
