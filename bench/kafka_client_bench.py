@@ -1,5 +1,5 @@
 """CPU per record of the Kafka clients the gateway's record-producer process can send through
-(``broker/kafka_producers.py``): kafka-python and librdkafka (confluent-kafka), each set up as the producer
+(``gateway/recording/kafka_producers.py``): kafka-python and librdkafka (confluent-kafka), each set up as the producer
 process sets it up (``SenderConfig.connect``: acks=all, one request in flight, zstd, linger 20 ms) and driven
 through the same ``RecordProducer`` interface ``Delivery`` uses.
 
@@ -22,9 +22,9 @@ import threading
 import time
 
 from streamrl.broker.embedded import EmbeddedBroker
-from streamrl.broker.kafka_producers import PRODUCER_CLIENTS
-from streamrl.broker.log_producer import SenderConfig
 from streamrl.broker.topics import Topics
+from streamrl.gateway.recording.kafka_producers import PRODUCER_CLIENTS
+from streamrl.gateway.recording.log_producer import SenderConfig
 
 TOPIC = "bench.completions"
 

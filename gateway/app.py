@@ -24,15 +24,10 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamrl.broker.delivery import FAILED, NCOUNTS, Delivery
-from streamrl.broker.log_producer import LogProducer, ProducerStats, WaiterSpec
 from streamrl.broker.schema import JudgeRequest, RewardRecord
-from streamrl.broker.tail_process import TailProcess
 from streamrl.broker.topics import Topics
 
 from .auth import ApiKey, AuthMiddleware, check_bind, has_scope, load_keys, request_key
-from .capture import RECORD_BUILDERS
-from .capture_stream import deferred_captures
 from .config import GatewayConfig
 from .coordination import Coordination, default_gateway_id
 from .dashboard import Dashboard
@@ -43,7 +38,13 @@ from .metrics import GatewayMetrics
 from .openapi import openapi_document
 from .policy import PolicyTable
 from .proxy import JSON, Proxy
+from .recording.capture import RECORD_BUILDERS
+from .recording.capture_stream import deferred_captures
+from .recording.delivery import FAILED, NCOUNTS, Delivery
+from .recording.log_producer import LogProducer, ProducerStats, WaiterSpec
+from .recording.recorder import Recorder
 from .rewards import post_rewards
+from .tail_process import TailProcess
 from .upstreams import UpstreamPool
 from .wire import CHAT, COMPLETIONS
 
@@ -82,8 +83,7 @@ class Gateway:
         self.reward_delivery: Delivery | None = None
         """Rewards are delivered from this process, not the producer's: a ``POST /v1/rewards`` is answered
         once its rewards are durable (acknowledged by Kafka or fsynced in the spool)."""
-        self.proxy = Proxy(config, self.pool, self.policies, None, self.metrics, self.topics.completions,
-                           auth_on=bool(self.keys))
+        self.proxy = Proxy(config, self.pool, self.policies, None, self.metrics, auth_on=bool(self.keys))
         self.followers: dict[str, PolicyFollower] = {}
         """One per policy, by name (none with logging off)."""
         self.tails: list[TailProcess] = []
@@ -102,7 +102,6 @@ class Gateway:
                                    lambda: self.producer.stats if self.producer else None,
                                    lambda: self.producer.buffered if self.producer else 0,
                                    interval_s=config.dashboard_interval_s) if config.dashboard else None
-        self.proxy.dashboard = self.dashboard
 
     async def start(self) -> None:
         c = self.config
@@ -130,7 +129,7 @@ class Gateway:
                                         spool_after_ms=c.spool_after_ms, security=c.kafka, waiter=waiter,
                                         client=c.producer_client, builders=RECORD_BUILDERS)
             self.reward_delivery = self.producer.config.delivery(self.reward_counts, "rewards", linger_ms=0)
-        self.proxy.producer = self.producer
+            self.proxy.recorder = Recorder(self.producer, self.topics.completions, self.metrics, self.dashboard)
         self.proxy.session = self.session
         self.proxy.fresh_session = self.fresh_session
         await self.pool.start(self.session)

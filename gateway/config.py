@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from streamrl.broker.kafka_producers import PRODUCER_CLIENTS, ProducerClient
 from streamrl.broker.schema import check_policy, policy_names
 from streamrl.broker.security import KafkaSecurity
 from streamrl.config_file import load_config
+from streamrl.gateway.recording.kafka_producers import PRODUCER_CLIENTS, ProducerClient
 
 UpdateMode = Literal["pinned", "in-flight"]
 UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
@@ -86,7 +86,7 @@ class GatewayConfig:
     off, every upstream is asked for them in its JSON, as a plain vLLM is."""
     deferred_capture: bool = True
     """Non-streamed calls to upstreams that offer it: their captures come to the record producer on the
-    upstream's capture stream, not through the event loop in the answer (``gateway/capture_stream.py``)."""
+    upstream's capture stream, not through the event loop in the answer (``gateway/recording/capture_stream.py``)."""
     update_mode: UpdateMode = "pinned"
     """What a new version does to requests already running: ``pinned``, they finish on the version they started
     on; ``in-flight``, requests routed by the policy's name move to it from their next decode step on (an

@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from streamrl.broker.schema import GatewayState, RecordError, decode, encode
-from streamrl.broker.tail_process import KafkaUnavailable, Records, Tail, TailProcess
 from streamrl.broker.topics import Topics, create_gateways_topic
+from streamrl.gateway.tail_process import KafkaUnavailable, Records, Tail, TailProcess
 
 from .config import GatewayConfig
 

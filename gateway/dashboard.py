@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamrl.broker.log_producer import ProducerStats
 from streamrl.broker.schema import PolicyRecord, RewardRecord
+from streamrl.gateway.recording.log_producer import ProducerStats
 
 from .metrics import GatewayMetrics
 from .policy import PolicyRouter

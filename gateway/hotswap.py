@@ -42,8 +42,8 @@ import aiohttp
 import orjson
 
 from streamrl.broker.schema import GatewayState, LoadedVersion, PolicyRecord, RecordError, decode
-from streamrl.broker.tail_process import Records, Tail
 from streamrl.engine.wire import CAPTURE_HEADER, FOLLOW_HEADER, FOLLOW_KEEP, FOLLOW_RECOMPUTE
+from streamrl.gateway.tail_process import Records, Tail
 
 from .config import GatewayConfig
 from .coordination import Coordination

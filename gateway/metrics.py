@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from streamrl.broker.log_producer import ProducerStats
+from streamrl.gateway.recording.log_producer import ProducerStats
 
 from .loop_lag import LAG_BUCKETS, CollectionPauses
 from .upstreams import UpstreamPool

@@ -25,7 +25,6 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from streamrl.broker.log_producer import LogProducer
 from streamrl.broker.schema import RecordError, check_id, check_purpose
 from streamrl.engine.wire import (
     BODY,
@@ -36,26 +35,16 @@ from streamrl.engine.wire import (
     FOLLOW_RECOMPUTE,
     FrameSplitter,
     WireError,
-    capture_counts,
-    parse_deferred_header,
     unframe,
 )
 
 from .auth import KEY_STATE, PINNED_VERSION_SCOPE
-from .capture import (
-    CallContext,
-    StreamCapture,
-    encode_call_records,
-    encode_engine_parts,
-    encode_engine_records,
-    engine_parts,
-    usage_tokens,
-)
-from .capture_stream import consumer_for, wait_key
 from .config import GatewayConfig
-from .dashboard import Dashboard
 from .metrics import GatewayMetrics
 from .policy import Lease, PolicyTable
+from .recording.capture import CallContext, StreamCapture, usage_tokens
+from .recording.capture_stream import consumer_for
+from .recording.recorder import Recorder
 from .strip import client_body
 from .upstreams import Upstream, UpstreamPool
 from .wire import Endpoint
@@ -246,12 +235,12 @@ class _Frames:
 
 class Proxy:
     def __init__(self, config: GatewayConfig, pool: UpstreamPool, policies: PolicyTable,
-                 producer: LogProducer | None, metrics: GatewayMetrics, completions_topic: str, *,
-                 auth_on: bool = False) -> None:
+                 recorder: Recorder | None, metrics: GatewayMetrics, *, auth_on: bool = False) -> None:
         self.config, self.pool, self.policies = config, pool, policies
         self.auth_on = auth_on
         """API keys are checked (``auth.AuthMiddleware`` put the request's key in its scope)."""
-        self.producer, self.metrics, self.topic = producer, metrics, completions_topic
+        self.recorder, self.metrics = recorder, metrics
+        """``recorder``: where served calls' answers go to be recorded (None: logging off)."""
         self.session: aiohttp.ClientSession | None = None
         self.fresh_session: aiohttp.ClientSession | None = None
         """Never reuses a connection: for the retry after an upstream hung up on a pooled one."""
@@ -267,17 +256,12 @@ class Proxy:
         self._deferred_headers: dict[str, dict[str, str]] = {}
         """Per upstream URL: the headers asking it for deferred capture (``capture_stream.consumer_for``)."""
         self._fallback_logged = False
-        self.dashboard: Dashboard | None = None
-        """Told which version served each logged call of the policy name (``dashboard.py``)."""
         self._late_captures: set[asyncio.Task[None]] = set()
         """``_late_capture`` tasks in progress (the loop keeps only weak references to tasks)."""
-        self._handing_off: list[tuple[_Call, bytes, str, float]] = []
-        """Deferred calls answered in this pass of the event loop, handed to the producer at its end
-        (``_hand_off``)."""
 
     def defer_to(self, consumer: str) -> None:
         """Ask upstreams that offer it to queue non-streamed calls' captures for ``consumer``, the record
-        producer's id on their capture streams (``gateway/capture_stream.py``)."""
+        producer's id on their capture streams (``gateway/recording/capture_stream.py``)."""
         self._consumer = consumer
 
     def _deferring(self, up: Upstream) -> dict[str, str]:
@@ -294,7 +278,8 @@ class Proxy:
         (``_late_capture``) up to ``timeout_s`` to be recorded."""
         if self._late_captures:
             await asyncio.wait(set(self._late_captures), timeout=timeout_s)
-        self._hand_off()
+        if self.recorder is not None:
+            self.recorder.flush()
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
@@ -344,7 +329,7 @@ class Proxy:
                           policy_name=lease.policy_name, policy_version=lease.version,
                           request=body if self.config.record_request else {}, started=started, purpose=purpose,
                           key_id=key.key_id if key is not None else None)
-        call = _Call(endpoint, ctx, lease, record=self.producer is not None, one_choice=endpoint.one_choice(body))
+        call = _Call(endpoint, ctx, lease, record=self.recorder is not None, one_choice=endpoint.one_choice(body))
         try:
             payload = _Payload(call, body, raw, metadata)
             response = await self._forward(call, payload, bool(body.get("stream")))
@@ -438,7 +423,8 @@ class Proxy:
         if out.fallback is not None:
             self.metrics.slow_strips.inc()
             self._log_fallback(out.fallback)
-        self._emit(call, functools.partial(encode_call_records, call.ctx, raw), out.choices, usage_tokens(out.usage))
+        if self.recorder is not None:
+            self.recorder.answer(call.ctx, raw, out.choices, usage_tokens(out.usage))
         return Response(out.body, 200, headers=call.headers, media_type=content_type)
 
     def _engine_body(self, call: _Call, resp: aiohttp.ClientResponse, raw: bytes, content_type: str) -> Response:
@@ -446,67 +432,18 @@ class Proxy:
         (framed in the answer, or deferred: then the producer joins it with the context sent here)."""
         said = resp.headers.get(CAPTURE_HEADER)
         if call.deferred and said != "1":
-            self._emit_deferred(call, raw, said)
+            self._record_deferred(call, raw, said)
             return Response(raw, 200, headers=call.headers, media_type=content_type)
         if said != "1":  # not framed after all (e.g. restarted as a plain vLLM)
-            self._emit_engine(call, raw, None)
+            self._record_engine(call, raw, None)
             return Response(raw, 200, headers=call.headers, media_type=content_type)
         try:
             body, capture = unframe(raw)
         except WireError as exc:
             log.warning("unusable framed body from %s: %s", call.ctx.upstream, exc)
             return error_response(502, f"upstream sent an unusable body: {exc}", headers=call.headers)
-        self._emit_engine(call, body, capture)
+        self._record_engine(call, body, capture)
         return Response(body, 200, headers=call.headers, media_type=content_type)
-
-    def _emit_engine(self, call: _Call, body: bytes | list[tuple[float, bytes]], capture: bytes | None) -> None:
-        """Hand a call served with a capture to the producer: records are built there, off the event loop.
-        A missing or malformed capture is handed on too, so that the producer counts the call as invalid.
-        A non-streamed body and its capture go as they are, beside the context as JSON (``offer_parts``):
-        the event loop's cheapest hand-off of the 14 KB a call carries."""
-        try:
-            count, prompt, completion = capture_counts(capture) if capture is not None else (1, 0, 0)
-        except WireError:
-            count, prompt, completion = 1, 0, 0
-        total_s = self._count_call(call, (prompt, completion))
-        if total_s is None:
-            return
-        if isinstance(body, bytes) and capture is not None:
-            self.producer.offer_parts(self.topic, encode_engine_parts, (engine_parts(call.ctx, total_s), body, capture),
-                                      max(count, 1))
-        else:
-            self.producer.offer_deferred(self.topic, functools.partial(encode_engine_records, call.ctx, body, capture,
-                                                                       total_s), max(count, 1))
-
-    def _emit_deferred(self, call: _Call, raw: bytes, said: str | None) -> None:
-        """Hand the producer only the call's context, waiting there for the capture the answer names: the event
-        loop moves vLLM's bytes as with logging off. An answer that names none is counted invalid there.
-
-        The hand-off waits for the end of this pass of the event loop (``_hand_off``, one ``call_soon`` for all
-        of them), so that the calls a busy loop answers together are handed over one after the other, their
-        code and data in the CPU's caches: on the H200 host a hand-off took 5.7 us of CPU so, and 17 us run
-        alone between other work (docs/gateway.md, "How it keeps overhead low")."""
-        if self.producer is None:
-            return
-        if said is None:
-            self._emit_engine(call, raw, None)
-            return
-        if not self._handing_off:
-            asyncio.get_running_loop().call_soon(self._hand_off)
-        self._handing_off.append((call, raw, said, time.perf_counter() - call.ctx.started))
-
-    def _hand_off(self) -> None:
-        """The deferred calls answered in the loop's last pass, to the producer, in the order answered."""
-        calls, self._handing_off = self._handing_off, []
-        for call, raw, said, total_s in calls:
-            named = parse_deferred_header(said)
-            if named is None:
-                self._emit_engine(call, raw, None)
-                continue
-            token, (count, prompt, completion) = named
-            self._count_tokens(call.ctx, prompt, completion)
-            self.producer.offer_parts(self.topic, encode_engine_parts, (engine_parts(call.ctx, total_s),),
-                                      max(count, 1), wait_for=wait_key(call.ctx.upstream, token))
 
     def _log_fallback(self, reason: str) -> None:
         """The first body that the byte-level strip could not take is logged (e.g. another vLLM version's
@@ -517,29 +454,6 @@ class Proxy:
             self._fallback_logged = True
             log.info("an upstream body is not in vLLM's compact field order (%s): stripped by the slower "
                      "msgspec path; further ones are logged at debug level", reason)
-
-    def _count_call(self, call: _Call, tokens: tuple[int, int]) -> float | None:
-        """Count a call about to be logged (token metrics, the dashboard); its time so far, or None when
-        logging is off."""
-        if self.producer is None:
-            return None
-        self._count_tokens(call.ctx, *tokens)
-        return time.perf_counter() - call.ctx.started
-
-    def _count_tokens(self, ctx: CallContext, prompt: int, completion: int) -> None:
-        counts = self.metrics.tokens
-        counts.prompt += prompt
-        counts.completion += completion
-        if self.dashboard is not None and ctx.policy_name is not None and ctx.purpose == "train":
-            self.dashboard.served(ctx.trajectory_id, ctx.policy_version, ctx.policy_name)
-
-    def _emit(self, call: _Call, build: Callable[[float], list[tuple[bytes | None, bytes]]], count: int,
-              tokens: tuple[int, int]) -> None:
-        """Hand the call's ``count`` records to the producer: ``build(total_s)`` (``encode_call_records`` with
-        the call's parts bound) splits, decodes, builds and encodes them there, off the event loop."""
-        if not count or (total_s := self._count_call(call, tokens)) is None:
-            return
-        self.producer.offer_deferred(self.topic, functools.partial(build, total_s), count)
 
     def _stream(self, call: _Call, resp: aiohttp.ClientResponse) -> Response:
         headers = dict(call.headers)
@@ -558,7 +472,7 @@ class Proxy:
             return _Relay(self._relay_frames(call, resp, frames), 200, headers, on_close_framed)
         capture = StreamCapture(call.ctx.endpoint) if call.record and not call.engine_capture else None
         if call.engine_capture:  # not framed after all: pass it on, record nothing (counted)
-            self._emit_engine(call, b"", None)
+            self._record_engine(call, b"", None)
         return _Relay(self._relay(call, resp, capture), 200, headers, functools.partial(self._end_stream, call, resp))
 
     def _end_stream(self, call: _Call, resp: aiohttp.ClientResponse) -> None:
@@ -589,13 +503,13 @@ class Proxy:
                         frames.ended = frames.ended or payload.endswith(_DONE_EVENT)
                     else:
                         frames.captured = True
-                        self._emit_engine(call, frames.events, payload)
+                        self._record_engine(call, frames.events, payload)
                 if out:
                     yield out[0] if len(out) == 1 else b"".join(out)
             if frames.splitter.pending:
                 raise WireError(f"stream cut off inside a frame ({frames.splitter.pending} bytes)")
             if not frames.captured:  # the engine could not send it: counted as an invalid call
-                self._emit_engine(call, frames.events, None)
+                self._record_engine(call, frames.events, None)
         except (TimeoutError, aiohttp.ClientError, WireError) as exc:
             status = 504 if isinstance(exc, TimeoutError) else 502  # before the capture: nothing was recorded
             yield b"data: " + error_body(status, f"upstream stream ended: {type(exc).__name__}") + b"\n\n"
@@ -609,9 +523,9 @@ class Proxy:
             async for data in resp.content.iter_any():
                 for kind, payload in frames.splitter.feed(data):
                     if kind != BODY:
-                        self._emit_engine(call, frames.events, payload)
+                        self._record_engine(call, frames.events, payload)
                         return
-            self._emit_engine(call, frames.events, None)  # ended without one: counted as an invalid call
+            self._record_engine(call, frames.events, None)  # ended without one: counted as an invalid call
         except (TimeoutError, aiohttp.ClientError, WireError) as exc:
             log.warning("no capture frame after the end of a stream from %s: %s", call.ctx.upstream, exc)
         finally:
@@ -641,7 +555,7 @@ class Proxy:
                         # recorded before the client sees the end: the openai client closes the
                         # connection on [DONE], and the server then cancels this generator
                         if capture is not None and not failed:
-                            self._emit_stream(call, capture)
+                            self._record_stream(call, capture)
                         out.append(event + b"\n\n")
                         continue
                     try:
@@ -669,12 +583,14 @@ class Proxy:
         finally:
             self.metrics.observe(call.endpoint.route, 200, time.perf_counter() - started)
 
-    def _emit_stream(self, call: _Call, capture: StreamCapture) -> None:
-        """A complete stream's records (and its time to first token), handed to the producer."""
-        captures = capture.captures()
-        first = min((c.first_token_s for c in captures if c.first_token_s is not None), default=None)
-        if first is not None:
-            self.metrics.ttft.observe(first - call.ctx.started)
-        tokens = (sum(len(c.prompt_token_ids or ()) for c in captures), sum(len(c.token_ids) for c in captures))
-        self._emit(call, functools.partial(encode_call_records, call.ctx, captures), len(captures), tokens)
+    def _record_engine(self, call: _Call, body: bytes | list[tuple[float, bytes]], capture: bytes | None) -> None:
+        if self.recorder is not None:
+            self.recorder.engine_answer(call.ctx, body, capture)
 
+    def _record_deferred(self, call: _Call, raw: bytes, said: str | None) -> None:
+        if self.recorder is not None:
+            self.recorder.deferred(call.ctx, raw, said)
+
+    def _record_stream(self, call: _Call, capture: StreamCapture) -> None:
+        if self.recorder is not None:
+            self.recorder.stream(call.ctx, capture)

@@ -22,7 +22,6 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from streamrl.broker.delivery import Delivery, NotDurable
 from streamrl.broker.schema import (
     JudgeRequest,
     RecordError,
@@ -31,6 +30,7 @@ from streamrl.broker.schema import (
     judge_request,
     reward_record,
 )
+from streamrl.gateway.recording.delivery import Delivery, NotDurable
 
 from .auth import ApiKey
 from .proxy import JSON, BadRequest, error_response, read_body

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from .capture import NULL, split_body
+from .recording.capture import NULL, split_body
 from .wire import ENDPOINTS, Endpoint
 
 

@@ -17,13 +17,7 @@ import pytest
 from support.kafka_reader import TopicReader
 from support.records import reward_parts
 
-from streamrl.broker.delivery import INVALID
 from streamrl.broker.embedded import EmbeddedBroker
-from streamrl.broker.log_producer import (
-    LogProducer,
-    WaiterSpec,
-    Waiting,
-)
 from streamrl.broker.schema import RewardRecord
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine.server import Engine
@@ -37,6 +31,12 @@ from streamrl.engine.wire import (
     decode_capture,
     decode_deferred,
     parse_deferred_header,
+)
+from streamrl.gateway.recording.delivery import INVALID
+from streamrl.gateway.recording.log_producer import (
+    LogProducer,
+    WaiterSpec,
+    Waiting,
 )
 
 # -- the engine's outbox ------------------------------------------------------------------------------------

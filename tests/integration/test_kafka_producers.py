@@ -1,4 +1,4 @@
-"""The record producer's Kafka clients (``broker/kafka_producers.py``), both of them, against the embedded broker:
+"""The record producer's Kafka clients (``gateway/recording/kafka_producers.py``), both of them, against the embedded broker:
 what ``Delivery`` relies on (every record answered once, a key's records in order on murmur2's partition, an
 unreachable broker found out at connect, a forced close that drops what is pending and answers it)."""
 
@@ -16,9 +16,14 @@ from support.services import LOG_DIR
 
 from streamrl.broker.clients import make_consumer
 from streamrl.broker.embedded import EmbeddedBroker, free_port
-from streamrl.broker.kafka_producers import PRODUCER_CLIENTS, KafkaUnreachable, RecordProducer, connect
 from streamrl.broker.security import KafkaSecurity
 from streamrl.broker.topics import Topics, create_topics
+from streamrl.gateway.recording.kafka_producers import (
+    PRODUCER_CLIENTS,
+    KafkaUnreachable,
+    RecordProducer,
+    connect,
+)
 
 PARTITIONS = 8
 

@@ -15,10 +15,10 @@ import pytest
 from support.kafka_reader import TopicReader
 
 from streamrl.broker.embedded import EmbeddedBroker
-from streamrl.broker.frame_pipe import FRAME, FrameReader, PipeWriter
-from streamrl.broker.log_producer import LogProducer, check_builders, decode_item, parts_frame
 from streamrl.broker.schema import RewardRecord, decode, encode
 from streamrl.broker.topics import Topics, create_topics
+from streamrl.gateway.frame_pipe import FRAME, FrameReader, PipeWriter
+from streamrl.gateway.recording.log_producer import LogProducer, check_builders, decode_item, parts_frame
 
 
 def _reward_records(tag: str, n: int) -> list[tuple[bytes | None, bytes]]:
@@ -299,7 +299,7 @@ def test_a_program_that_never_closes_its_producer_process_still_exits_and_delive
     tag = os.urandom(4).hex()
     program = (
         "import sys\n"
-        "from streamrl.broker.log_producer import LogProducer\n"
+        "from streamrl.gateway.recording.log_producer import LogProducer\n"
         "from streamrl.broker.schema import RewardRecord, encode\n"
         "producer = LogProducer(sys.argv[1], process=True)\n"
         "assert producer.wait_ready(60)\n"  # (a child still starting up dies of the SIGTERM: nothing to show)

@@ -9,7 +9,9 @@ import pytest
 from support.kafka_reader import LogReader, wait_until
 from support.services import LOG_DIR
 
-from streamrl.broker.delivery import (
+from streamrl.broker.embedded import EmbeddedBroker, free_port
+from streamrl.broker.topics import Topics
+from streamrl.gateway.recording.delivery import (
     NCOUNTS,
     REPLAYED,
     SPOOL_DROPPED,
@@ -18,10 +20,8 @@ from streamrl.broker.delivery import (
     SPOOLED,
     NotDurable,
 )
-from streamrl.broker.embedded import EmbeddedBroker, free_port
-from streamrl.broker.kafka_producers import PRODUCER_CLIENTS
-from streamrl.broker.log_producer import LogProducer, SenderConfig
-from streamrl.broker.topics import Topics
+from streamrl.gateway.recording.kafka_producers import PRODUCER_CLIENTS
+from streamrl.gateway.recording.log_producer import LogProducer, SenderConfig
 
 
 def per_key(records: list[tuple[str, int, bytes | None, bytes]]) -> dict[bytes | None, list[bytes]]:

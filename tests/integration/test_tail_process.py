@@ -1,4 +1,4 @@
-"""The tail process (``broker/tail_process.py``) against the embedded broker: what it reads, in order and once,
+"""The tail process (``gateway/tail_process.py``) against the embedded broker: what it reads, in order and once,
 what it writes, before and after Kafka answers, and that it never outlives its parent."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import uuid
 import pytest
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
-from streamrl.broker.tail_process import Records, Tail, TailProcess
 from streamrl.broker.topics import Topics, create_topics
+from streamrl.gateway.tail_process import Records, Tail, TailProcess
 
 
 @pytest.fixture
@@ -123,7 +123,7 @@ async def test_writes_wait_for_kafka_and_reads_start_when_it_answers(tmp_path):
 def test_the_child_exits_with_its_parent(broker):
     """SIGKILL to the process that started it: the child sees its socket close and exits."""
     script = ("import asyncio, sys\n"
-              "from streamrl.broker.tail_process import TailProcess\n"
+              "from streamrl.gateway.tail_process import TailProcess\n"
               "async def main():\n"
               f"    tails = TailProcess({broker.bootstrap_servers!r})\n"
               "    await tails.start()\n"

@@ -1,5 +1,5 @@
 """Deferred capture (``engine/wire.py``, "Deferred capture") without a server: the wire format, the
-engine's outboxes, the producer's join (``gateway/capture_stream.py``), and the frames of ``LogProducer``'s
+engine's outboxes, the producer's join (``gateway/recording/capture_stream.py``), and the frames of ``LogProducer``'s
 waiting records."""
 
 from __future__ import annotations
@@ -11,12 +11,6 @@ from typing import Any
 import pytest
 from support.records import reward_parts
 
-from streamrl.broker.delivery import INVALID, NCOUNTS
-from streamrl.broker.log_producer import (
-    Waiting,
-    decode_item,
-    parts_frame,
-)
 from streamrl.engine.capture_outbox import MAX_QUEUED_BYTES, ORPHAN_AFTER_S, Outbox, _authorised
 from streamrl.engine.wire import (
     DEFERRED,
@@ -29,7 +23,13 @@ from streamrl.engine.wire import (
     frame,
     parse_deferred_header,
 )
-from streamrl.gateway.capture_stream import DeferredCaptures, wait_key
+from streamrl.gateway.recording.capture_stream import DeferredCaptures, wait_key
+from streamrl.gateway.recording.delivery import INVALID, NCOUNTS
+from streamrl.gateway.recording.log_producer import (
+    Waiting,
+    decode_item,
+    parts_frame,
+)
 
 # -- the wire format ----------------------------------------------------------------------------------------
 
@@ -129,7 +129,7 @@ def test_each_upstream_url_has_its_own_outbox_name() -> None:
     """Two URLs reaching one engine (a relay, an alias) must not share an outbox: their streams would take it
     from each other (``test_gateway_upstreams.py``'s relayed upstream is such a pair)."""
     from streamrl.engine.wire import valid_consumer
-    from streamrl.gateway.capture_stream import consumer_for
+    from streamrl.gateway.recording.capture_stream import consumer_for
 
     a, b = consumer_for("0123456789abcdef", "http://127.0.0.1:8000"), consumer_for("0123456789abcdef", "http://h:1")
     assert a != b and valid_consumer(a) and valid_consumer(b)

@@ -23,7 +23,7 @@ from streamrl.engine.wire import (
     frame,
     unframe,
 )
-from streamrl.gateway.capture import (
+from streamrl.gateway.recording.capture import (
     CallContext,
     CaptureError,
     encode_engine_parts,

@@ -14,7 +14,7 @@ import pytest
 from support.bench_module import load_bench
 
 from streamrl.broker.schema import CompletionRecord, decode
-from streamrl.gateway.capture import CallContext, decode_choice, encode_call_records, split_body
+from streamrl.gateway.recording.capture import CallContext, decode_choice, encode_call_records, split_body
 from streamrl.gateway.strip import client_body, fast_strip
 from streamrl.gateway.wire import CHAT, COMPLETIONS
 

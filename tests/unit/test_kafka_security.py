@@ -19,12 +19,12 @@ from confluent_kafka import KafkaException
 
 from streamrl.broker.clients import admin_kwargs, consumer_kwargs, make_consumer, make_producer
 from streamrl.broker.embedded import free_port
-from streamrl.broker.kafka_producers import KafkaUnreachable, connect
 from streamrl.broker.security import KafkaSecurity
 from streamrl.cli import build_parser
 from streamrl.cli.up import load_config as load_up_config
 from streamrl.gateway.cli import config_from_args
 from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.recording.kafka_producers import KafkaUnreachable, connect
 from streamrl.trainer.config import TrainerConfig
 
 SASL_SSL = dict(security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512", sasl_username="trainer")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.broker.spool import HEAD, SUFFIX, Spool, SpoolFull, SpoolRecord, encode_frame
+from streamrl.gateway.recording.spool import HEAD, SUFFIX, Spool, SpoolFull, SpoolRecord, encode_frame
 
 
 def _records(n: int, tag: str = "r", size: int = 100, keyless: bool = True) -> list[SpoolRecord]:

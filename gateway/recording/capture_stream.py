@@ -25,9 +25,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from streamrl.broker.delivery import INVALID
-from streamrl.broker.log_producer import Item, Waiting
 from streamrl.engine.wire import DEFERRED, STREAM_PATH, FrameSplitter, WireError, decode_deferred
+from streamrl.gateway.recording.delivery import INVALID
+from streamrl.gateway.recording.log_producer import Item, Waiting
 
 log = logging.getLogger(__name__)
 

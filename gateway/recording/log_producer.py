@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .clients import DEFAULT_COMPRESSION, PLAINTEXT
+from streamrl.broker.clients import DEFAULT_COMPRESSION, PLAINTEXT
+from streamrl.broker.security import KafkaSecurity
+from streamrl.gateway.frame_pipe import FrameReader, PipeWriter
+
 from .delivery import (
     BYTES,
     DELIVERED,
@@ -41,9 +44,7 @@ from .delivery import (
     SPOOLING,
     Delivery,
 )
-from .frame_pipe import FrameReader, PipeWriter
 from .kafka_producers import ProducerClient, RecordProducer, connect
-from .security import KafkaSecurity
 from .spool import Spool
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class Waiting:
 
 class Waiter(Protocol):
     """Joins ``Waiting`` records with side inputs that reach the producer some other way (the gateway's
-    deferred captures: ``gateway/capture_stream.py``). Made in the producer (process or thread) by
+    deferred captures: ``gateway/recording/capture_stream.py``). Made in the producer (process or thread) by
     ``WaiterSpec``; hands finished items to ``deliver`` from any thread, and counts records whose input never
     came as invalid."""
 

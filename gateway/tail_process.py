@@ -27,9 +27,10 @@ from typing import Any
 
 from kafka import TopicPartition
 
-from .clients import FETCH_MAX_WAIT_MS, PLAINTEXT, make_consumer, make_producer
+from streamrl.broker.clients import FETCH_MAX_WAIT_MS, PLAINTEXT, make_consumer, make_producer
+from streamrl.broker.security import KafkaSecurity
+
 from .frame_pipe import FRAME  # each message on the socket: its pickle's length, then the pickle
-from .security import KafkaSecurity
 
 log = logging.getLogger(__name__)
 

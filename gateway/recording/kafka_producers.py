@@ -24,8 +24,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
-from .clients import make_producer
-from .security import KafkaSecurity
+from streamrl.broker.clients import make_producer
+from streamrl.broker.security import KafkaSecurity
 
 ProducerClient = Literal["librdkafka", "kafka-python"]
 PRODUCER_CLIENTS: tuple[str, ...] = get_args(ProducerClient)

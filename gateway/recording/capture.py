@@ -22,8 +22,7 @@ import orjson
 
 from streamrl.broker.schema import CompletionRecord, encode
 from streamrl.engine.wire import WireError, decode_capture
-
-from .wire import CHAT, COMPLETIONS, ENDPOINTS
+from streamrl.gateway.wire import CHAT, COMPLETIONS, ENDPOINTS
 
 
 @dataclass(slots=True)
