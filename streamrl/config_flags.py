@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+import re
 import textwrap
 import types
 import typing
@@ -39,6 +40,26 @@ def field_docs(cls: type) -> dict[str, str]:
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
+
+
+def field_sections(cls: type) -> dict[str, str]:
+    """The section of each field of a dataclass: the comment line (``# optimisation``) above the fields that
+    follow it, up to the next one; its text before any parenthesis. Fields before the first have none."""
+    try:
+        lines = textwrap.dedent(inspect.getsource(cls)).splitlines()
+    except (OSError, TypeError):
+        return {}
+    sections, current = {}, ""
+    for line in lines:
+        if m := _SECTION.match(line):
+            current = m["title"].split(" (")[0].strip()
+        elif (m := _FIELD.match(line)) and current:
+            sections[m["name"]] = current
+    return sections
+
+
+_SECTION = re.compile(r"^    # (?P<title>\S.*)$")
+_FIELD = re.compile(r"^    (?P<name>[a-z_][a-z0-9_]*)\s*:")
 
 
 def _strip_none(tp: Any) -> Any:
@@ -83,20 +104,27 @@ def _kwargs(tp: Any) -> dict[str, Any]:
     raise TypeError(f"no command-line form for {tp!r}")
 
 
-def add_config_flags(p: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (),
+def add_config_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *, skip: tuple[str, ...] = (),
                      names: Mapping[str, str] | None = None, group: str = "") -> None:
     """One flag per field of ``cls`` but ``skip``; ``names`` maps a field to its flag (without ``--``);
     ``group`` prefixes the flags (``--group-field``) and keeps their values apart (read with the same
-    ``group``), for a command that configures several parts (``streamrl up``)."""
-    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    ``group``), for a command that configures several parts (``streamrl up``). Fields under a section comment
+    of ``cls`` (:func:`field_sections`) are listed under that title in ``--help``."""
+    docs, hints, sections = field_docs(cls), typing.get_type_hints(cls), field_sections(cls)
     defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    containers: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
+        section = sections.get(f.name)
+        into: Any = p
+        if section is not None and isinstance(p, argparse.ArgumentParser):  # --help lists flags by concern
+            into = containers.get(section) or containers.setdefault(
+                section, p.add_argument_group(f"{group.strip('_').replace('__', ' ')} {section}".strip()))
         if dataclasses.is_dataclass(hints[f.name]):
             base = (names or {}).get(f.name, (f"{group}-" if group else "") + f.name.replace("_", "-"))
-            add_config_flags(p, hints[f.name], names={sub.name: f"{base}-{sub.name.replace('_', '-')}"
-                                                      for sub in dataclasses.fields(hints[f.name])},
+            add_config_flags(into, hints[f.name], names={sub.name: f"{base}-{sub.name.replace('_', '-')}"
+                                                         for sub in dataclasses.fields(hints[f.name])},
                              group=f"{group}__{f.name}" if group else f"_{f.name}")
             continue
         kwargs = _kwargs(hints[f.name])
@@ -107,8 +135,8 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, *, skip: tuple[str, 
             text += f" (default {defaults[f.name]})"
         repeat = " Repeat for several." if kwargs.get("action") == "append" else ""
         flag = "--" + (names or {}).get(f.name, (f"{group}-" if group else "") + f.name.replace("_", "-"))
-        p.add_argument(flag, dest=f"{_DEST}{group}__{f.name}", default=None, help=(text + repeat).strip().replace("%", "%%"),
-                       **kwargs)
+        into.add_argument(flag, dest=f"{_DEST}{group}__{f.name}", default=None,
+                          help=(text + repeat).strip().replace("%", "%%"), **kwargs)
 
 
 def given(args: argparse.Namespace, cls: type, group: str = "") -> dict[str, Any]:

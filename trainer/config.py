@@ -19,7 +19,7 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 class TrainerConfig:
     """Every knob of the trainer. Defaults let the tiny CPU model learn a simple task within minutes."""
 
-    # where things are
+    # model, Kafka, files and tracking
     model: str = ""
     """Base model path (also what vLLM serves); PolicyRecord.base_model."""
     adapters: str = "adapters"

@@ -100,3 +100,19 @@ def test_flags_say_what_the_field_says() -> None:
     parser, _ = build_parser()
     args = parser.parse_args(["trainer"])
     assert given(args, TrainerConfig) == {}  # nothing given: the file and the defaults decide
+
+
+def test_help_lists_a_configs_flags_by_its_sections() -> None:
+    """The trainer's many flags are grouped in ``--help`` by the section comments of ``TrainerConfig`` (model and
+    Kafka, groups, GRPO, optimisation, divergence, publishing), every flag still there."""
+    from streamrl.config_flags import field_sections
+
+    sections = field_sections(TrainerConfig)
+    assert sections["learning_rate"] == "optimisation" and sections["clip_eps"] == "GRPO"
+    assert sections["divergence_kl"] == "divergence" and sections["kafka"].startswith("model, Kafka")
+    parser, _ = build_parser(["trainer", "--help"])
+    trainer = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("trainer"))
+    titles = {g.title: {a.dest for a in g._group_actions} for g in trainer._action_groups}
+    assert {"GRPO", "optimisation", "divergence", "publishing", "groups"} <= set(titles)
+    assert "config____learning_rate" in titles["optimisation"]
+    assert "config___kafka__sasl_mechanism" in titles[sections["kafka"]]  # a nested config: in its section
