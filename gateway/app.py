@@ -83,7 +83,7 @@ class Gateway:
         self.reward_delivery: Delivery | None = None
         """Rewards are delivered from this process, not the producer's: a ``POST /v1/rewards`` is answered
         once its rewards are durable (acknowledged by Kafka or fsynced in the spool)."""
-        self.proxy = Proxy(config, self.pool, self.policies, None, self.metrics, auth_on=bool(self.keys))
+        self.proxy = Proxy(config, self.pool, self.policies, self.metrics, auth_on=bool(self.keys))
         self.followers: dict[str, PolicyFollower] = {}
         """One per policy, by name (none with logging off)."""
         self.tails: list[TailProcess] = []

@@ -234,13 +234,14 @@ class _Frames:
 
 
 class Proxy:
-    def __init__(self, config: GatewayConfig, pool: UpstreamPool, policies: PolicyTable,
-                 recorder: Recorder | None, metrics: GatewayMetrics, *, auth_on: bool = False) -> None:
+    def __init__(self, config: GatewayConfig, pool: UpstreamPool, policies: PolicyTable, metrics: GatewayMetrics, *,
+                 auth_on: bool = False) -> None:
         self.config, self.pool, self.policies = config, pool, policies
         self.auth_on = auth_on
         """API keys are checked (``auth.AuthMiddleware`` put the request's key in its scope)."""
-        self.recorder, self.metrics = recorder, metrics
-        """``recorder``: where served calls' answers go to be recorded (None: logging off)."""
+        self.metrics = metrics
+        self.recorder: Recorder | None = None
+        """Where served calls' answers go to be recorded (set by the gateway's start; None: logging off)."""
         self.session: aiohttp.ClientSession | None = None
         self.fresh_session: aiohttp.ClientSession | None = None
         """Never reuses a connection: for the retry after an upstream hung up on a pooled one."""

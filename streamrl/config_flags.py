@@ -119,8 +119,9 @@ def add_config_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: 
         section = sections.get(f.name)
         into: Any = p
         if section is not None and isinstance(p, argparse.ArgumentParser):  # --help lists flags by concern
-            into = containers.get(section) or containers.setdefault(
-                section, p.add_argument_group(f"{group.strip('_').replace('__', ' ')} {section}".strip()))
+            if section not in containers:
+                containers[section] = p.add_argument_group(f"{group.strip('_').replace('__', ' ')} {section}".strip())
+            into = containers[section]
         if dataclasses.is_dataclass(hints[f.name]):
             base = (names or {}).get(f.name, (f"{group}-" if group else "") + f.name.replace("_", "-"))
             add_config_flags(into, hints[f.name], names={sub.name: f"{base}-{sub.name.replace('_', '-')}"
