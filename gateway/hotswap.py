@@ -27,8 +27,9 @@ the leader's state says is loaded:
 An upstream that fails to load the routed version (or comes back empty after a restart) is retried by the
 leader and gets no policy requests until it has it.
 
-Every decision above that needs no I/O (what to route, load, retire, unload, sweep) is a pure function of
-``swap_plan.py``, which also draws a version's life; this class gathers the facts and does the I/O.
+What this gateway knows of the versions, and every decision that needs no I/O (what to route, load, retire,
+unload, sweep), is ``swap_plan.SwapPlan``'s, which also draws a version's life; this class gathers the events,
+hands them to the plan, and carries out what it decides.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import time
 import aiohttp
 import orjson
 
-from streamrl.broker.schema import GatewayState, LoadedVersion, PolicyRecord, RecordError, decode
+from streamrl.broker.schema import GatewayState, PolicyRecord, RecordError, decode
 from streamrl.engine.wire import CAPTURE_HEADER, FOLLOW_HEADER, FOLLOW_KEEP, FOLLOW_RECOMPUTE
 from streamrl.gateway.tail_process import Records, Tail
 
@@ -50,16 +51,7 @@ from .coordination import Coordination
 from .dashboard import PolicyBoard
 from .metrics import GatewayMetrics
 from .policy import PolicyRouter, VersionState
-from .swap_plan import (
-    EARLIER_LEADER,
-    NOT_WRITTEN,
-    Peer,
-    orphans,
-    version_to_load,
-    version_to_route,
-    versions_to_retire,
-    versions_to_unload,
-)
+from .swap_plan import Peer, SwapPlan
 from .trust import PolicyRejected, check_adapter, check_publisher
 from .upstreams import Upstream, UpstreamPool
 
@@ -72,6 +64,9 @@ _WAKE = object()
 
 
 class PolicyFollower:
+    """One policy's hot-swap in this gateway: reads the policy topic and the coordination view into its
+    ``SwapPlan`` and carries out what the plan decides (loads, routing, state writes, unloads)."""
+
     def __init__(self, config: GatewayConfig, pool: UpstreamPool, router: PolicyRouter,
                  session: aiohttp.ClientSession, topic: str, metrics: GatewayMetrics,
                  coordination: Coordination, dashboard: PolicyBoard | None = None) -> None:
@@ -80,21 +75,9 @@ class PolicyFollower:
         self.coordination = coordination
         self.caught_up = asyncio.Event()
         self.rejected = 0
-        self.records: dict[int, PolicyRecord] = {}
-        """Published versions from trusted publishers, by version (followers route among the leader's)."""
-        self.loaded: dict[int, LoadedVersion] = {}
-        """The leader's word on what is loaded where: this gateway's own while it leads."""
-        self.retiring: dict[int, int | None] = {}
-        """Versions to unload -> offset of the first state of the leader that named them (None: not yet
-        written; -1: another leader's)."""
-        self.leading = False
-        self._refused: set[int] = set()
+        self.plan = SwapPlan(router.name, config.max_loaded_versions, config.keep_previous_versions)
         self._loading_state: VersionState | None = None
-        self._unloading: set[int] = set()
         self._written: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        self._sweep_orphans = False
-        self._policy_caught_up = False
-        self._led = asyncio.Event()
         self._write_lock = asyncio.Lock()
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._room = asyncio.Event()
@@ -190,32 +173,37 @@ class PolicyFollower:
             versions.add(self.router.version)
         return tuple(sorted(versions))
 
+    @property
+    def leading(self) -> bool:
+        return self.plan.leading
+
     def _state(self) -> GatewayState:
         c = self.coordination
+        loaded, retiring = self.plan.written_view()
         return GatewayState(gateway_id=c.gateway_id, policy_name=self.router.name, joined_offset=c.joined_offset,
                             seen_offset=c.applied_offset, routed_version=self.router.version, in_use=self.in_use(),
-                            loaded=tuple(self.loaded[v] for v in sorted(self.loaded)) if self.leading else (),
-                            retiring=tuple(sorted(self.retiring)) if self.leading else (), leader=self.leading)
+                            loaded=loaded, retiring=retiring, leader=self.leading)
+
+    def _adapters(self) -> dict[str, set[str]]:
+        return {u.url: u.adapters for u in self.pool.upstreams}
 
     async def _publish(self) -> None:
         """Write this gateway's state now (serialised: states of one gateway reach the log in order)."""
         async with self._write_lock:
             state = self._state()
-            self._written = (state.in_use, tuple(sorted(self.retiring)))
+            self._written = (state.in_use, tuple(sorted(self.plan.retiring)))
             try:
                 offset = await self.coordination.write(state)
             except Exception as exc:
                 log.warning("could not write the gateway state: %s", exc)
                 return
-            for v in state.retiring:
-                if self.retiring.get(v, 0) is None:
-                    self.retiring[v] = offset
+            self.plan.written(offset, state.retiring)
         if self.leading:
             self._check_retiring()
 
     def _changed(self) -> None:
         """Write the state at once when what this gateway uses, or the retiring set it has read, changed."""
-        if self.coordination.ready and self._written != (self.in_use(), tuple(sorted(self.retiring))):
+        if self.coordination.ready and self._written != (self.in_use(), tuple(sorted(self.plan.retiring))):
             self._spawn(self._publish())
 
     async def _heartbeat(self) -> None:
@@ -227,19 +215,16 @@ class PolicyFollower:
 
     def _on_coordination(self) -> None:
         was = self.leading
-        self.leading = self.coordination.leading
+        became = self.plan.lead(self.coordination.leading)
         self.metrics.leader.labels(self.router.name).set(float(self.leading))
-        if self.leading and not was:
+        if became:
             self._spawn(self._take_over())
         elif not self.leading:
             if was:
                 log.warning("an older gateway is live: %s leads, this gateway follows",
                             self.coordination.leader())
-                self._led.clear()
             seen = self.coordination.state_of(self.coordination.leader())
-            if seen is not None and seen.state.leader:
-                self.loaded = {lv.version: lv for lv in seen.state.loaded}
-                self.retiring = dict.fromkeys(seen.state.retiring, EARLIER_LEADER)
+            self.plan.follow(seen.state if seen is not None else None)
             self._route()
         else:
             self._check_retiring()
@@ -252,52 +237,38 @@ class PolicyFollower:
         last = max((s for s in self.coordination.seen.values()
                     if s.state.leader and s.state.gateway_id != self.coordination.gateway_id),
                    key=lambda s: s.offset, default=None)
-        if last is not None:
-            self.loaded = {lv.version: lv for lv in last.state.loaded}
-            self.retiring = dict.fromkeys(last.state.retiring, NOT_WRITTEN)
+        self.plan.take_over(last.state if last is not None else None)
         await self.pool.check_all()  # what every upstream lists now
+        adapters = self.plan.confirm({u.url: set(u.models) for u in self.pool.upstreams},
+                                     any(u.healthy for u in self.pool.upstreams))
         for up in self.pool.upstreams:
-            up.adapters = {self._served(v) for v in self.loaded if self._served(v) in up.models}
-        for v in list(self.loaded):
-            self.loaded[v] = self._where(v)
-            if not self.loaded[v].replicas and any(u.healthy for u in self.pool.upstreams):
-                del self.loaded[v]  # every upstream restarted since: nothing of it left
-                self.retiring.pop(v, None)
-        self._sweep_orphans = True
-        self._led.set()
+            up.adapters = adapters[up.url]
         await self._publish()
         self._route()
         self._trim()
         self._enqueue(_WAKE)
 
     # -- routing (every gateway) ---------------------------------------------------------------------
-    def _served(self, version: int) -> str:
-        return f"{self.router.name}@v{version}"
-
-    def _where(self, version: int) -> LoadedVersion:
-        name = self._served(version)
-        return LoadedVersion(version, tuple(u.url for u in self.pool.upstreams if name in u.adapters))
-
     def _route(self) -> None:
         """Route to the newest loaded version (not retiring) on an upstream seen healthy; keep the routing
         table's versions to the loaded ones."""
+        plan = self.plan
         if not self.leading:
             for up in self.pool.upstreams:
-                up.adapters = {self._served(v) for v, lv in self.loaded.items() if up.url in lv.replicas}
-        for v in self.loaded:
-            if v in self.records and v not in self.router.versions:
-                self.router.versions[v] = VersionState(self.records[v], loaded_at=time.time())
+                up.adapters = plan.adapters_of(up.url)
+        for v in plan.loaded:
+            if v in plan.records and v not in self.router.versions:
+                self.router.versions[v] = VersionState(plan.records[v], loaded_at=time.time())
         for v, state in list(self.router.versions.items()):
             if state is self._loading_state:
                 continue
-            if v not in self.loaded:
+            if v not in plan.loaded:
                 state.unloading = True
                 if state.in_flight == 0 and state is not self.router.routed:
                     del self.router.versions[v]
-            elif v in self.retiring:
+            elif v in plan.retiring:
                 state.unloading = True
-        v = version_to_route(self.loaded, self.retiring, self.router.versions,
-                             [u.url for u in self.pool.upstreams if u.healthy])
+        v = plan.to_route(self.router.versions, [u.url for u in self.pool.upstreams if u.healthy])
         if v is not None and v != self.router.version:
             self._switch(self.router.versions[v])
 
@@ -351,28 +322,28 @@ class PolicyFollower:
             while not self._queue.empty():
                 items.append(self._queue.get_nowait())
             for record in (i for i in items if isinstance(i, PolicyRecord)):
-                self.records[record.version] = record
+                self.plan.published(record)
                 if self.dashboard is not None:  # every version's trainer metrics, the skipped ones' too
                     self.dashboard.published(record)
             if any(i is _CAUGHT_UP for i in items):
-                self._policy_caught_up = True
-            if self.leading and self._led.is_set():
+                self.plan.caught_up = True
+            if self.leading and self.plan.led:
                 try:
                     await self._lead()
                 except Exception:
                     log.exception("leading the swap failed")
             else:
                 self._route()
-            if self._policy_caught_up:
+            if self.plan.caught_up:
                 self.caught_up.set()
 
     async def _lead(self) -> None:
-        while (v := version_to_load(self.records, self.loaded, self._refused)) is not None:
-            if not await self._swap_to(self.records[v]) or not self._queue.empty():
+        while (v := self.plan.to_load()) is not None:
+            if not await self._swap_to(self.plan.records[v]) or not self._queue.empty():
                 break
-        if self._sweep_orphans and self._policy_caught_up:
-            self._sweep_orphans = False
-            await self._unload_orphans()
+        for name in self.plan.to_sweep(m for u in self.pool.upstreams for m in u.models):
+            await self._unload_name(name)
+            log.info("unloaded %s (loaded by a leader that is gone, never routed)", name)
 
     async def _swap_to(self, record: PolicyRecord) -> bool:
         """Load ``record`` everywhere and route to it; False when refused or given up for a newer one."""
@@ -381,13 +352,13 @@ class PolicyFollower:
         try:
             await asyncio.to_thread(check_adapter, record, self.config.adapter_root)
         except PolicyRejected as exc:
-            self._refused.add(record.version)
+            self.plan.refuse(record.version)
             self._reject(exc.reason, f"not serving {name}: {exc}")
             return False
-        while len(self.loaded) >= self.config.max_loaded_versions:
+        while not self.plan.room():
             if not self._queue.empty():  # maybe a newer version: the loop takes it and loads the newest
                 return False
-            log.info("%s waits for an older version to drain (%d loaded)", name, len(self.loaded))
+            log.info("%s waits for an older version to drain (%d loaded)", name, len(self.plan.loaded))
             self._room.clear()
             self._arrived.clear()
             waits = [asyncio.ensure_future(event.wait()) for event in (self._room, self._arrived)]
@@ -409,12 +380,12 @@ class PolicyFollower:
         finally:
             self._loading_state = None
         state.loaded_at = time.time()
-        self.loaded[record.version] = self._where(record.version)
+        self.plan.loaded_on(record.version, self._adapters())
         await self._publish()
         self._route()
         self._trim()
         log.info("%s loaded on %s: received %.0f ms after publication, verified in %.0f ms, loaded in %.0f ms",
-                 name, ", ".join(self.loaded[record.version].replicas), (t0 - record.created) * 1000,
+                 name, ", ".join(self.plan.loaded[record.version].replicas), (t0 - record.created) * 1000,
                  (t1 - t0) * 1000, (state.loaded_at - t1) * 1000)
         return True
 
@@ -462,14 +433,12 @@ class PolicyFollower:
                     await self._reconcile_now.wait()
             self._reconcile_now.clear()
             routed = self.router.routed
-            if not self.leading or not self._led.is_set() or routed is None:
+            if not self.leading or not self.plan.led or routed is None:
                 continue
             missing = [u for u in self.pool.upstreams if u.healthy and routed.served_name not in u.adapters]
             if missing:
                 await asyncio.gather(*(self._load(u, routed) for u in missing))
-            where = {v: self._where(v) for v in self.loaded}
-            if where != self.loaded:
-                self.loaded.update(where)
+            if self.plan.replicas_changed(self._adapters()):
                 await self._publish()
 
     # -- unloading (the leader) ----------------------------------------------------------------------
@@ -483,12 +452,10 @@ class PolicyFollower:
         """Retire the loaded versions older than the ``keep_previous_versions`` newest ones before the
         routed version (after each swap, and when a version no longer routed drains)."""
         routed = self.router.routed
-        if routed is None or not self._led.is_set():
+        if routed is None:
             return
-        retire = versions_to_retire(self.loaded, self.retiring, routed.record.version,
-                                    self.config.keep_previous_versions)
+        retire = self.plan.to_retire(routed.record.version)
         for v in retire:
-            self.retiring[v] = NOT_WRITTEN
             state = self.router.versions.get(v)
             if state is not None:
                 state.unloading = True  # pinned requests stop resolving to it now
@@ -500,24 +467,24 @@ class PolicyFollower:
         peers = [Peer(s.seen_offset, s.in_use) for s in self.coordination.live()
                  if s.gateway_id != self.coordination.gateway_id]
         in_flight = {v: s.in_flight for v, s in self.router.versions.items()}
-        for v in versions_to_unload(self.retiring, peers, in_flight, self.router.version, self._unloading):
-            self._unloading.add(v)
+        for v in self.plan.to_unload(peers, in_flight, self.router.version):
             self._spawn(self._retire(v))
 
     async def _retire(self, version: int) -> None:
+        records = self.plan.records
         state = self.router.versions.get(version) or (
-            VersionState(self.records[version]) if version in self.records else None)
+            VersionState(records[version]) if version in records else None)
         try:
             if state is None:
-                await self._unload_name(self._served(version))
+                await self._unload_name(self.plan.served(version))
             else:
-                await self._unload(state, f"retired, no gateway uses it, {self.router.routed.served_name if self.router.routed else '-'} routed")
-            self.loaded.pop(version, None)
-            self.retiring.pop(version, None)
+                routed = self.router.routed.served_name if self.router.routed else "-"
+                await self._unload(state, f"retired, no gateway uses it, {routed} routed")
+            self.plan.unloaded(version)
             self._room.set()
             await self._publish()
         finally:
-            self._unloading.discard(version)
+            self.plan.unloading.discard(version)
 
     async def _unload(self, state: VersionState, reason: str) -> None:
         state.unloading = True
@@ -532,13 +499,6 @@ class PolicyFollower:
         for u in holders:
             u.adapters.discard(name)
         await asyncio.gather(*(self._unload_one(u, name) for u in holders))
-
-    async def _unload_orphans(self) -> None:
-        """Adapters of this policy name the upstreams list but no leader does, older than the newest loaded
-        version: a dead leader's loads of versions overtaken since. No gateway routes them."""
-        for name in orphans((m for u in self.pool.upstreams for m in u.models), self.router.name, self.loaded):
-            await self._unload_name(name)
-            log.info("unloaded %s (loaded by a leader that is gone, never routed)", name)
 
     async def _unload_one(self, up: Upstream, name: str) -> None:
         try:

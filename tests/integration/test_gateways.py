@@ -299,13 +299,13 @@ def test_unload_waits_for_a_follower_until_it_dies(broker, engine, topics, adapt
             for version, path in ((2, adapters[1]), (3, adapters[2])):  # each routed (none skipped as superseded)
                 publish_version(broker.bootstrap_servers, topics, name, version, path, base_model)
                 wait_until(lambda v=version: leader.gateway.router.version == v, f"the leader routes v{version}")
-            swap = leader.gateway.follower
-            wait_until(lambda: swap.retiring.get(1) is not None and swap.retiring[1] >= 0,
-                       f"the leader retires v1 (retiring {swap.retiring}, loaded {sorted(swap.loaded)})", timeout=20)
+            plan, swap = leader.gateway.follower.plan, leader.gateway.follower
+            wait_until(lambda: plan.retiring.get(1) is not None and plan.retiring[1] >= 0,
+                       f"the leader retires v1 (retiring {plan.retiring}, loaded {sorted(plan.loaded)})", timeout=20)
 
             def follower_still_uses_v1() -> bool:
                 seen = swap.coordination.seen.get(follower_id)
-                return seen is not None and seen.state.seen_offset >= swap.retiring[1] and 1 in seen.state.in_use
+                return seen is not None and seen.state.seen_offset >= plan.retiring[1] and 1 in seen.state.in_use
 
             wait_until(follower_still_uses_v1, "the follower's state after the retiring record still uses v1")
             assert f"{name}@v1" in engine_adapters(engine), "v1 unloaded under the follower's request"

@@ -199,7 +199,7 @@ def test_a_load_waiting_for_room_gives_way_to_a_newer_version(broker, engine, to
                 assert time.monotonic() < deadline, "v3 did not wait for room"
                 time.sleep(0.01)
             publish_version(broker.bootstrap_servers, topics, name, 4, adapters[3], base_model)
-            while 4 not in gw.gateway.follower.records:  # taken while v3 waits, not after
+            while 4 not in gw.gateway.follower.plan.records:  # taken while v3 waits, not after
                 assert time.monotonic() < deadline + 30, "v4 not taken while v3 waited for room"
                 time.sleep(0.01)
             assert gw.gateway.router.version == 2 and gw.gateway.router.versions[1].in_flight == 1
