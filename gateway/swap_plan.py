@@ -169,7 +169,7 @@ class SwapPlan:
                 del self.loaded[v]
                 self.retiring.pop(v, None)
         self.sweep_pending = True
-        self.led = True
+        self.led = self.leading  # not if leadership went elsewhere while the upstreams were asked
         return adapters
 
     def loaded_on(self, version: int, adapters: Mapping[str, Collection[str]]) -> None:
@@ -219,7 +219,7 @@ class SwapPlan:
 
     def to_retire(self, routed: int | None) -> list[int]:
         """The leader retires what ``versions_to_retire`` names (marked not yet written); returns them."""
-        if not self.led:
+        if not (self.leading and self.led):
             return []
         retire = versions_to_retire(self.loaded, self.retiring, routed, self.keep_previous)
         for v in retire:

@@ -160,6 +160,17 @@ def test_a_take_over_checks_the_last_leaders_word_against_the_upstreams() -> Non
     assert plan.to_sweep(listed[A] | listed[B]) == [], "swept once"
     plan.lead(False)
     assert not plan.led and plan.to_load() is None, "stepping down stops the loads"
+    assert plan.to_retire(routed=9) == [], "and the retiring: a follower only routes"
+
+
+def test_leadership_lost_during_the_take_over_is_not_taken_up_again() -> None:
+    plan = SwapPlan("policy", 3, 1)
+    plan.lead(True)
+    plan.take_over(None)
+    plan.lead(False)  # while the upstreams were asked what they hold
+    plan.confirm({A: set()}, any_healthy=True)
+    plan.published(record(1))
+    assert not plan.led and plan.to_load() is None
 
 
 def test_a_take_over_drops_what_no_upstream_holds_unless_none_is_healthy() -> None:
