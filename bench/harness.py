@@ -42,7 +42,12 @@ def machine() -> str:
 
 
 def commit(root: Path = ROOT) -> str:
-    """The measured code's commit (short), ``+changes`` if tracked files differ from it."""
+    """The measured code's commit (short), ``+changes`` if tracked files differ from it. A copy made with ``git
+    archive`` (docs/gpu.md) says its commit in a ``COMMIT`` file, which wins: such a copy may sit inside another
+    checkout, whose git would answer for the wrong tree."""
+    stamped = root / "COMMIT"
+    if stamped.is_file():
+        return stamped.read_text().strip()
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
@@ -50,8 +55,7 @@ def commit(root: Path = ROOT) -> str:
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
         return head + ("+changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        stamped = root / "COMMIT"
-        return stamped.read_text().strip() if stamped.is_file() else "unknown"
+        return "unknown"
 
 
 def stamp() -> dict[str, str]:

@@ -26,3 +26,13 @@ def test_a_copy_without_git_reads_its_commit_file(tmp_path: Path) -> None:
     assert harness.commit(tmp_path) == "unknown"
     (tmp_path / "COMMIT").write_text("abc1234\n")
     assert harness.commit(tmp_path) == "abc1234"
+
+
+def test_a_copy_inside_another_checkout_reads_its_commit_file(tmp_path: Path) -> None:
+    """The GPU staging copy (``.clean``, ignored by git) sits inside the checkout: its COMMIT file, not the outer
+    repository's HEAD, says what it holds."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    copy = tmp_path / ".clean"
+    copy.mkdir()
+    (copy / "COMMIT").write_text("c62d0dd\n")
+    assert harness.commit(copy) == "c62d0dd"
