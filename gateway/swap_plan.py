@@ -112,6 +112,7 @@ class SwapPlan:
     records: dict[int, PolicyRecord] = field(default_factory=dict)
     """Published versions from trusted publishers, by version (followers route among the leader's)."""
     loaded: dict[int, LoadedVersion] = field(default_factory=dict)
+    """The leader's word on which versions are loaded where: this gateway's own while it leads."""
     retiring: dict[int, int | None] = field(default_factory=dict)
     """Versions to unload -> offset of the first state of the leader that named them (``NOT_WRITTEN``,
     ``EARLIER_LEADER``)."""
