@@ -205,6 +205,12 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 """The file of a published adapter directory whose sha256 ``PolicyRecord.sha256`` records."""
 
 
+def served_name(policy_name: str, version: int) -> str:
+    """The engine-side adapter name of a policy's version (``<name>@v<N>``): unique per version, never reused, and
+    the model name a request pinned to that version asks for."""
+    return f"{policy_name}@v{version}"
+
+
 def sha256_file(path: str | Path) -> str:
     """The hex sha256 of a file (read in blocks by hashlib)."""
     with open(path, "rb") as f:
@@ -229,8 +235,8 @@ class PolicyRecord:
 
     @property
     def served_name(self) -> str:
-        """The engine-side adapter name of this version; unique per version, never reused."""
-        return f"{self.name}@v{self.version}"
+        """The engine-side adapter name of this version (``served_name``)."""
+        return served_name(self.name, self.version)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from streamrl.broker.schema import GatewayState, LoadedVersion, PolicyRecord
+from streamrl.broker.schema import GatewayState, LoadedVersion, PolicyRecord, served_name
 
 NOT_WRITTEN = None
 """``retiring``'s mark for a version this leader named but has not yet written in a state."""
@@ -126,7 +126,7 @@ class SwapPlan:
     sweep_pending: bool = False
 
     def served(self, version: int) -> str:
-        return f"{self.policy_name}@v{version}"
+        return served_name(self.policy_name, version)
 
     # -- events --------------------------------------------------------------------------------------
     def published(self, record: PolicyRecord) -> None:

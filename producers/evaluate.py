@@ -22,6 +22,8 @@ from typing import Any, Protocol
 import httpx
 from httpx_aiohttp import HttpxAiohttpClient
 
+from streamrl.broker.schema import served_name
+
 from .client import PURPOSE_HEADER, VERSION_HEADER, AsyncGateway
 from .runner import gateway_version
 
@@ -106,7 +108,7 @@ class Evaluator:
                         await stop.wait()
 
     async def evaluate(self, client: httpx.AsyncClient, version: int) -> EvalResult:
-        model = self.policy_name if version == 0 else f"{self.policy_name}@v{version}"
+        model = self.policy_name if version == 0 else served_name(self.policy_name, version)
         result = await evaluate_version(client, self.task, model, version, self.max_tokens)
         self.results.append(result)
         if self.out is not None:
@@ -131,7 +133,7 @@ async def evaluate_once(url: str, task: HeldOutTask, *, policy_name: str = "poli
             version = await gateway_version(client, url, policy_name)
             if version is None:
                 raise ValueError(f"{url} does not serve {policy_name!r} (GET /health)")
-        model = policy_name if version == 0 else f"{policy_name}@v{version}"
+        model = policy_name if version == 0 else served_name(policy_name, version)
         return await evaluate_version(client, task, model, version, max_tokens)
 
 
