@@ -62,7 +62,7 @@ from typing import Any
 import httpx
 import learn_stats
 from harness import stamp
-from learn_presets import LAYOUTS, PRESETS, Preset, load_preset_file, preset_toml
+from learn_presets import LAYOUTS, PRESETS, Preset, field_defaults, load_preset_file, preset_toml
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
 METRIC_LINE = re.compile(r'^([a-zA-Z_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN|\+Inf)$')
@@ -438,8 +438,12 @@ def summarise(spec: RunSpec, preset: Preset, run_dir: Path, t_ready: float | Non
     result["reward_curve"] = [(round(h["time"] - t0, 2), h["reward_mean"], h["version"]) for h in history]
     result["time_to_target_s"] = demo.get("target_reached_s")
     # held-out evaluation (tasks with a held-out set): score per version against the demo's clock
-    result["evaluation"] = [(round(e["time"] - t0, 2), e["version"], e["score"]) for e in demo.get("evaluation", [])]
-    if result["evaluation"]:
+    # (one that fewer than half its episodes answered, e.g. their version retired mid-way, scores no point)
+    evaluations = demo.get("evaluation", [])
+    result["evaluation"] = [(round(e["time"] - t0, 2), e["version"], e["score"]) for e in evaluations
+                            if 2 * e.get("answered", 1) >= e.get("problems", 1)]
+    result["evaluations_failed"] = sum(e.get("failed", 0) for e in evaluations)
+    if evaluations:
         result["score_source"] = "held-out"
         result["curve"] = [p for p in result["evaluation"] if isinstance(p[2], int | float) and math.isfinite(p[2])]
     else:  # no held-out set (numbers, calculator): the reward each version served to training traffic
@@ -831,7 +835,7 @@ def merge(args: argparse.Namespace) -> int:
     """``merge``: several result files' runs pooled, the statistics over every seed."""
     inputs = [Path(p) for p in args.inputs]
     result = learn_stats.merge([json.loads(p.read_text()) for p in inputs], [str(p) for p in inputs],
-                               allow_other_presets=args.allow_other_presets)
+                               allow_other_presets=args.allow_other_presets, defaults=field_defaults())
     out = Path(args.output)
     write_result(result, out)
     report(result, Path(args.plot) if args.plot else out.with_suffix(".png"))

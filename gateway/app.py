@@ -75,7 +75,7 @@ class Gateway:
                                  token_capture=config.token_capture, deferred_capture=config.deferred_capture,
                                  policies=len(config.policy_names), max_loaded_versions=config.max_loaded_versions,
                                  in_flight=config.update_mode == "in-flight")
-        self.policies = PolicyTable(config.policy_names, self.pool)
+        self.policies = PolicyTable(config.policy_names, self.pool, config.pinned_hold_s)
         self.router = self.policies.default
         """The default policy's (``policy_name``): ``/health``'s ``policy``, the dashboard's first."""
         self.producer: LogProducer | None = None

@@ -41,6 +41,11 @@ class GatewayConfig:
     version (``policy@v<N>``: a held-out evaluation, an agent finishing an episode on the version it
     began with) still finds it; older ones are unloaded once idle. At most ``max_loaded_versions - 2``
     (the routed version and the next one being loaded need their places)."""
+    pinned_hold_s: float = 5.0
+    """A version stays held this long after a request pinned to it (``policy@v<N>``) ended: the next call of an
+    episode pinned to it (a held-out evaluation of an agent, an agent finishing on the version it began with)
+    finds it even once newer versions have retired it. Held versions take the places ``keep_previous_versions``
+    keeps first; 0: held only while requests run on it."""
     follow_policy: bool = True
     """Follow the policy topic and hot-swap published versions (needs ``bootstrap_servers``)."""
     policy_catch_up_s: float = 10.0
@@ -150,6 +155,8 @@ class GatewayConfig:
         if not 0 <= self.keep_previous_versions <= self.max_loaded_versions - 2:
             raise ValueError(f"keep_previous_versions must be between 0 and max_loaded_versions - 2 "
                              f"({self.max_loaded_versions - 2}), not {self.keep_previous_versions}")
+        if not 0 <= self.pinned_hold_s <= 600:
+            raise ValueError(f"pinned_hold_s must be between 0 and 600 seconds, not {self.pinned_hold_s}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.health_failures_to_eject < 1:

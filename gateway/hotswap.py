@@ -167,8 +167,8 @@ class PolicyFollower:
 
     # -- the coordination view -----------------------------------------------------------------------
     def in_use(self) -> tuple[int, ...]:
-        """The versions this gateway routes or has requests in flight on."""
-        versions = {v for v, s in self.router.versions.items() if s.in_flight > 0}
+        """The versions this gateway routes or holds (requests in flight, a pinned one just ended)."""
+        versions = self.router.held()
         if self.router.routed is not None:
             versions.add(self.router.version)
         return tuple(sorted(versions))
@@ -267,7 +267,7 @@ class PolicyFollower:
                 if state.in_flight == 0 and state is not self.router.routed:
                     del self.router.versions[v]
             elif v in plan.retiring:
-                state.unloading = True
+                state.retiring = True
         v = plan.to_route(self.router.versions, [u.url for u in self.pool.upstreams if u.healthy])
         if v is not None and v != self.router.version:
             self._switch(self.router.versions[v])
@@ -454,11 +454,11 @@ class PolicyFollower:
         routed = self.router.routed
         if routed is None:
             return
-        retire = self.plan.to_retire(routed.record.version)
+        retire = self.plan.to_retire(routed.record.version, self.router.held())
         for v in retire:
             state = self.router.versions.get(v)
             if state is not None:
-                state.unloading = True  # pinned requests stop resolving to it now
+                state.retiring = True  # pinned requests resolve to it only while it is held now
         if retire:
             self._spawn(self._publish())
 
@@ -466,8 +466,7 @@ class PolicyFollower:
         """Unload each retiring version every live gateway has let go of."""
         peers = [Peer(s.seen_offset, s.in_use) for s in self.coordination.live()
                  if s.gateway_id != self.coordination.gateway_id]
-        in_flight = {v: s.in_flight for v, s in self.router.versions.items()}
-        for v in self.plan.to_unload(peers, in_flight, self.router.version):
+        for v in self.plan.to_unload(peers, self.router.held(), self.router.version):
             self._spawn(self._retire(v))
 
     async def _retire(self, version: int) -> None:

@@ -13,6 +13,9 @@ counted, so loaded, until its longest reply ended, and a new version would wait 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,12 +29,22 @@ from .upstreams import UpstreamPool
 class VersionState:
     record: PolicyRecord
     in_flight: int = 0
+    retiring: bool = False
+    """Retired by the leader: new requests pinned to it are served only while it is held (``held``)."""
     unloading: bool = False
+    """Its unload is under way (or its load was given up): no new request reaches it."""
     loaded_at: float = field(default=0.0)
+    pinned_until: float = 0.0
+    """``time.monotonic()`` until which a pinned request that ended keeps it held (``PolicyRouter.pinned_hold_s``)."""
 
     @property
     def served_name(self) -> str:
         return self.record.served_name
+
+    def held(self, now: float) -> bool:
+        """Requests run on it, or one pinned to it ended a moment ago: the next call of a multi-call episode
+        pinned to it (an evaluation's, an agent's) is on its way, so it is neither unloaded nor closed to it."""
+        return self.in_flight > 0 or now < self.pinned_until
 
 
 class Lease:
@@ -87,13 +100,19 @@ class Lease:
         state, self._state = self._state, None
         if state is not None and self._router is not None:
             self._router.unmark(self, state.record.version)
+            if not self.follows:
+                self._router.hold_pinned(state)
             self._let_go(state)
 
 
 class PolicyRouter:
-    def __init__(self, name: str, pool: UpstreamPool) -> None:
+    def __init__(self, name: str, pool: UpstreamPool, pinned_hold_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.pool = pool
+        self.pinned_hold_s = pinned_hold_s
+        """How long a version stays held after a request pinned to it ended (``VersionState.held``)."""
+        self.clock = clock
         self.routed: VersionState | None = None
         self.versions: dict[int, VersionState] = {}
         """Versions loaded (or being loaded/unloaded) somewhere, by version number."""
@@ -128,10 +147,29 @@ class PolicyRouter:
                 base = self.pool.base_models()
                 return Lease(None, None, base[0], self.name, 0) if base else None
             return Lease(self, routed, routed.served_name, self.name, routed.record.version, follows=True)
-        for state in self.versions.values():  # a pinned version, e.g. "policy@v3", while loaded
-            if state.served_name == model and state.loaded_at and not state.unloading:
+        for state in self.versions.values():  # a pinned version, e.g. "policy@v3", while loaded (and held if retired)
+            if state.served_name == model and state.loaded_at and not state.unloading \
+                    and (not state.retiring or state.held(self.clock())):
                 return Lease(self, state, model, self.name, state.record.version)
         return None
+
+    def held(self) -> set[int]:
+        """The versions held now (``VersionState.held``)."""
+        now = self.clock()
+        return {v for v, s in self.versions.items() if s.held(now)}
+
+    def hold_pinned(self, state: VersionState) -> None:
+        """A request pinned to ``state`` ended: hold it ``pinned_hold_s`` longer, then look at it again (an
+        idle retiring version may be unloaded then)."""
+        if self.pinned_hold_s <= 0:
+            return
+        state.pinned_until = self.clock() + self.pinned_hold_s
+        with contextlib.suppress(RuntimeError):  # no event loop: nothing to look at later (a unit test's lease)
+            asyncio.get_running_loop().call_later(self.pinned_hold_s, self._hold_ended, state)
+
+    def _hold_ended(self, state: VersionState) -> None:
+        if not state.held(self.clock()):
+            self.on_idle(state)
 
     def route(self, state: VersionState) -> VersionState | None:
         """Point the policy name at ``state``; returns the version it replaces."""
@@ -184,7 +222,7 @@ class PolicyRouter:
 
     def state(self) -> dict[str, object]:
         return {"name": self.name, "version": self.version, "moved_leases": self.moved_leases,
-                "loaded": {s.served_name: {"in_flight": s.in_flight, "unloading": s.unloading}
+                "loaded": {s.served_name: {"in_flight": s.in_flight, "retiring": s.retiring, "unloading": s.unloading}
                            for s in self.versions.values()}}
 
 
@@ -193,11 +231,11 @@ class PolicyTable:
     versions, hot-swap): the request's ``model`` picks the policy. The first is the gateway's default
     (``policy_name``), the one its dashboard and ``/health``'s ``policy`` show."""
 
-    def __init__(self, names: tuple[str, ...], pool: UpstreamPool) -> None:
+    def __init__(self, names: tuple[str, ...], pool: UpstreamPool, pinned_hold_s: float = 0.0) -> None:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"policy names must be given, each once: {names!r}")
         self.pool = pool
-        self.routers = {name: PolicyRouter(name, pool) for name in names}
+        self.routers = {name: PolicyRouter(name, pool, pinned_hold_s) for name in names}
         self.default = self.routers[names[0]]
 
     def __iter__(self):

@@ -60,26 +60,29 @@ def version_to_load(published: Iterable[int], loaded: Collection[int], refused: 
 
 
 def versions_to_retire(loaded: Collection[int], retiring: Collection[int], routed: int | None,
-                       keep_previous: int) -> list[int]:
+                       keep_previous: int, held: Collection[int] = ()) -> list[int]:
     """Loaded versions older than the ``keep_previous`` newest ones before the routed version (none while
-    nothing is routed), newest first."""
+    nothing is routed), newest first. Retiring versions still held (requests on them, a pinned episode's next
+    call on its way) fill those places first: they stay loaded anyway, and a kept version beside them would
+    leave the next version no room under ``max_loaded_versions``."""
     if routed is None:
         return []
+    keep = max(0, keep_previous - sum(1 for v in retiring if v in held and v in loaded))
     previous = sorted((v for v in loaded if v < routed and v not in retiring), reverse=True)
-    return previous[keep_previous:]
+    return previous[keep:]
 
 
-def versions_to_unload(retiring: Mapping[int, int | None], peers: Iterable[Peer], in_flight_here: Mapping[int, int],
+def versions_to_unload(retiring: Mapping[int, int | None], peers: Iterable[Peer], held_here: Collection[int],
                        routed: int | None, unloading: Collection[int]) -> list[int]:
     """Retiring versions every live gateway has let go of: each peer has written a state read at or past the
-    offset of this leader's state naming the version, and does not list it in use; no request runs on it
-    here, it is not routed here, and its unload has not begun."""
+    offset of this leader's state naming the version, and does not list it in use; it is not held here
+    (``policy.VersionState.held``), not routed here, and its unload has not begun."""
     peers = list(peers)
     ready = []
     for v, offset in sorted(retiring.items()):
         if offset is NOT_WRITTEN or offset == EARLIER_LEADER or v in unloading or v == routed:
             continue
-        if in_flight_here.get(v, 0):
+        if v in held_here:
             continue
         if all(p.seen_offset >= offset and v not in p.in_use for p in peers):
             ready.append(v)
@@ -218,18 +221,18 @@ class SwapPlan:
     def to_route(self, known: Collection[int], healthy: Collection[str]) -> int | None:
         return version_to_route(self.loaded, self.retiring, known, healthy)
 
-    def to_retire(self, routed: int | None) -> list[int]:
+    def to_retire(self, routed: int | None, held: Collection[int] = ()) -> list[int]:
         """The leader retires what ``versions_to_retire`` names (marked not yet written); returns them."""
         if not (self.leading and self.led):
             return []
-        retire = versions_to_retire(self.loaded, self.retiring, routed, self.keep_previous)
+        retire = versions_to_retire(self.loaded, self.retiring, routed, self.keep_previous, held)
         for v in retire:
             self.retiring[v] = NOT_WRITTEN
         return retire
 
-    def to_unload(self, peers: Iterable[Peer], in_flight_here: Mapping[int, int], routed: int | None) -> list[int]:
+    def to_unload(self, peers: Iterable[Peer], held_here: Collection[int], routed: int | None) -> list[int]:
         """Retiring versions to unload now (``versions_to_unload``), marked as under way."""
-        ready = versions_to_unload(self.retiring, peers, in_flight_here, routed, self.unloading)
+        ready = versions_to_unload(self.retiring, peers, held_here, routed, self.unloading)
         self.unloading.update(ready)
         return ready
 

@@ -47,6 +47,10 @@ class EvalResult:
     problems: int
     seconds: float
     time: float
+    failed: int = 0
+    """Episodes that ended in an error (their version retired mid-way, a framework's exception): not answered."""
+    error: str = ""
+    """The first such error, for the log."""
 
 
 async def evaluate_version(client: httpx.AsyncClient, task: HeldOutTask, model: str, version: int,
@@ -58,12 +62,18 @@ async def evaluate_version(client: httpx.AsyncClient, task: HeldOutTask, model: 
         # on ``client``'s pool (not closed here): every episode holds the pinned version, as one call does
         gateway = AsyncGateway(str(client.base_url), http_client=client)
         try:
-            scores = [s for s in await asyncio.gather(*(task.evaluate_problem(gateway, p, model, version)
-                                                        for p in task.held_out)) if s is not None]
+            outcomes = await asyncio.gather(*(task.evaluate_problem(gateway, p, model, version)
+                                              for p in task.held_out), return_exceptions=True)
         finally:
             client.event_hooks["response"].remove(gateway.served.async_hook)
+        errors = [o for o in outcomes if isinstance(o, Exception)]
+        for o in outcomes:
+            if isinstance(o, BaseException) and not isinstance(o, Exception):
+                raise o  # cancelled: the evaluation is being dropped
+        scores = [o for o in outcomes if o is not None and not isinstance(o, BaseException)]
         return EvalResult(version, sum(scores) / len(scores) if scores else float("nan"), len(scores),
-                          len(task.held_out), time.monotonic() - started, time.time())
+                          len(task.held_out), time.monotonic() - started, time.time(), len(errors),
+                          f"{type(errors[0]).__name__}: {errors[0]}"[:300] if errors else "")
 
     async def one(i: int, problem: Any) -> float | None:
         r = await client.post("/v1/chat/completions", json={
@@ -100,7 +110,10 @@ class Evaluator:
                 version = await gateway_version(client, self.url, self.policy_name)
                 if version is not None and version not in done and version % self.every == 0:
                     done.add(version)
-                    await self.evaluate(client, version)
+                    try:
+                        await self.evaluate(client, version)
+                    except Exception as exc:  # one version's evaluation lost, not the rest of the run's
+                        self.emit(f"eval v{version}: failed ({type(exc).__name__}: {exc}); going on")
                 if stop.is_set():
                     return self.results
                 with contextlib.suppress(TimeoutError):
@@ -119,8 +132,9 @@ class Evaluator:
             await client.post("/dashboard/eval", json={"version": version, "score": result.score,
                                                        "answered": result.answered, "problems": result.problems,
                                                        "policy": self.policy_name})
+        failed = f"; {result.failed} failed, first: {result.error}" if result.failed else ""
         self.emit(f"eval v{version}: held-out score {result.score:.3f} ({result.answered}/{result.problems} "
-                  f"answered by v{version}) in {result.seconds:.1f} s")
+                  f"answered by v{version}) in {result.seconds:.1f} s{failed}")
         return result
 
 

@@ -214,8 +214,9 @@ def test_a_load_waiting_for_room_gives_way_to_a_newer_version(broker, engine, to
 def test_in_flight_a_moved_request_no_longer_holds_its_version(broker, engine, topics, adapters, base_model,
                                                               relay: Relay, caplog: pytest.LogCaptureFixture):
     """The ``in-flight`` update mode with two versions loaded at most: a stream on v1 is kept open (its answer
-    held in the relay), v2 is routed, and once a request on v2 has come back from the engine (which moves every
-    marked request sent before it to v2 at that step), the open stream's lease counts against v2: v1 drains and
+    held in the relay), v2 is routed, and once a request on v2 has come back from the engine (the route
+    announcement or the next request: the engine moves every marked request sent before it to v2 at that step),
+    the open stream's lease counts against v2: v1 drains and
     is unloaded while the stream is still open, and v3 is loaded without waiting for room. In the ``pinned``
     mode the same stream holds v1 until it ends (``test_a_load_waiting_for_room_gives_way_to_a_newer_version``)."""
     name = f"roommove{uuid.uuid4().hex[:6]}"
@@ -237,7 +238,8 @@ def test_in_flight_a_moved_request_no_longer_holds_its_version(broker, engine, t
             assert [lease.holds for lease in router.marked] == [1]  # sent marked to move
             publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
             wait_routed(gw, 2)
-            assert router.versions[1].in_flight == 1  # the engine has not shown a marked request on v2 yet
+            # no assertion that v1 still holds the stream here: the route announcement (a marked one-token request
+            # on v2, ``PolicyFollower._announce``) may already have come back and moved it
             new = httpx.post(f"{gw.url}/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 4},
                              timeout=120)
             assert new.status_code == 200 and new.headers["x-policy-version"] == "2"

@@ -92,3 +92,58 @@ def test_unmarked_and_re_sent_requests() -> None:
         lease.release()
         lease.release()  # once only counts
     assert in_flight([v1, v2]) == [0, 0]
+
+
+def test_a_retired_version_serves_a_pinned_episode_while_held_then_lets_go() -> None:
+    """An episode pinned to v1 (a held-out game: several calls) keeps finding v1 after newer versions retired it,
+    while its calls follow each other within ``pinned_hold_s``; then v1 closes to new pinned calls."""
+    now = [100.0]
+    router = PolicyRouter("policy", UpstreamPool((A, B)), pinned_hold_s=5.0, clock=lambda: now[0])
+    for v in (1, 2):
+        router.versions[v] = VersionState(PolicyRecord("policy", v, f"/a/v{v}", "base", v, "0" * 64), loaded_at=1.0)
+    v1, v2 = router.versions[1], router.versions[2]
+    router.route(v2)
+    first = router.resolve("policy@v1")
+    v1.retiring = True  # the leader retired it while the first call ran
+    assert router.held() == {1}
+    first.release()
+    assert v1.in_flight == 0 and router.held() == {1}, "the next call is on its way"
+    now[0] += 4.0
+    second = router.resolve("policy@v1")
+    assert second is not None and second.version == 1
+    second.release()
+    now[0] += 5.1
+    assert router.held() == set() and router.resolve("policy@v1") is None, "the episode ended: retired for good"
+    follower = router.resolve("policy")
+    follower.release()
+    assert v2.pinned_until == 0.0, "a request routed by the policy's name holds nothing after it ends"
+
+
+def test_without_a_hold_a_retired_version_closes_to_pinned_calls_at_once() -> None:
+    router, (v1, v2) = router_with(1, 2)
+    router.route(v2)
+    router.resolve("policy@v1").release()
+    v1.retiring = True
+    assert router.resolve("policy@v1") is None and router.held() == set()
+    v1.retiring, v1.unloading = False, True
+    assert router.resolve("policy@v1") is None, "an unload under way takes no request"
+
+
+def test_the_end_of_a_hold_is_an_idle_moment() -> None:
+    """The hot-swap unloads retiring versions when they go idle: a hold's end is such a moment (awaited)."""
+    import asyncio
+
+    async def main() -> list[int]:
+        router, (v1, v2) = router_with(1, 2)
+        router.pinned_hold_s = 0.05
+        router.route(v2)
+        idle: asyncio.Queue[int] = asyncio.Queue()
+        router.idle_callbacks.append(lambda s: idle.put_nowait(s.record.version))
+        router.resolve("policy@v1").release()
+        async with asyncio.timeout(5):
+            seen = [await idle.get()]  # at the release: v1 still held then
+            seen.append(await idle.get())  # at the hold's end
+        assert not v1.held(router.clock())
+        return seen
+
+    assert asyncio.run(main()) == [1, 1]

@@ -45,6 +45,11 @@ def test_retire_what_is_older_than_the_kept_previous_versions() -> None:
     assert versions_to_retire({1, 2, 3, 4, 5}, retiring={1}, routed=5, keep_previous=1) == [3, 2]
     assert versions_to_retire({1, 2, 3}, retiring=(), routed=2, keep_previous=0) == [1], "v3, newer, loads on"
     assert versions_to_retire({1, 2, 3}, retiring=(), routed=None, keep_previous=0) == []
+    # a retiring version still held (an evaluation pinned to it) takes the kept place: v4 retires, so the next
+    # version finds room under max_loaded_versions = 3 (v2 held, v5 routed, v6 loading)
+    assert versions_to_retire({2, 4, 5}, retiring={2}, routed=5, keep_previous=1, held={2}) == [4]
+    assert versions_to_retire({2, 4, 5}, retiring={2}, routed=5, keep_previous=1, held=()) == [], "v2 let go"
+    assert versions_to_retire({2, 3, 4, 5}, retiring={2}, routed=5, keep_previous=2, held={2}) == [3]
 
 
 def test_unload_a_retiring_version_once_every_live_gateway_let_it_go() -> None:
@@ -54,7 +59,7 @@ def test_unload_a_retiring_version_once_every_live_gateway_let_it_go() -> None:
     assert versions_to_unload(retiring, [Peer(9, (3,))], {}, routed=3, unloading=()) == [], "a peer has not read it"
     assert versions_to_unload(retiring, [caught_up, Peer(11, (2, 3))], {}, routed=3, unloading=()) == [1], \
         "a peer still runs requests on v2"
-    assert versions_to_unload(retiring, [caught_up], {1: 1}, routed=3, unloading=()) == [2], "in flight here"
+    assert versions_to_unload(retiring, [caught_up], {1}, routed=3, unloading=()) == [2], "held here"
     assert versions_to_unload(retiring, [caught_up], {}, routed=3, unloading={2}) == [1], "already unloading"
     assert versions_to_unload({1: NOT_WRITTEN, 2: EARLIER_LEADER}, [caught_up], {}, routed=3, unloading=()) == [], \
         "named in no state of this leader yet"
@@ -105,7 +110,7 @@ def test_a_leaders_life_load_the_newest_route_it_retire_and_unload_the_old() -> 
     plan.written(offset=40, retiring=(3, 4))
     peer = Peer(seen_offset=39, in_use=(6,))
     assert plan.to_unload([peer], {}, routed=6) == [], "a live gateway has not read that state"
-    assert plan.to_unload([Peer(40, (4, 6))], {3: 0}, routed=6) == [3], "v4 still used by a peer"
+    assert plan.to_unload([Peer(40, (4, 6))], set(), routed=6) == [3], "v4 still used by a peer"
     assert plan.to_unload([Peer(40, (6,))], {}, routed=6) == [4], "v3's unload is under way: not twice"
     plan.unloaded(3)
     plan.unloading.discard(3)
