@@ -220,6 +220,18 @@ def preset_from_table(name: str, table: dict[str, Any], known: dict[str, Preset]
     return replace(known[base_name] if base_name else Preset(), **{"name": name, **values})
 
 
+def field_defaults() -> dict[str, Any]:
+    """Each preset field's default as a result file writes it (JSON): what an older file that lacks the field
+    ran with."""
+    found = {}
+    for f in dataclasses.fields(Preset):
+        if f.default is not dataclasses.MISSING:
+            found[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            found[f.name] = f.default_factory()
+    return json.loads(json.dumps(found))
+
+
 def load_preset_file(path: Path, known: dict[str, Preset] | None = None) -> dict[str, Preset]:
     """Every table of a TOML file as a preset; a table may start from a built-in or an earlier table."""
     with path.open("rb") as f:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 Curve = Sequence[Sequence[float]]
@@ -253,11 +253,13 @@ class MergeError(ValueError):
 
 
 def merge(results: Sequence[dict[str, Any]], names: Sequence[str] | None = None, *,
-          allow_other_presets: bool = False, resamples: int = RESAMPLES) -> dict[str, Any]:
+          allow_other_presets: bool = False, defaults: Mapping[str, Any] | None = None,
+          resamples: int = RESAMPLES) -> dict[str, Any]:
     """Several result files as one: their runs pooled (each keeps the file it came from and its place in that
     file's order), the statistics recomputed over every seed. Refuses files of different presets (unless allowed:
     the first file's levels and times are used) and a mode and seed completed twice (which one would pair?); a run
-    cut short in one file gives way to the same mode and seed completed in another."""
+    cut short in one file gives way to the same mode and seed completed in another. A preset field a file lacks
+    reads as its value in ``defaults`` (fields added to presets after the file was written)."""
     if not results:
         raise MergeError("nothing to merge")
     names = list(names or [f"#{i}" for i in range(len(results))])
@@ -266,7 +268,9 @@ def merge(results: Sequence[dict[str, Any]], names: Sequence[str] | None = None,
     for name, result in zip(names, results, strict=True):
         if "runs" not in result or "preset" not in result:
             raise MergeError(f"{name}: not a learn_bench result (no runs / preset)")
-        differ = sorted(k for k in set(first) | set(result["preset"]) if first.get(k) != result["preset"].get(k))
+        theirs = {**(defaults or {}), **result["preset"]}
+        ours = {**(defaults or {}), **first}
+        differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differ and not allow_other_presets:
             raise MergeError(f"{name}: another preset than {names[0]} ({', '.join(differ)} differ)")
         for run in result["runs"]:

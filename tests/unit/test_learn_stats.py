@@ -276,3 +276,20 @@ def test_a_modes_gateway_settings_reach_streamrl_up(tmp_path: Path) -> None:
         path.write_text(json.dumps(config))
         gateway = load_config(path).gateway_config(["http://127.0.0.1:9"], "127.0.0.1:9092", 8080)
         assert (gateway.max_loaded_versions, gateway.in_flight_cache) == (room, cache)
+
+
+def test_merge_reads_a_field_a_file_lacks_as_its_default() -> None:
+    old = result(RUNS[:2])  # written before presets had task_options
+    new = result(RUNS[2:], task_options={})
+    with pytest.raises(stats.MergeError, match="task_options"):
+        stats.merge([old, new], resamples=FAST)
+    assert stats.merge([old, new], defaults={"task_options": {}}, resamples=FAST)["seeds"] == [0, 1, 2, 3]
+    with pytest.raises(stats.MergeError, match="task_options"):  # a value other than the default still differs
+        stats.merge([old, result(RUNS[2:], task_options={"first_tool": "x"})], defaults={"task_options": {}},
+                    resamples=FAST)
+
+
+def test_field_defaults_are_what_a_preset_of_no_settings_writes() -> None:
+    defaults = presets.field_defaults()
+    assert defaults["task_options"] == {} and defaults["levels"] == [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    assert defaults["name"] == presets.Preset().name
