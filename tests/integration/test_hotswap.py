@@ -38,7 +38,7 @@ def unload_afterwards(engine: Engine, caplog: pytest.LogCaptureFixture) -> Itera
     yield
     for card in httpx.get(f"{engine.url}/v1/models").json()["data"]:
         if card.get("parent") and card["id"].split("@")[0].startswith(("loadtest", "loadmove", "inflight", "catchup",
-                                                                         "roommove")):
+                                                                         "roommove", "pinhold")):
             httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": card["id"]})
 
 
@@ -295,3 +295,42 @@ def test_kept_versions_must_leave_room_for_the_routed_and_the_next_one() -> None
     for kw in ({"max_loaded_versions": 2}, {"keep_previous_versions": -1}):
         with pytest.raises(ValueError, match="keep_previous_versions must be between 0 and"):
             GatewayConfig(upstreams=("http://x",), bootstrap_servers=None, **kw)
+
+
+def test_a_pinned_episode_keeps_its_retired_version_until_it_ends(broker, engine, topics, adapters, base_model,
+                                                                 relay: Relay):
+    """An episode of several calls pinned to v1 (an agent's held-out game, a move a call) goes on after v2 retired
+    v1 (no previous version kept): its first call is held in the relay across the swap, and each next call comes
+    within ``pinned_hold_s`` of the last one's end, so v1 is held, not unloaded, and answers them. Once the
+    episode has ended and the hold has run out, v1 is unloaded, and a call pinned to it gets a 404."""
+    name = f"pinhold{uuid.uuid4().hex[:6]}"
+    publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
+    first: dict[str, object] = {}
+    relay.hold_marker = b"the first move"
+    config = gateway_config(broker, engine, name, upstreams=(relay.url,), keep_previous_versions=0,
+                            pinned_hold_s=5.0)
+    with GatewayServer(config) as gw:
+        wait_routed(gw, 1)
+        thread = held_stream(gw.url, f"{name}@v1", "the first move", first)
+        try:
+            assert relay.holding.wait(30), "the first move did not reach the engine"
+            publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
+            wait_routed(gw, 2)
+            deadline = time.monotonic() + 30
+            while 1 not in gw.gateway.follower.plan.retiring:
+                assert time.monotonic() < deadline, "v1 was not retired once v2 was routed"
+                time.sleep(0.01)
+        finally:
+            relay.release()
+            thread.join(120)
+        assert first["version"] == "1"
+        with httpx.Client(base_url=gw.url, timeout=120) as http:
+            def move(n: int) -> httpx.Response:
+                return http.post("/v1/completions", json={"model": f"{name}@v1", "prompt": f"move {n}",
+                                                          "max_tokens": 2})
+            for n in range(2, 5):  # the episode's next moves, each right after the last
+                r = move(n)
+                assert r.status_code == 200 and r.headers["x-policy-version"] == "1", (n, r.status_code, r.text)
+            assert 1 in gw.gateway.follower.plan.retiring and f"{name}@v1" in engine_adapters(engine)
+            wait_unloaded(engine, f"{name}@v1")  # the episode over: let go once the hold ran out
+            assert move(5).status_code == 404
