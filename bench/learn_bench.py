@@ -239,6 +239,9 @@ def shift_clock(result: dict[str, Any], seconds: float) -> None:
 def up_config(preset: Preset, spec: RunSpec, model: Path, run_dir: Path, port: int, trainer_port: int,
               upstreams: list[str], init_adapter: str | None = None) -> dict[str, Any]:
     """The ``streamrl up`` configuration of one run (its tables, as JSON)."""
+    from streamrl.config_file import nest
+    from streamrl.trainer.config import TrainerConfig
+
     mode = mode_of(spec) if spec.mode != "warmup" else MODES[BASELINE]
     engine_device, mem_frac, trainer_device = LAYOUTS[preset.layout]
     config: dict[str, Any] = {
@@ -260,8 +263,6 @@ def up_config(preset: Preset, spec: RunSpec, model: Path, run_dir: Path, port: i
                  "max_seconds": preset.max_seconds, "seed": spec.seed, "summary": str(run_dir / "demo.json"),
                  "eval_every": preset.eval_every, "eval_problems": preset.eval_problems},
     }
-    if config["trainer"]["row_tokens"] is None:
-        del config["trainer"]["row_tokens"]
     gateway = {**({"max_loaded_versions": mode.max_loaded_versions} if mode.max_loaded_versions else {}),
                **({"in_flight_cache": mode.in_flight_cache} if mode.in_flight_cache != "keep" else {})}
     if gateway:
@@ -282,6 +283,7 @@ def up_config(preset: Preset, spec: RunSpec, model: Path, run_dir: Path, port: i
         del config["engine"]["gpu_memory_utilization"]
     if upstreams:
         del config["engine"]
+    config["trainer"] = nest(TrainerConfig, config["trainer"])  # by flag name above, its tables as a file has them
     return config
 
 

@@ -71,7 +71,7 @@ def write_versions(model_dir: str, out: Path, versions: int, rank: int) -> list[
     if all(v in have for v in range(1, versions + 1)):
         return [have[v] for v in range(1, versions + 1)]
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
-    model = attach_lora(base, TrainerConfig(model=model_dir, lora_rank=rank, lora_alpha=2.0 * rank))
+    model = attach_lora(base, TrainerConfig.load(None, model=model_dir, lora_rank=rank, lora_alpha=2.0 * rank))
     dirs = []
     for v in range(1, versions + 1):
         torch.manual_seed(v)

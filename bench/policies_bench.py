@@ -68,6 +68,9 @@ from gateway_bench import children
 from harness import stamp
 from learn_bench import read_history, unload_adapters, warm_engine
 
+from streamrl.config_file import nest
+from streamrl.trainer.config import TrainerConfig
+
 PROMPTS = ["Tell me about the sea.", "Write a short story about a lighthouse.", "Explain how rain forms.",
            "Describe a walk through a forest.", "What makes a good friend?", "Tell me about the moon."]
 SERVED_LINE = re.compile(r"now served by (\S+)@v(\d+) \(was [^)]*\), (\d+) ms after publication")
@@ -322,7 +325,6 @@ def make_adapter(model: str, out: Path, rank: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from streamrl.trainer.config import TrainerConfig
     from streamrl.trainer.model import attach_lora
     from streamrl.trainer.publish import write_adapter_files
 
@@ -331,7 +333,7 @@ def make_adapter(model: str, out: Path, rank: int) -> Path:
         return target
     torch.manual_seed(0)
     peft_model = attach_lora(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
-                             TrainerConfig(model=model, lora_rank=rank))
+                             TrainerConfig.load(None, model=model, lora_rank=rank))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
@@ -348,10 +350,10 @@ def up_config(p: int, names: list[str], model: str, upstream: str, run_dir: Path
                "train": not args.imitate_training,
                "trainer_device": args.trainer_device, "topic_prefix": f"pb{p}"},
         "gateway": {"max_loaded_versions": args.max_loaded_versions},
-        "trainer": {"learning_rate": args.learning_rate, "group_size": args.group_size,
-                    "groups_per_step": args.groups_per_step, "lora_rank": args.lora_rank, "max_lag": 4,
-                    "micro_batch_tokens": args.micro_batch_tokens, "max_step_tokens": 0, "group_timeout_s": 30.0,
-                    "seed": 0},
+        "trainer": nest(TrainerConfig, {"learning_rate": args.learning_rate, "group_size": args.group_size,
+                                        "groups_per_step": args.groups_per_step, "lora_rank": args.lora_rank,
+                                        "max_lag": 4, "micro_batch_tokens": args.micro_batch_tokens,
+                                        "max_step_tokens": 0, "group_timeout_s": 30.0, "seed": 0}),
     }
 
 

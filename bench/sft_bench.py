@@ -60,7 +60,7 @@ def run_streamrl(args: argparse.Namespace, data: Path, out: Path) -> dict[str, A
 
     sft = SftConfig(data=str(data), out=str(out), max_steps=args.steps, step_tokens=args.step_tokens,
                     eval_fraction=0.0, progress=False)
-    trainer = TrainerConfig(model=args.model, device=args.device, learning_rate=args.learning_rate,
+    trainer = TrainerConfig.load(None, model=args.model, device=args.device, learning_rate=args.learning_rate,
                             lora_rank=args.lora_rank, seed=args.seed, micro_batch_tokens=args.micro_batch_tokens,
                             row_tokens=args.row_tokens)
     shutil.rmtree(out, ignore_errors=True)  # a directory left from before would be resumed, not trained
@@ -86,16 +86,16 @@ def run_plain(args: argparse.Namespace, data: Path) -> dict[str, Any]:
     from streamrl.trainer.sft_data import load_sft_data
 
     device = torch.device(args.device)
-    c = TrainerConfig(model=args.model, device=args.device, lora_rank=args.lora_rank)
+    c = TrainerConfig.load(None, model=args.model, device=args.device, lora_rank=args.lora_rank)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     sequences = load_sft_data(data, tokenizer).sequences  # the same ids and masks as streamrl's
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=c.attn_implementation)
-    model = get_peft_model(model.to(device), LoraConfig(r=c.lora_rank, lora_alpha=c.lora_alpha,
-                                                         target_modules=list(c.target_modules), lora_dropout=0.0))
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=c.compute.attn_implementation)
+    model = get_peft_model(model.to(device), LoraConfig(r=c.lora.rank, lora_alpha=c.lora.alpha,
+                                                         target_modules=list(c.lora.target_modules), lora_dropout=0.0))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=c.adam_betas, weight_decay=c.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=c.optim.adam_betas, weight_decay=c.optim.weight_decay)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     steps, epoch = [], 0
     while len(steps) < args.steps:
@@ -124,7 +124,7 @@ def run_plain(args: argparse.Namespace, data: Path) -> dict[str, Any]:
             (out.loss * part_targets / targets).backward()  # the step's mean over its target tokens
             if i >= args.warmup_steps:
                 padded += ids.numel()
-        torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(params, c.optim.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)

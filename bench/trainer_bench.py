@@ -194,7 +194,7 @@ def ours(model, variant: Variant, rows: int, seq_len: int, n_seqs: int, warmup: 
     """The trainer's own step (trainer.learner.Learner): packed rows, target-only chunked logprobs,
     GRPO loss with truncated IS, AdamW, gradient clipping. ``n_seqs`` sequences per step (all ranks
     together under torch.distributed). Returns (seconds per step, warm-up seconds)."""
-    config = TrainerConfig(model="bench", lora_rank=16, lora_alpha=32, target_modules=TARGETS,
+    config = TrainerConfig.load(None, model="bench", lora_rank=16, lora_alpha=32, target_modules=TARGETS,
                            micro_batch_tokens=rows * seq_len, row_tokens=seq_len, compile=variant.compile,
                            recompute_logits=variant.recompute, logit_chunk_tokens=8192, learning_rate=1e-4)
     if variant.compile:  # compilation happens in the warm-up, never in the timed steps

@@ -37,8 +37,10 @@ from pathlib import Path
 import httpx
 
 from streamrl.broker.embedded import free_port
+from streamrl.config_file import nest
 from streamrl.producers.demo_cli import DemoConfig
 from streamrl.producers.runner import RunLimits, run_groups
+from streamrl.trainer.config import TrainerConfig
 
 MODES = {"wait": {"backlog": "wait", "max_step_tokens": 0}, "freshest": {"backlog": "freshest"}}
 
@@ -76,8 +78,9 @@ def trainer_counts(metrics_port: int) -> dict[str, float]:
 def run(mode: str, rate: int, args: argparse.Namespace, out: Path) -> dict:
     run_dir = out / f"{mode}-r{rate}"
     port, metrics_port = free_port(), free_port()
-    trainer = {"metrics_port": metrics_port, "learning_rate": 2e-2, "groups_per_step": 2, "group_size": args.group_size, "lora_rank": 8,
-               "max_lag": 4, "group_timeout_s": 20.0, **json.loads(args.trainer), **MODES[mode]}
+    trainer = nest(TrainerConfig, {"metrics_port": metrics_port, "learning_rate": 2e-2, "groups_per_step": 2,
+                                   "group_size": args.group_size, "lora_rank": 8, "max_lag": 4, "group_timeout_s": 20.0,
+                                   **json.loads(args.trainer), **MODES[mode]})  # flat names -> [trainer.*] tables
     config = {"up": {"port": port, "work_dir": str(run_dir), **({"model": args.model} if args.model else {})},
               "trainer": trainer, **({"engine": json.loads(args.engine)} if args.engine else {})}
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,7 +145,7 @@ def main() -> None:
     p.add_argument("--task", default="numbers", help="the producer's task: numbers or arithmetic")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--engine", default="", help="JSON of the [engine] table, e.g. its GPU and memory share")
-    p.add_argument("--trainer", default="{}", help="JSON of further [trainer] settings, e.g. for a GPU")
+    p.add_argument("--trainer", default="{}", help="JSON of further trainer settings by flag name (lora_rank), e.g. for a GPU")
     p.add_argument("--drain-s", type=float, default=5.0)
     p.add_argument("--out", default="runs/unpaced-bench")
     p.add_argument("--json", type=Path)

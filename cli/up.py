@@ -7,8 +7,9 @@ broker and ``--upstream`` external vLLM servers instead of starting one; nothing
 
 Configuration: defaults, then one TOML/JSON file (tables ``[up]``, ``[engine]``, ``[gateway]``,
 ``[trainer]``, ``[demo]``), then flags. The ``[gateway]`` and ``[trainer]`` tables hold ``GatewayConfig``
-and ``TrainerConfig`` fields; ``up`` adds what it owns, writes the effective configurations to
-``<work-dir>/gateway.json`` and ``<work-dir>/trainer.json`` and starts each part with ``--config``.
+and ``TrainerConfig`` fields (the trainer's concerns in ``[trainer.lora]``-style tables); ``up`` adds what
+it owns, writes the effective configurations to ``<work-dir>/gateway.json`` and ``<work-dir>/trainer.json``
+and starts each part with ``--config``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from streamrl.broker.schema import policy_names
 from streamrl.broker.security import KafkaSecurity
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.child import signal_group, spawn, wait_http
-from streamrl.config_file import check_fields, read_file
+from streamrl.config_file import check_fields, flat_names, flatten, read_file
 from streamrl.config_flags import add_config_flags, given
 from streamrl.engine.lora_slots import lora_slots
 from streamrl.engine.server import Engine, EngineConfig, check_vllm_release, installed_vllm
@@ -59,7 +60,8 @@ from streamrl.usage import (
 @dataclass(frozen=True)
 class DemoTrainer:
     """Trainer settings under which the demo model learns the demo task within minutes on 2 CPU cores
-    (measured: docs/loop.md). Applied with ``--demo`` below whatever the ``[trainer]`` table says."""
+    (measured: docs/loop.md), by their flat names (as ``TrainerConfig.load`` takes them). Applied with ``--demo``
+    below whatever the ``[trainer]`` table says."""
 
     learning_rate: float = 2e-2
     groups_per_step: int = 2
@@ -211,8 +213,9 @@ class UpConfig:
         return GatewayConfig.load(None, **values)
 
     def trainer_settings(self) -> dict[str, tuple[Any, str]]:
-        """Each trainer setting ``up`` applies, with where it came from: demo defaults (with --demo) < the
-        model's own settings (``packaged_models.settings_for``) < the [trainer] table < ``--trainer-*`` flags."""
+        """Each trainer setting ``up`` applies by its flat name (``lora_rank``, as ``TrainerConfig.load`` takes it),
+        with where it came from: demo defaults (with --demo) < the model's own settings
+        (``packaged_models.settings_for``) < the [trainer] table < ``--trainer-*`` flags."""
         layers: list[tuple[str, dict[str, Any]]] = []
         if self.demo is not None:
             layers.append(("demo default", dataclasses.asdict(DemoTrainer())))
@@ -220,7 +223,8 @@ class UpConfig:
         if settings is not None:
             layers.append((f"model {self.model}" if self.model in MODELS else "real-model default",
                            settings.trainer_values()))
-        layers += [("[trainer] table", self.trainer_table), ("--trainer flag", self.trainer_flags)]
+        layers += [("[trainer] table", flatten(TrainerConfig, self.trainer_table)),
+                   ("--trainer flag", flatten(TrainerConfig, self.trainer_flags))]
         return {k: (v, source) for source, values in layers for k, v in values.items()}
 
     def trainer_config(self, model: str, bootstrap_servers: str, policy: str | None = None) -> TrainerConfig:
@@ -447,7 +451,7 @@ class Stack:
             for trainer in trainers:
                 demo = c.demo
                 if demo.groups_per_step is None:  # pace the demo to the trainer
-                    demo = dataclasses.replace(demo, groups_per_step=trainer.groups_per_step)
+                    demo = dataclasses.replace(demo, groups_per_step=trainer.feed.groups_per_step)
                 self._demo(dataclasses.replace(demo, model=trainer.name))  # the policy this stack serves
         return self
 
@@ -504,7 +508,8 @@ class Stack:
             self.log.line("up", "no trainer (--no-train): the stack serves and records; versions come from "
                                 "`streamrl publish` (a learner of one's own: `streamrl batches`)")
         elif settings:
-            self.log.line("up", "trainer settings: " + ", ".join(f"{k} = {v!r} ({source})"
+            where = flat_names(TrainerConfig)  # each as the [trainer] table and describe() name it: lora.rank
+            self.log.line("up", "trainer settings: " + ", ".join(f"{'.'.join(where.get(k, (k,)))} = {v!r} ({source})"
                                                                  for k, (v, source) in settings.items()))
         model_settings = settings_for(c.model)
         if model_settings is not None:

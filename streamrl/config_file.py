@@ -5,6 +5,12 @@ tables too); this module is the only code that reads a configuration file and ch
 types of its values against a dataclass, so that every field can be set from a file, a flag that was not
 given never clobbers the file, and a misspelt key or a value of the wrong type is a ``UsageError`` naming
 the file, line and table, before anything starts.
+
+A field whose type is a dataclass is a nested table (``[trainer.lora]`` in a file, a dict or an instance in
+code). Each setting also has one flat name, what its flag spells and what ``load_config``'s overrides may use:
+a top-level field's own name; a table's field ``prefix + name``, the prefix being the table field's ``FLAT``
+metadata (default the table's name and ``_``: ``kafka_security_protocol``), unless that field's own ``FLAT``
+metadata gives its whole flat name. So a part may group its settings by concern without renaming a flag.
 """
 
 from __future__ import annotations
@@ -24,6 +30,44 @@ from typing import Any, Literal, TypeVar
 from streamrl.usage import UsageError, check_file
 
 T = TypeVar("T")
+
+FLAT = "flat"
+"""Field metadata key for flat names (see the module's docstring): on a table field, the prefix of its fields'
+flat names (``metadata={FLAT: "lora_"}``; ``""``: their own names); on a table's field, its whole flat name."""
+
+
+def _is_table(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def flat_names(cls: type) -> dict[str, tuple[str, ...]]:
+    """Each setting's flat name -> where it lives in ``cls``: ``("model",)``, ``("lora", "rank")``."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, tuple[str, ...]] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if not _is_table(hints[f.name]):
+            out[f.name] = (f.name,)
+            continue
+        prefix = f.metadata.get(FLAT, f"{f.name}_")
+        for sub in fields(hints[f.name]):
+            out[sub.metadata.get(FLAT, prefix + sub.name)] = (f.name, sub.name)
+    if len(out) != sum(len(fields(hints[f.name])) if _is_table(hints[f.name]) else 1
+                       for f in fields(cls)):  # type: ignore[arg-type]
+        raise TypeError(f"{cls.__name__}: two settings have the same flat name")
+    return out
+
+
+def flatten(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (a table, its nested tables as dicts) by flat name: what can be layered key by key and
+    given back to ``load_config`` as overrides."""
+    hints, out = typing.get_type_hints(cls), {}
+    where = {path: name for name, path in flat_names(cls).items()}
+    for key, value in values.items():
+        if key in hints and _is_table(hints[key]) and isinstance(value, Mapping):
+            out.update({where.get((key, sub), sub): v for sub, v in value.items()})
+        else:
+            out[key] = value
+    return out
 
 
 class ConfigError(UsageError):
@@ -62,16 +106,21 @@ def read_file(path: str | Path) -> dict[str, Any]:
                           "(see https://toml.io for the syntax; strings need quotes)") from None
 
 
-def key_location(path: str | Path | None, key: str) -> str:
-    """``file:line:`` of the first ``key = ...`` in a TOML file, for messages ('' when not found)."""
+def key_location(path: str | Path | None, key: str, table: str = "") -> str:
+    """``file:line:`` of the first ``key = ...`` in a TOML file, for messages ('' when not found); in a nested
+    ``table`` (``trainer.lora``), the first after that table's header."""
     if not path or str(path).endswith(".json"):
         return f"{path}: " if path else ""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError:
         return f"{path}: "
+    start = 0
+    if "." in table:  # the header may name the table in full or, in a file of one part, from the part down
+        header = re.compile(rf"^\s*\[\s*(?:[\w.]*\.)?{re.escape(table.rsplit('.', 1)[1])}\s*\]")
+        start = next((n for n, line in enumerate(lines) if header.match(line)), 0)
     pattern = re.compile(rf"^\s*{re.escape(key)}\s*=")
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(lines[start:], start + 1):
         if pattern.match(line):
             return f"{path}:{number}:{line.index(key) + 1}: "
     return f"{path}: "
@@ -79,22 +128,37 @@ def key_location(path: str | Path | None, key: str) -> str:
 
 def check_fields(cls: type, values: Mapping[str, Any], table: str, path: str | Path | None = None) -> dict[str, Any]:
     """``values`` as a dict, after checking that each key is a field of ``cls`` and each value has the
-    field's type (ints taken for floats; lists for tuples)."""
+    field's type (ints taken for floats; lists for tuples; a nested table's keys and values too)."""
     if not isinstance(values, Mapping):
         raise ConfigError(f"{path or 'config'}: [{table}] must be a table of settings, not {type(values).__name__}")
-    names = [f.name for f in fields(cls)]
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
     for key in sorted(set(values) - set(names)):
-        close = difflib.get_close_matches(key, names, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else f" (the [{table}] settings: {', '.join(names)})"
-        raise ConfigError(f"{key_location(path, key)}unknown option {key!r} in [{table}]{hint}")
+        raise ConfigError(f"{key_location(path, key, table)}unknown option {key!r} in [{table}] "
+                          f"({_hint(cls, key, table)})")
     hints = typing.get_type_hints(cls)
     out = dict(values)
     for key, value in values.items():
+        if _is_table(hints[key]) and isinstance(value, Mapping):
+            out[key] = check_fields(hints[key], value, f"{table}.{key}", path)
+            continue
         try:
             out[key] = _typed(value, hints[key])
         except TypeError as exc:
-            raise ConfigError(f"{key_location(path, key)}[{table}] {key}: {exc}") from None
+            raise ConfigError(f"{key_location(path, key, table)}[{table}] {key}: {exc}") from None
     return out
+
+
+def _hint(cls: type, key: str, table: str) -> str:
+    """What an unknown ``key`` of ``[table]`` may have meant: a setting that lives in a nested table under that
+    flat name or one spelt like it (``lora_rank`` -> ``[trainer.lora] rank``), a field spelt like it, or else
+    every setting there is."""
+    flat = {name: path for name, path in flat_names(cls).items() if len(path) == 2}
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    close = [key] if key in flat else difflib.get_close_matches(key, [*names, *flat], n=1)
+    if not close:
+        return f"the [{table}] settings: {', '.join(names)}"
+    where = flat.get(close[0])
+    return f"did you mean [{table}.{where[0]}] {where[1]}?" if where else f"did you mean {close[0]}?"
 
 
 def _describe(value: Any) -> str:
@@ -158,27 +222,55 @@ def _typed(value: Any, tp: Any) -> Any:
     return value
 
 
+def nest(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` given by flat name (``lora_rank``) or field name (``lora={...}``) as ``cls``'s table in a file
+    holds them (``{"lora": {"rank": ...}}``); None values (not given) left out, unknown keys kept for
+    ``check_fields`` to name."""
+    hints, where, out = typing.get_type_hints(cls), flat_names(cls), {}
+    for k, v in values.items():
+        if v is None:
+            continue
+        if k not in hints and k in where:  # a flat name: one field of a nested table
+            k, v = where[k][0], {where[k][1]: v}
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            v = {**out[k], **v}
+        out[k] = v
+    return out
+
+
 def load_config(cls: type[T], path: str | Path | None, table: str, overrides: Mapping[str, Any]) -> T:
     """``cls`` from its defaults, then the file (its ``[table]`` table when it has one, else the whole
-    file), then the overrides whose value is not None. Unknown keys, values of the wrong type, values the
-    class refuses and fields without a default that neither gives are ``ConfigError``s naming them."""
+    file), then the overrides whose value is not None: field names (a nested table as a dict merged over the
+    file's, or an instance) or flat names (``lora_rank``, routed into their table). Unknown keys, values of the
+    wrong type, values the class refuses and fields without a default that neither gives are ``ConfigError``s
+    naming them."""
     values: dict[str, Any] = {}
     if path:
         data = read_file(path)
         values.update(check_fields(cls, data.get(table, data), table, path))
-    for k, v in overrides.items():
-        if isinstance(v, Mapping) and isinstance(values.get(k), Mapping):  # a nested table: flags over the file's
-            values[k] = {**values[k], **v}
-        elif v is not None:
-            values[k] = v
+    hints = typing.get_type_hints(cls)
+    for k, v in nest(cls, overrides).items():
+        if isinstance(v, Mapping) and k in hints and _is_table(hints[k]):  # a nested table: over the file's
+            v = {**_as_table(values.get(k)), **v}
+        values[k] = v
     values = check_fields(cls, values, table, path)
     missing = [f.name for f in fields(cls)  # type: ignore[arg-type]
                if f.name not in values and f.default is MISSING and f.default_factory is MISSING]
     if missing:
         raise ConfigError(f"[{table}]: {', '.join(missing)} must be given")
     try:
+        values = {k: hints[k](**v) if _is_table(hints[k]) and isinstance(v, Mapping) else v for k, v in values.items()}
         return cls(**values)
     except UsageError:
         raise
     except (ValueError, TypeError, FileNotFoundError) as exc:  # a value the class itself refuses
         raise ConfigError(f"{path}: [{table}]: {exc}" if path else f"[{table}]: {exc}") from None
+
+
+def _as_table(value: Any) -> dict[str, Any]:
+    """A nested table's value so far (none, a dict, or an instance) as a dict that overrides can go over."""
+    if value is None:
+        return {}
+    if dataclasses.is_dataclass(value):
+        return {f.name: getattr(value, f.name) for f in fields(value)}
+    return dict(value)

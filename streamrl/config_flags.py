@@ -1,10 +1,12 @@
 """Command-line flags made from a config dataclass: one flag per field, typed from its annotation, its help
 from the field's docstring, so a part's CLI never lists its options a second time (and never falls behind).
 
-``--field-name`` for ``field_name`` (``names`` may keep an established spelling); every default is None,
+``--flat-name`` for each setting (``names`` may keep an established spelling); every default is None,
 meaning "not given", so ``streamrl.config_file.load_config`` layers defaults < file < the flags given.
-A field whose type is itself a dataclass (``kafka: KafkaSecurity``) gets one flag per field of that class,
-``--kafka-security-protocol`` and so on, given back as a dict of the ones given (the file's table is
+A field whose type is itself a dataclass (``kafka: KafkaSecurity``, ``lora: LoraConfig``) gets one flag per
+field of that class, named by the field's flat name (``streamrl.config_file.flat_names``: by default
+``--kafka-security-protocol``; a table that groups a part's settings by concern keeps their flags as they
+were, ``--lora-rank``, ``--learning-rate``), given back as a dict of the ones given (the file's table is
 merged under it).
 """
 
@@ -20,8 +22,10 @@ import re
 import textwrap
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Literal
+
+from streamrl.config_file import flat_names
 
 _DEST = "config__"
 """Prefix of the argparse destinations, so that generated flags never clash with a CLI's own."""
@@ -105,16 +109,25 @@ def _kwargs(tp: Any) -> dict[str, Any]:
 
 
 def add_config_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *, skip: tuple[str, ...] = (),
-                     names: Mapping[str, str] | None = None, group: str = "") -> None:
-    """One flag per field of ``cls`` but ``skip``; ``names`` maps a field to its flag (without ``--``);
-    ``group`` prefixes the flags (``--group-field``) and keeps their values apart (read with the same
+                     names: Mapping[str, str] | None = None, group: str = "",
+                     only: Collection[str] | None = None) -> None:
+    """One flag per setting of ``cls`` but ``skip`` (field names, a nested table's as a whole, or flat names);
+    with ``only``, just those (the same kinds of names). ``names`` maps a flat name to its flag (without
+    ``--``); ``group`` prefixes the flags (``--group-field``) and keeps their values apart (read with the same
     ``group``), for a command that configures several parts (``streamrl up``). Fields under a section comment
     of ``cls`` (:func:`field_sections`) are listed under that title in ``--help``."""
     docs, hints, sections = field_docs(cls), typing.get_type_hints(cls), field_sections(cls)
     defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
     containers: dict[str, Any] = {}
+    flat_of = {path: name for name, path in flat_names(cls).items()}
     for f in dataclasses.fields(cls):
         if f.name in skip:
+            continue
+        table = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None
+        flat = {sub.name: flat_of[f.name, sub.name] for sub in dataclasses.fields(table)} if table else {}
+        sub_skip = tuple(sub for sub, name in flat.items() if name in skip or not (
+            only is None or f.name in only or name in only))
+        if (only is not None and f.name not in only and not table) or (table and len(sub_skip) == len(flat)):
             continue
         section = sections.get(f.name)
         into: Any = p
@@ -122,10 +135,10 @@ def add_config_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls: 
             if section not in containers:
                 containers[section] = p.add_argument_group(f"{group.strip('_').replace('__', ' ')} {section}".strip())
             into = containers[section]
-        if dataclasses.is_dataclass(hints[f.name]):
-            base = (names or {}).get(f.name, (f"{group}-" if group else "") + f.name.replace("_", "-"))
-            add_config_flags(into, hints[f.name], names={sub.name: f"{base}-{sub.name.replace('_', '-')}"
-                                                         for sub in dataclasses.fields(hints[f.name])},
+        if table:
+            flags = {sub: (names or {}).get(name, (f"{group}-" if group else "") + name.replace("_", "-"))
+                     for sub, name in flat.items()}
+            add_config_flags(into, table, skip=sub_skip, names=flags,
                              group=f"{group}__{f.name}" if group else f"_{f.name}")
             continue
         kwargs = _kwargs(hints[f.name])

@@ -16,7 +16,6 @@ import argparse
 import logging
 import sys
 import threading
-from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,7 +46,7 @@ FEED_FIELDS = ("bootstrap_servers", "topic_prefix", "kafka", "key_ids", "consume
                "name", "replay", "group_size", "groups_per_step", "group_timeout_s", "trajectory_ttl_s",
                "max_pending_trajectories", "max_lag", "max_ready_groups", "backlog", "max_step_tokens",
                "advantage_std_norm", "poll_timeout_s", "max_steps")
-"""The TrainerConfig fields that choose the batches (``max_steps``: stop after this many acknowledged)."""
+"""The TrainerConfig settings (flat names) that choose the batches (``max_steps``: stop after this many acknowledged)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,8 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "learner writing the ack file; the stream writes it")
     p.add_argument("--ack-host", default="127.0.0.1", help="the address --ack-port listens on (default 127.0.0.1)")
     p.add_argument("--config", help="TOML or JSON file of TrainerConfig fields (flags override it)")
-    add_config_flags(p, TrainerConfig, skip=tuple(f.name for f in fields(TrainerConfig) if f.name not in FEED_FIELDS),
-                     names={"group_timeout_s": "group-timeout"})
+    add_config_flags(p, TrainerConfig, only=FEED_FIELDS, names={"group_timeout_s": "group-timeout"})
 
 
 class Sink:

@@ -57,8 +57,8 @@ def preflight(config: TrainerConfig) -> None:
     if not config.model:
         raise UsageError("--model is required (the base model's checkpoint directory, as vLLM serves it)")
     check_model(config.model)
-    if config.init_adapter:
-        check_file(Path(config.init_adapter) / "adapter_model.safetensors", "--init-adapter")
+    if config.lora.init_adapter:
+        check_file(Path(config.lora.init_adapter) / "adapter_model.safetensors", "--init-adapter")
     if config.replay:
         check_dir(config.replay, "--replay")
     else:

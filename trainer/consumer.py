@@ -8,7 +8,7 @@ a learner of your own (docs/trainer.md, "Bring your own learner").
 
 The same feed as ``streamrl trainer`` (which is a user of it): freshest groups first or backpressure
 (``backlog``), the staleness cap ``max_lag`` against the version last acknowledged, ``groups_per_step`` and
-``max_step_tokens``; every setting is a ``TrainerConfig`` field.
+``max_step_tokens``; every setting is a ``TrainerConfig`` one, given by its flat name (as its flag spells it).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ def batches(config: TrainerConfig | None = None, *, version: int | None = None,
             stop: threading.Event | None = None, **fields: Any) -> BatchStream:
     """A stream of step batches from the live log (or, with ``replay``, from saved Parquet batches).
 
-    ``config`` (or ``TrainerConfig`` ``fields`` given here: ``bootstrap_servers``, ``topic_prefix``,
-    ``state_dir``, ``groups_per_step``, ``max_lag``, ...) says where and how; the stream keeps its position
+    ``config`` (or ``TrainerConfig`` settings given here by their flat names, as ``TrainerConfig.load`` takes
+    them: ``bootstrap_servers``, ``topic_prefix``, ``state_dir``, ``groups_per_step``, ``max_lag``, ...) says where and how; the stream keeps its position
     and acknowledgements in ``state_dir`` (default ``<adapters>/<name>/.state``). ``version``: the version
     of the learner's checkpoint when it starts (None or 0: none), so that a learner that died between its
     checkpoint and its ``ack`` resumes after the batch its checkpoint holds. ``stop`` ends the iteration.
     """
     if config is None:
-        config = TrainerConfig(**fields)
+        config = TrainerConfig.load(None, **fields)
     elif fields:
         raise TypeError("give a TrainerConfig or its fields, not both")
     return BatchStream(config, version=version, stop=stop)

@@ -93,7 +93,7 @@ class Trainer:
                  self.state.version, self.state.step)
         self.stream: BatchStream | None = None
         self.metrics: Metrics | None = None
-        self.divergence = DivergenceDetector(c.divergence, c.learning_rate, c.max_lag, c.backlog)
+        self.divergence = DivergenceDetector(c.divergence.for_mode(c.loss.is_mode), c.optim.learning_rate, c.feed.max_lag, c.feed.backlog)
         self.trained: list[tuple[int, Batch]] = []
         """(step, batch) of each step trained since the last published version."""
         self.halted = False
@@ -128,13 +128,13 @@ class Trainer:
         newest = self.policy_log.newest(c.name)
         state.version = newest.version if newest is not None else 0
         self.stream.version = max(self.stream.version, state.version)
-        if c.init_adapter and (newest is None
-                               or newest.sha256 != sha256_file(Path(c.init_adapter) / WEIGHTS_FILE)):
-            record = self._release({"step": state.step, "init_adapter": str(Path(c.init_adapter).resolve())},
+        if c.lora.init_adapter and (newest is None
+                                    or newest.sha256 != sha256_file(Path(c.lora.init_adapter) / WEIGHTS_FILE)):
+            record = self._release({"step": state.step, "init_adapter": str(Path(c.lora.init_adapter).resolve())},
                                    {"init_adapter": 1.0})
             self.stream.version = max(self.stream.version, state.version)
             log.info("published the initial adapter %s as %s v%d: the fleet serves what training starts from",
-                     c.init_adapter, c.name, record.version)
+                     c.lora.init_adapter, c.name, record.version)
 
     def run(self) -> int:
         """Step until told to stop, ``max_steps`` is reached or a replay ends."""
@@ -162,7 +162,7 @@ class Trainer:
                         self._halt()
                     else:
                         self.trained.append((state.step, batch))
-                        if state.step % c.publish_every == 0:
+                        if state.step % c.publish.every == 0:
                             self._publish(work.batch, numbers, verdict, timings)
                 idle_since = time.monotonic()
         finally:
@@ -194,7 +194,7 @@ class Trainer:
         log.error("stopping before publishing v%d (stop_on_divergence): the trainer is diverging and nothing "
                   "of this step was saved; to resume, lower learning_rate (now %g) and start the trainer again: "
                   "it continues from v%d and retrains the groups since", self.state.version + 1,
-                  self.c.learning_rate, self.state.version)
+                  self.c.optim.learning_rate, self.state.version)
 
     def _publish(self, batch: pa.RecordBatch, numbers: dict[str, Any], verdict: Verdict,
                  timings: dict[str, float]) -> None:
@@ -219,7 +219,7 @@ class Trainer:
         record = self._release({"step": state.step, "groups": groups},
                                {k: float(v) for k, v in step.items() if isinstance(v, int | float)}, timings)
         stream.ack(batch, record.version)
-        prune(c.policy_dir, c.keep_versions)
+        prune(c.policy_dir, c.publish.keep_versions)
         if c.save_batches:  # one Parquet file per group, as trained (zero-copy slices of the step's batch)
             for step_no, b in trained:
                 for i, part in enumerate(group_slices(b.record)):

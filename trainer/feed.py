@@ -6,7 +6,7 @@ assembler and queues each group that becomes ready. Staleness is judged when a g
 again, against the version about to be trained, before it is handed out, so no trained sample is more
 than ``max_lag`` versions behind (stale groups are dropped and counted).
 
-What happens when generation outpaces training is ``config.backlog``:
+What happens when generation outpaces training is ``config.feed.backlog``:
 
 * ``wait`` (backpressure, not drops): while the queue holds ``max_ready_groups`` or more, reading is
   paused (``RecordSource.set_paused``: Kafka's ``pause()`` on every partition) and resumes once the queue
@@ -100,8 +100,9 @@ class StreamGroups(GroupSource):
         start = start or FeedState()
         self.records = records
         self.config = config
-        self.assembler = Assembler(group_size=config.group_size, group_timeout_s=config.group_timeout_s,
-                                   ttl_s=config.trajectory_ttl_s, max_trajectories=config.max_pending_trajectories,
+        feed = config.feed
+        self.assembler = Assembler(group_size=feed.group_size, group_timeout_s=feed.group_timeout_s,
+                                   ttl_s=feed.trajectory_ttl_s, max_trajectories=feed.max_pending_trajectories,
                                    policy=config.name)
         self.counts = self.assembler.counts
         self._key_ids = frozenset(config.key_ids)
@@ -142,8 +143,8 @@ class StreamGroups(GroupSource):
         None after at most ``timeout_s``."""
         # A caller asking for more than the bound (the daemon never does: the config forbids
         # max_ready_groups < groups_per_step) must not be starved by a pause it cannot drain.
-        bound = max(self.config.max_ready_groups, n)
-        freshest = self.config.backlog == "freshest"
+        bound = max(self.config.feed.max_ready_groups, n)
+        freshest = self.config.feed.backlog == "freshest"
         deadline = time.monotonic() + timeout_s
         if freshest:
             self._skip_stale(current_version)
@@ -162,8 +163,8 @@ class StreamGroups(GroupSource):
                 out = self._take(n, newest_first=freshest)
                 if not freshest:
                     self._hold(len(self.ready) >= bound)
-                return step_batch(out, std_norm=self.config.advantage_std_norm, counts=self.counts,
-                                  oldest_version=current_version - self.config.max_lag)
+                return step_batch(out, std_norm=self.config.loss.advantage_std_norm, counts=self.counts,
+                                  oldest_version=current_version - self.config.feed.max_lag)
             if time.monotonic() >= deadline:
                 return None
 
@@ -173,14 +174,14 @@ class StreamGroups(GroupSource):
         if version in self._seen_at:
             return
         self._seen_at[version] = time.time()
-        published = self._seen_at.get(version - self.config.max_lag)
+        published = self._seen_at.get(version - self.config.feed.max_lag)
         if published is not None:
             skip_to = int((published - self.skip_margin_s) * 1000)
             self.counts["records_skipped_stale"] += self.records.skip_before(skip_to)
 
     def published(self) -> dict[int, float]:
         """Publication times of the newest ``max_lag + 1`` versions, for the checkpoint."""
-        newest = sorted(self._seen_at)[-(self.config.max_lag + 1):]
+        newest = sorted(self._seen_at)[-(self.config.feed.max_lag + 1):]
         return {v: self._seen_at[v] for v in newest}
 
     def _read(self, wait: float, *, to_the_end: bool, budget_s: float = 5.0) -> None:
@@ -199,7 +200,7 @@ class StreamGroups(GroupSource):
     def _take(self, n: int, *, newest_first: bool) -> list[ReadyGroup]:
         """``n`` ready groups, then more while they fit in ``max_step_tokens``; returned (and the rest
         kept) in the order they became ready."""
-        budget = self.config.max_step_tokens
+        budget = self.config.feed.max_step_tokens
         order = range(len(self.ready) - 1, -1, -1) if newest_first else range(len(self.ready))
         chosen: dict[int, int] = {}
         """Index in ``ready`` -> the group's completion tokens."""
@@ -251,7 +252,7 @@ class StreamGroups(GroupSource):
     def _enqueue(self, group: ReadyGroup, version: int, *, fresh: bool = True) -> None:
         if fresh:  # first judged: it counts as generated once, whatever becomes of it
             self.counts["tokens_generated"] += group_tokens(group)[1]
-        g = usable_group(group, current_version=version, max_lag=self.config.max_lag, counts=self.counts)
+        g = usable_group(group, current_version=version, max_lag=self.config.feed.max_lag, counts=self.counts)
         if g is not None:
             self.ready.append((g, version))
 

@@ -53,8 +53,8 @@ class Learner:
         self.config = config
         self.device = device
         self.params = trainable_parameters(model)
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, betas=config.adam_betas,
-                                           weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.optim.learning_rate, betas=config.optim.adam_betas,
+                                           weight_decay=config.optim.weight_decay)
 
     def step(self, batch: Batch | pa.RecordBatch, loss: Literal["grpo", "sft"] = "grpo") -> StepStats:
         """One optimizer step over a step's batch (``BATCH_SCHEMA``). ``loss="sft"`` (``streamrl sft``): the same packing, accumulation and optimizer
@@ -67,7 +67,7 @@ class Learner:
         world, rank = _world()
         batch = batch if isinstance(batch, Batch) else Batch.of(batch)
         total_tokens, n_sequences = batch.sampled_tokens(), batch.rows
-        mine = deal(pack(batch, c.micro_batch_tokens, c.row_tokens), world, rank)
+        mine = deal(pack(batch, c.compute.micro_batch_tokens, c.compute.row_tokens), world, rank)
         self.model.train()
         for p in self.params:  # zeros, not None: a rank without micro-batches still joins the all-reduce
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
@@ -78,23 +78,23 @@ class Learner:
             temps = mb.temperatures if scaled else None
             # at each sequence's sampling temperature: the ratio compares the distributions vLLM sampled
             logp = packed_logprobs(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
-                                   temperatures=temps, chunk=c.logit_chunk_tokens,
-                                   recompute=c.recompute_logits, compiled_head=bool(c.compile))
+                                   temperatures=temps, chunk=c.compute.logit_chunk_tokens,
+                                   recompute=c.compute.recompute_logits, compiled_head=bool(c.compute.compile))
             if loss == "sft":
-                value, st = sft_loss(logp, mb.sequence_index, normalize=c.normalize, total_tokens=total_tokens,
+                value, st = sft_loss(logp, mb.sequence_index, normalize=c.loss.normalize, total_tokens=total_tokens,
                                      total_sequences=n_sequences)
                 value.backward()
                 sums += torch.tensor([value.item(), st.tokens, 0, 0, 0, 0, mb.real_tokens], dtype=torch.float64)
                 continue
             ref = None
-            if c.kl_coef:
+            if c.loss.kl_coef:
                 with torch.no_grad(), self.model.disable_adapter():
                     ref = packed_logprobs(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
-                                          temperatures=temps, chunk=c.logit_chunk_tokens,
-                                          compiled_head=bool(c.compile))
-            loss, st = grpo_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.sequence_index, mode=c.is_mode,
-                                 is_cap=c.is_cap, clip_eps=c.clip_eps, normalize=c.normalize, ref_logprobs=ref,
-                                 kl_coef=c.kl_coef, total_tokens=total_tokens, total_sequences=n_sequences)
+                                          temperatures=temps, chunk=c.compute.logit_chunk_tokens,
+                                          compiled_head=bool(c.compute.compile))
+            loss, st = grpo_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.sequence_index, mode=c.loss.is_mode,
+                                 is_cap=c.loss.is_cap, clip_eps=c.loss.clip_eps, normalize=c.loss.normalize, ref_logprobs=ref,
+                                 kl_coef=c.loss.kl_coef, total_tokens=total_tokens, total_sequences=n_sequences)
             loss.backward()
             sums += torch.tensor([loss.item(), st.tokens, st.ratio_sum, st.truncated, st.kl_behaviour_sum,
                                   st.kl_ref_sum, mb.real_tokens], dtype=torch.float64)
@@ -107,7 +107,7 @@ class Learner:
             sums = sums.to(self.device)
             dist.all_reduce(sums)
             sums = sums.cpu()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.optim.max_grad_norm)
         self.optimizer.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -129,10 +129,10 @@ class Learner:
         self.model.eval()  # no LoRA dropout while measuring
         nll, hits, n = 0.0, 0, 0
         try:
-            for mb in pack(batch if isinstance(batch, Batch) else Batch.of(batch), c.micro_batch_tokens, c.row_tokens):
+            for mb in pack(batch if isinstance(batch, Batch) else Batch.of(batch), c.compute.micro_batch_tokens, c.compute.row_tokens):
                 mb = mb.to(self.device)
                 logp, correct = packed_predictions(self.model, mb.input_ids, mb.position_ids, mb.target_positions,
-                                                   chunk=c.logit_chunk_tokens)
+                                                   chunk=c.compute.logit_chunk_tokens)
                 nll -= float(logp.sum())
                 hits += int(correct.sum())
                 n += int(logp.numel())

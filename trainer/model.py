@@ -47,10 +47,10 @@ def load_policy(config: TrainerConfig, device: torch.device) -> PeftModel:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with _LOADING:
         base = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype,
-                                                    attn_implementation=config.attn_implementation)
+                                                    attn_implementation=config.compute.attn_implementation)
         model = attach_lora(base.to(device), config)
-    if config.init_adapter:
-        load_adapter_weights(model, config.init_adapter)
+    if config.lora.init_adapter:
+        load_adapter_weights(model, config.lora.init_adapter)
     return model
 
 
@@ -88,8 +88,8 @@ def load_adapter_weights(model: PeftModel, directory: str) -> None:
 
 def attach_lora(base: torch.nn.Module, config: TrainerConfig) -> PeftModel:
     """Wrap a causal LM with the configured LoRA adapter (optionally compiling its decoder layers)."""
-    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=list(config.target_modules), bias="none", task_type="CAUSAL_LM")
+    lora = LoraConfig(r=config.lora.rank, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
+                      target_modules=list(config.lora.target_modules), bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)  # adapter weights in fp32 (peft's default), optimizer states too
     model.config.use_cache = False
     if next(base.parameters()).dtype == torch.bfloat16:
@@ -97,8 +97,8 @@ def attach_lora(base: torch.nn.Module, config: TrainerConfig) -> PeftModel:
         for module in model.modules():
             if isinstance(module, BaseTunerLayer):
                 module.cast_input_dtype_enabled = False
-    if config.compile:
-        compile_layers(model, dynamic=config.compile != "static")
+    if config.compute.compile:
+        compile_layers(model, dynamic=config.compute.compile != "static")
     return model
 
 
@@ -150,7 +150,7 @@ def packed_logprobs(model: PeftModel, input_ids: torch.Tensor, position_ids: tor
     ``row * T + column`` (never column 0 of a sequence: a sampled token always has a prompt before it).
     Logits exist only for the targets, ``chunk`` rows at a time; with ``recompute`` a chunk's logits
     are recomputed in the backward pass instead of kept (saves memory, costs one more lm_head matmul).
-    ``compiled_head``: the logits-to-logprobs head runs compiled (see ``TrainerConfig.compile``).
+    ``compiled_head``: the logits-to-logprobs head runs compiled (see ``ComputeConfig.compile``).
     """
     causal_lm = model.get_base_model()
     weight = causal_lm.get_output_embeddings().weight

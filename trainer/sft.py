@@ -37,7 +37,7 @@ SHARED = ("model", "name", "bootstrap_servers", "topic_prefix", "kafka", "device
           "report_to", "tracking_dir", "run_name", "learning_rate", "weight_decay", "adam_betas", "max_grad_norm",
           "micro_batch_tokens", "row_tokens", "logit_chunk_tokens", "recompute_logits", "attn_implementation",
           "normalize", "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "init_adapter")
-"""The TrainerConfig fields that SFT takes as flags, with the trainer's meaning and defaults."""
+"""The TrainerConfig settings (flat names) that SFT takes as flags, with the trainer's meaning and defaults."""
 
 HISTORY_FILE = "sft_history.jsonl"
 
@@ -86,14 +86,13 @@ class SftConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("data", help="JSONL or Parquet file (chat rows or `streamrl export` rows), or a datasets directory")
     add_config_flags(p, SftConfig, skip=("data",))
-    from dataclasses import fields
-
-    add_config_flags(p, TrainerConfig, skip=tuple(f.name for f in fields(TrainerConfig) if f.name not in SHARED))
+    add_config_flags(p, TrainerConfig, only=SHARED)
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[SftConfig, TrainerConfig]:
     with as_usage_error():
-        return SftConfig(data=args.data, **given(args, SftConfig)), TrainerConfig(**given(args, TrainerConfig))
+        sft = SftConfig(data=args.data, **given(args, SftConfig))
+    return sft, TrainerConfig.load(None, **given(args, TrainerConfig))
 
 
 def preflight(sft: SftConfig, trainer: TrainerConfig) -> None:
@@ -103,8 +102,8 @@ def preflight(sft: SftConfig, trainer: TrainerConfig) -> None:
     check_model(trainer.model)
     if not sft.out:
         raise UsageError("--out is required (the directory the adapter is written to)")
-    if trainer.init_adapter:
-        check_file(Path(trainer.init_adapter) / "adapter_model.safetensors", "--init-adapter")
+    if trainer.lora.init_adapter:
+        check_file(Path(trainer.lora.init_adapter) / "adapter_model.safetensors", "--init-adapter")
     if not Path(sft.data).exists():
         raise UsageError(f"DATA {sft.data}: no such file or directory")
     if Path(sft.out).exists() and not Path(sft.out).is_dir():

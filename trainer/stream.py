@@ -69,8 +69,8 @@ class BatchStream:
         """The next step's batch, or None when none was ready within ``timeout_s`` (default
         ``poll_timeout_s``). Its position is on disk before it is returned."""
         c = self.config
-        record = self.source.next_batch(c.groups_per_step, self.version,
-                                        c.poll_timeout_s if timeout_s is None else timeout_s)
+        record = self.source.next_batch(c.feed.groups_per_step, self.version,
+                                        c.feed.poll_timeout_s if timeout_s is None else timeout_s)
         if record is None:
             return None
         state = self.source.state()

@@ -187,9 +187,13 @@ gpu_memory_utilization = 0.35
 max_model_len = 4096
 [trainer]
 device = "cuda:0"
+[trainer.optim]
 learning_rate = 5e-4
-lora_rank = 16
+[trainer.lora]
+rank = 16
+[trainer.compute]
 micro_batch_tokens = 16384
+[trainer.feed]
 groups_per_step = 8
 [demo]
 group_size = 16

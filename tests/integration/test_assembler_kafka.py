@@ -28,7 +28,7 @@ def fresh_topics(bootstrap: str) -> Topics:
 
 
 def stream(bootstrap: str, topics: Topics, **cfg) -> StreamGroups:
-    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, **cfg)
+    config = TrainerConfig.load(None, model="unused", bootstrap_servers=bootstrap, **cfg)
     return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}"), config)
 
 
@@ -120,7 +120,7 @@ def test_staleness_is_judged_again_when_taken(broker) -> None:
             recs += [call(f"g{i}{t}", [1], [2], gid=f"g{i}", version=version),
                      RewardRecord(f"g{i}{t}", r, group_id=f"g{i}", group_size=2)]
     produce(bootstrap, topics, recs)
-    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, groups_per_step=1, max_lag=1,
+    config = TrainerConfig.load(None, model="unused", bootstrap_servers=bootstrap, groups_per_step=1, max_lag=1,
                            max_ready_groups=3, backlog="wait", max_step_tokens=0)  # oldest first, one per step
     s = StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}"), config)
     try:

@@ -164,7 +164,7 @@ def loop(tiny_model: Path, broker: EmbeddedBroker, engine: Engine,
     topics = Topics(f"dashl{uuid.uuid4().hex[:6]}")
     create_topics(broker.bootstrap_servers, topics, partitions=1)
     name = "dashloop"
-    trainer = TrainerConfig(model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers, name=name,
+    trainer = TrainerConfig.load(None, model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers, name=name,
                             adapters=str(tmp_path / "adapters"), topic_prefix=topics.prefix, groups_per_step=1,
                             max_step_tokens=0, device="cpu", history=str(tmp_path / "history.jsonl"),
                             metrics_port=free_port())

@@ -77,7 +77,7 @@ def tokenize(engine: Engine, base_model: str) -> Any:
 @pytest.fixture(scope="module")
 def learner(tiny_model: Path) -> Learner:
     torch.manual_seed(0)
-    config = TrainerConfig(model=str(tiny_model), device="cpu", learning_rate=1e-2)
+    config = TrainerConfig.load(None, model=str(tiny_model), device="cpu", learning_rate=1e-2)
     return Learner(load_policy(config, torch.device("cpu")), config, torch.device("cpu"))
 
 

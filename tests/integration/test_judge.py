@@ -196,7 +196,7 @@ def test_a_group_posted_without_rewards_is_judged_and_trained(broker, engine, ba
     assert "Is the final answer 5?" in prompt and "[tool call add(" in prompt and "tool result: 5" in prompt
 
     # the trainer trains the judged group, and never the judge's calls or the judge requests
-    config = TrainerConfig(model="unused", topic_prefix=topics.prefix, group_size=3, groups_per_step=1,
+    config = TrainerConfig.load(None, model="unused", topic_prefix=topics.prefix, group_size=3, groups_per_step=1,
                            max_step_tokens=0)
     source = KafkaRecordSource(broker.bootstrap_servers, topics, "judge-e2e-trainer")
     feed = StreamGroups(source, config)

@@ -85,7 +85,7 @@ def test_peft_trains_the_converted_model(smollm2: Path) -> None:
     from streamrl.trainer.config import TrainerConfig
     from streamrl.trainer.model import load_policy, trainable_parameters
 
-    model = load_policy(TrainerConfig(model=str(smollm2), device="cpu", lora_rank=8), torch.device("cpu"))
+    model = load_policy(TrainerConfig.load(None, model=str(smollm2), device="cpu", lora_rank=8), torch.device("cpu"))
     ids = torch.tensor([[1, 520, 2330, 314, 253, 1345, 30, 2]])
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()

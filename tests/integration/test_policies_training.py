@@ -100,7 +100,7 @@ def run(tiny_model: Path, broker: EmbeddedBroker, engine: Engine, topics: Topics
     keys = tmp / "keys.txt"
     keys.write_text("".join(f"{KEYS[n]} inference,rewards {n}-team policies={n}\n" for n in NAMES)
                     + f"{ADMIN} admin ops\n")
-    trainers = {n: TrainerConfig(model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers, name=n,
+    trainers = {n: TrainerConfig.load(None, model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers, name=n,
                                  adapters=str(tmp / "adapters" / n), topic_prefix=topics.prefix, group_size=GROUP_SIZE,
                                  groups_per_step=1, max_step_tokens=0, device="cpu", save_batches=str(tmp / "batches" / n),
                                  history=str(tmp / f"history.{n}.jsonl")) for n in NAMES}

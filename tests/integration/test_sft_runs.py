@@ -101,7 +101,7 @@ def test_init_adapter_starts_from_the_sft_weights(tmp_path, tiny_model, capsys) 
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model)), str(out))
     ids = torch.tensor([[5, 6, 7, 8]])
     for alpha in (16.0, 32.0):
-        model = load_policy(TrainerConfig(model=str(tiny_model), device="cpu", lora_alpha=alpha,
+        model = load_policy(TrainerConfig.load(None, model=str(tiny_model), device="cpu", lora_alpha=alpha,
                                           init_adapter=str(out)), torch.device("cpu"))
         with torch.no_grad():
             assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-5)
@@ -179,7 +179,7 @@ def test_rl_from_the_sft_adapter_publishes_the_next_version(broker, tmp_path, ti
                   *publish_flags(broker.bootstrap_servers, topics, "policy"))
     n = summary["published"]["version"]
     produce(broker.bootstrap_servers, topics, group("g0", version=n))  # sampled from the SFT version
-    config = TrainerConfig(model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers, device="cpu",
+    config = TrainerConfig.load(None, model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers, device="cpu",
                            adapters=str(tmp_path / "rl"), topic_prefix=topics.prefix, init_adapter=str(sft_out),
                            groups_per_step=1, max_step_tokens=0, max_steps=1, metrics_port=free_port())
     stop = threading.Event()
@@ -200,8 +200,8 @@ def test_rl_from_the_sft_adapter_publishes_the_next_version(broker, tmp_path, ti
     moved = max((trained[k].float() - sft[k].float()).abs().max().item() for k in sft)
     largest = max(sft[k].float().abs().max().item() for k in sft if "lora_B" in k)
     # Adam's first update moves a weight by at most about the learning rate (x the scaling folded into B)
-    scaling = config.lora_alpha / config.lora_rank
-    assert 0 < moved <= 1.5 * scaling * config.learning_rate < largest / 4
+    scaling = config.lora.alpha / config.lora.rank
+    assert 0 < moved <= 1.5 * scaling * config.optim.learning_rate < largest / 4
 
 
 def test_rl_from_an_unpublished_adapter_publishes_it_first(broker, tmp_path, tiny_model, capsys) -> None:
@@ -212,7 +212,7 @@ def test_rl_from_an_unpublished_adapter_publishes_it_first(broker, tmp_path, tin
     sft_out = tmp_path / "sft"
     run(capsys, say_data(tmp_path / "say.jsonl"), tiny_model, sft_out, "--max-steps", "2", "--eval-fraction", "0",
         "--learning-rate", "0.05")
-    config = TrainerConfig(model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers, device="cpu",
+    config = TrainerConfig.load(None, model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers, device="cpu",
                            adapters=str(tmp_path / "rl"), topic_prefix=topics.prefix, init_adapter=str(sft_out),
                            groups_per_step=1, max_step_tokens=0, max_steps=1, metrics_port=free_port())
     produce(broker.bootstrap_servers, topics, group("g0", version=1))  # sampled from the initial adapter

@@ -48,7 +48,7 @@ def trained(tiny_model, broker, tmp_path_factory):
     rng = np.random.default_rng(0)
     groups = [f"g{i}" for i in range(4)]
     produce(broker.bootstrap_servers, topics, [r for g in groups for r in group_records(g, rng)])
-    config = TrainerConfig(model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers,
+    config = TrainerConfig.load(None, model=str(tiny_model), bootstrap_servers=broker.bootstrap_servers,
                            adapters=str(root / "adapters"), topic_prefix=topics.prefix, groups_per_step=2,
                            max_step_tokens=0,  # two steps of two groups: the four are all ready at once
                            history=str(root / "history.jsonl"), save_batches=str(root / "batches"),
@@ -129,7 +129,7 @@ def test_adapter_loads_in_vllm(trained, engine) -> None:
 
 
 def test_replay_trains_from_saved_batches(trained, tmp_path) -> None:
-    config = TrainerConfig(model=trained["config"].model, adapters=str(tmp_path), replay=str(trained["root"] / "batches"),
+    config = TrainerConfig.load(None, model=trained["config"].model, adapters=str(tmp_path), replay=str(trained["root"] / "batches"),
                            groups_per_step=2, device="cpu", history=str(tmp_path / "h.jsonl"))
     assert run_trainer(config) == 0
     assert torch.get_num_threads() == cpu_threads(config) == max(1, len(os.sched_getaffinity(0)) // 2)
@@ -271,7 +271,7 @@ def test_vllm_serves_the_written_adapter_as_the_trainer_computes_it(tiny_model, 
     from streamrl.trainer.model import load_policy, packed_logprobs
     from streamrl.trainer.publish import write_adapter
 
-    config = TrainerConfig(model=str(tiny_model), device="cpu", lora_rank=8, lora_alpha=24.0)  # scaling 3
+    config = TrainerConfig.load(None, model=str(tiny_model), device="cpu", lora_rank=8, lora_alpha=24.0)  # scaling 3
     model = load_policy(config, torch.device("cpu"))
     torch.manual_seed(0)
     with torch.no_grad():

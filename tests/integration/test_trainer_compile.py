@@ -30,7 +30,7 @@ def inductor() -> None:
 
 def policy(tiny_model, compile_: bool | str) -> tuple[TrainerConfig, torch.nn.Module]:
     torch.manual_seed(0)
-    config = TrainerConfig(model=str(tiny_model), device="cpu", compile=compile_)
+    config = TrainerConfig.load(None, model=str(tiny_model), device="cpu", compile=compile_)
     model = load_policy(config, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # non-zero B, so every LoRA weight has a gradient
@@ -67,10 +67,10 @@ def graphs() -> int:
 
 
 def test_config_compile_modes() -> None:
-    assert TrainerConfig(compile=True).compile is True
-    assert TrainerConfig(compile="static").compile == "static"
+    assert TrainerConfig.load(None, compile=True).compute.compile is True
+    assert TrainerConfig.load(None, compile="static").compute.compile == "static"
     with pytest.raises(ValueError, match="compile"):
-        TrainerConfig(compile="max-autotune")
+        TrainerConfig.load(None, compile="max-autotune")
 
 
 def test_compiled_layers_match_eager(tiny_model, inductor) -> None:
@@ -100,8 +100,8 @@ def test_compiled_layers_match_eager(tiny_model, inductor) -> None:
 
     # the learner's step, logits kept for the backward pass; learning rate 0, so that both steps
     # compare gradients at the same weights
-    learners = [Learner(model, TrainerConfig(model="x", compile=mode, recompute_logits=False, learning_rate=0.0),
-                        torch.device("cpu")) for model, mode in ((eager, False), (compiled, config.compile))]
+    learners = [Learner(model, TrainerConfig.load(None, model="x", compile=mode, recompute_logits=False, learning_rate=0.0),
+                        torch.device("cpu")) for model, mode in ((eager, False), (compiled, config.compute.compile))]
     for lengths in ((30, 21, 12), (37, 18)):  # the second step: a new row length
         seqs = [seq(n, 4, adv, rng, t) for n, adv, t in zip(lengths, (1.0, -1.0, 0.5), (0.7, 1.0, 1.2), strict=False)]
         before = graphs()

@@ -73,7 +73,7 @@ def train(samples: tuple[Path, list], broker: EmbeddedBroker, root: Path, **cfg)
     model, records = samples
     topics = one_partition_topics(broker.bootstrap_servers)  # groups ready in the order produced
     produce(broker.bootstrap_servers, topics, records)
-    config = TrainerConfig(model=str(model), bootstrap_servers=broker.bootstrap_servers,
+    config = TrainerConfig.load(None, model=str(model), bootstrap_servers=broker.bootstrap_servers,
                            adapters=str(root / "adapters"), topic_prefix=topics.prefix, groups_per_step=1,
                            max_step_tokens=0, learning_rate=LEARNING_RATE, max_steps=STEPS, device="cpu",
                            history=str(root / "history.jsonl"), **cfg)

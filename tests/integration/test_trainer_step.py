@@ -40,7 +40,7 @@ def seq(n: int, n_prompt: int, adv: float, rng: np.random.Generator, temperature
 @pytest.fixture(scope="module")
 def policy(tiny_model):
     torch.manual_seed(0)
-    c = TrainerConfig(model=str(tiny_model), device="cpu", learning_rate=1e-2)
+    c = TrainerConfig.load(None, model=str(tiny_model), device="cpu", learning_rate=1e-2)
     model = load_policy(c, torch.device("cpu"))
     return c, model
 
@@ -132,7 +132,7 @@ def test_on_policy_samples_at_temperature_have_ratio_one(tiny_model) -> None:
     # behaviour logprobs computed as vLLM reports them at T = 0.5 from the very weights being trained:
     # the first step's importance ratios must all be 1 and KL(behaviour || current) 0
     torch.manual_seed(0)
-    config = TrainerConfig(model=str(tiny_model), device="cpu", learning_rate=1e-3, lora_dropout=0.0)
+    config = TrainerConfig.load(None, model=str(tiny_model), device="cpu", learning_rate=1e-3, lora_dropout=0.0)
     model = load_policy(config, torch.device("cpu"))
     model.eval()
     rng = np.random.default_rng(4)

@@ -32,9 +32,11 @@ device = "0"
 gpu_memory_utilization = 0.4
 extra_args = ["--enforce-eager"]
 
-[trainer]
+[trainer.optim]
 learning_rate = 0.01
-lora_rank = 4
+
+[trainer.lora]
+rank = 4
 
 [demo]
 group_size = 4
@@ -51,8 +53,8 @@ def test_config_file_then_flags(tmp_path: Path) -> None:
     assert engine.extra_args == ["--enforce-eager"] and engine.host == c.host
     assert c.demo is not None and c.demo.group_size == 4  # a [demo] table turns the demo on
     t = c.trainer_config("m", "127.0.0.1:1")
-    assert t.learning_rate == 0.01 and t.lora_rank == 4  # the file beats the demo's defaults...
-    assert t.groups_per_step == DemoTrainer().groups_per_step  # ...which fill the rest
+    assert t.optim.learning_rate == 0.01 and t.lora.rank == 4  # the file beats the demo's defaults...
+    assert t.feed.groups_per_step == DemoTrainer().groups_per_step  # ...which fill the rest
     assert t.device == "cpu" and t.name == "agent" and t.model == "m" and t.bootstrap_servers == "127.0.0.1:1"
     assert t.adapters == str(tmp_path / "adapters") and t.history == str(tmp_path / "history.jsonl")
 
@@ -60,9 +62,9 @@ def test_config_file_then_flags(tmp_path: Path) -> None:
 def test_without_demo_the_trainer_keeps_its_own_defaults(tmp_path: Path) -> None:
     c = load_config(None, model="m", work_dir=str(tmp_path))
     assert c.demo is None and c.bootstrap_servers is None and c.upstreams == []
-    from streamrl.trainer.config import TrainerConfig
+    from streamrl.trainer.config import OptimConfig
 
-    assert c.trainer_config("m", "b:1").learning_rate == TrainerConfig().learning_rate
+    assert c.trainer_config("m", "b:1").optim.learning_rate == OptimConfig().learning_rate
 
 
 @pytest.mark.parametrize("text, error", [

@@ -75,7 +75,7 @@ def open_feed(bootstrap: str, topics: Topics, start: FeedState | None = None,
     """A feed in ``backlog = "wait"`` with fixed one-group steps and a queue bound of ``BOUND``, unless
     ``cfg`` (TrainerConfig fields) says otherwise; the rest as a restart passes it (``StreamGroups``)."""
     cfg = {"backlog": "wait", "groups_per_step": 1, "max_step_tokens": 0, "max_ready_groups": BOUND, **cfg}
-    config = TrainerConfig(model="unused", bootstrap_servers=bootstrap, **cfg)
+    config = TrainerConfig.load(None, model="unused", bootstrap_servers=bootstrap, **cfg)
     return StreamGroups(KafkaRecordSource(bootstrap, topics, f"test-{topics.prefix}", start.offsets if start else None),
                         config, start, skip_margin_s=skip_margin_s)
 

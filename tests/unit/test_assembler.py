@@ -204,9 +204,9 @@ def test_all_greedy_group_is_dropped_and_counted() -> None:
 
 
 def test_max_ready_groups_defaults_to_what_could_still_be_trained_in_time() -> None:
-    assert TrainerConfig(model="m", groups_per_step=2, max_lag=4).max_ready_groups == 10
+    assert TrainerConfig.load(None, model="m", groups_per_step=2, max_lag=4).feed.max_ready_groups == 10
     with pytest.raises(ValueError, match="max_ready_groups"):
-        TrainerConfig(model="m", groups_per_step=4, max_ready_groups=3)
+        TrainerConfig.load(None, model="m", groups_per_step=4, max_ready_groups=3)
 
 
 def test_staleness_is_judged_per_sampled_token() -> None:

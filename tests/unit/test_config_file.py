@@ -49,6 +49,6 @@ def test_the_gateway_refuses_an_incomplete_or_unknown_configuration(tmp_path: Pa
 
 def test_the_trainer_reads_its_table_the_same_way(tmp_path: Path) -> None:
     path = tmp_path / "all.toml"
-    path.write_text('[trainer]\nlearning_rate = 0.004\nbacklog = "wait"\n[gateway]\nport = 1\n')
+    path.write_text('[trainer.optim]\nlearning_rate = 0.004\n[trainer.feed]\nbacklog = "wait"\n[gateway]\nport = 1\n')
     c = TrainerConfig.load(path, learning_rate=None, max_step_tokens=0)
-    assert (c.learning_rate, c.backlog, c.max_step_tokens) == (0.004, "wait", 0)
+    assert (c.optim.learning_rate, c.feed.backlog, c.feed.max_step_tokens) == (0.004, "wait", 0)

@@ -76,8 +76,9 @@ def step(row: Row) -> dict[str, float]:
 
 
 def detector(learning_rate: float = 0.02, **cfg) -> DivergenceDetector:
-    c = TrainerConfig(learning_rate=learning_rate, **cfg)
-    return DivergenceDetector(c.divergence, c.learning_rate, c.max_lag, c.backlog)
+    c = TrainerConfig.load(None, learning_rate=learning_rate, **cfg)
+    return DivergenceDetector(c.divergence.for_mode(c.loss.is_mode), c.optim.learning_rate, c.feed.max_lag,
+                              c.feed.backlog)
 
 
 def diverging_steps(rows: list[Row], d: DivergenceDetector | None = None) -> list[int]:
@@ -157,9 +158,10 @@ def test_thresholds_are_config_fields_checked_at_start() -> None:
     c = TrainerConfig.load(None, divergence_kl=5.0, divergence_window=3, stop_on_divergence=True)
     assert c.divergence == DivergenceThresholds(kl=5.0, ratio_low=0.5, clipped=0.3, window=3)
     assert c.stop_on_divergence and not TrainerConfig().stop_on_divergence
-    assert TrainerConfig(is_mode="ppo_clip").divergence.clipped == 0.0, "its clipped share is no signal"
-    assert "clipped" not in TrainerConfig(is_mode="ppo_clip").divergence.describe()
-    with pytest.raises(ValueError, match="divergence_window"):
-        TrainerConfig(divergence_window=0)
+    assert c.divergence.for_mode("truncated_is") == c.divergence
+    assert c.divergence.for_mode("ppo_clip").clipped == 0.0, "its clipped share is no signal"
+    assert "clipped" not in c.divergence.for_mode("ppo_clip").describe()
+    with pytest.raises(ValueError, match=r"divergence\.window"):
+        TrainerConfig.load(None, divergence_window=0)
     with pytest.raises(ValueError, match="divergence"):
-        TrainerConfig(divergence_clipped=1.5)
+        TrainerConfig.load(None, divergence_clipped=1.5)

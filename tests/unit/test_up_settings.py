@@ -34,10 +34,10 @@ def checkpoint(d: Path, hidden: int, layers: int, inter: int, vocab: int) -> str
 def test_a_packaged_model_brings_its_own_settings(tmp_path: Path) -> None:
     c = load_config(None, model="smollm2-135m", demo=True, demo_task="arithmetic", work_dir=str(tmp_path))
     t = c.trainer_config("/m", "b:1")
-    assert (t.learning_rate, t.lora_rank, t.group_size, t.groups_per_step) == (
+    assert (t.optim.learning_rate, t.lora.rank, t.feed.group_size, t.feed.groups_per_step) == (
         SMOLLM2.learning_rate, SMOLLM2.lora_rank, SMOLLM2.group_size, SMOLLM2.groups_per_step)
-    assert t.learning_rate < DemoTrainer().learning_rate / 10  # not the tiny model's
-    assert t.max_lag == DemoTrainer().max_lag  # what the model does not say stays the demo's
+    assert t.optim.learning_rate < DemoTrainer().learning_rate / 10  # not the tiny model's
+    assert t.feed.max_lag == DemoTrainer().max_lag  # what the model does not say stays the demo's
     assert c.demo is not None and (c.demo.max_tokens, c.demo.temperature) == (SMOLLM2.max_tokens, SMOLLM2.temperature)
     sources = c.trainer_settings()
     assert sources["learning_rate"] == (SMOLLM2.learning_rate, "model smollm2-135m")
@@ -46,11 +46,11 @@ def test_a_packaged_model_brings_its_own_settings(tmp_path: Path) -> None:
 
 def test_the_table_then_the_flags_win_over_the_model(tmp_path: Path) -> None:
     path = tmp_path / "up.toml"
-    path.write_text("[trainer]\nlearning_rate = 1e-5\nlora_rank = 4\n[demo]\nmax_tokens = 64\n")
+    path.write_text("[trainer.optim]\nlearning_rate = 1e-5\n[trainer.lora]\nrank = 4\n[demo]\nmax_tokens = 64\n")
     c = load_config(path, model="smollm2-135m", demo=True, work_dir=str(tmp_path),
                     trainer__lora_rank=16, demo_temperature=0.7)
     t = c.trainer_config("/m", "b:1")
-    assert (t.learning_rate, t.lora_rank, t.group_size) == (1e-5, 16, SMOLLM2.group_size)
+    assert (t.optim.learning_rate, t.lora.rank, t.feed.group_size) == (1e-5, 16, SMOLLM2.group_size)
     assert c.trainer_settings()["learning_rate"] == (1e-5, "[trainer] table")
     assert c.trainer_settings()["lora_rank"] == (16, "--trainer flag")
     assert c.demo is not None and (c.demo.max_tokens, c.demo.temperature) == (64, 0.7)
@@ -61,17 +61,17 @@ def test_a_real_checkpoint_by_path_gets_real_model_settings(tmp_path: Path) -> N
     assert parameter_count(Path(real)) > TINY_MODEL_PARAMETERS
     assert settings_for(real) == REAL_MODEL_SETTINGS
     c = load_config(None, model=real, demo=True, work_dir=str(tmp_path / "run"))
-    assert c.trainer_config(real, "b:1").learning_rate == REAL_MODEL_SETTINGS.learning_rate
+    assert c.trainer_config(real, "b:1").optim.learning_rate == REAL_MODEL_SETTINGS.learning_rate
     assert c.trainer_settings()["learning_rate"][1] == "real-model default"
     without_demo = load_config(None, model=real, work_dir=str(tmp_path / "run"))  # not only with --demo
-    assert without_demo.trainer_config(real, "b:1").learning_rate == REAL_MODEL_SETTINGS.learning_rate
+    assert without_demo.trainer_config(real, "b:1").optim.learning_rate == REAL_MODEL_SETTINGS.learning_rate
 
 
 def test_a_tiny_checkpoint_keeps_the_demo_defaults(tmp_path: Path) -> None:
     tiny = checkpoint(tmp_path / "tiny", hidden=128, layers=2, inter=256, vocab=2048)  # the test model's shape
     assert settings_for(tiny) is None and settings_for(None) is None and settings_for("org/unknown") is None
     c = load_config(None, model=tiny, demo=True, work_dir=str(tmp_path / "run"))
-    assert c.trainer_config(tiny, "b:1").learning_rate == DemoTrainer().learning_rate
+    assert c.trainer_config(tiny, "b:1").optim.learning_rate == DemoTrainer().learning_rate
 
 
 def test_several_policies_get_a_trainer_each_and_lora_slots_for_all(tmp_path: Path) -> None:
