@@ -2,18 +2,18 @@
 # On the GPU machine, in the repository root: join the pieces made by stage.sh (copied into STASH),
 # install them beside the image's torch into SITE, and lay out the streamrl package from this checkout
 # (the top-level folders gateway/, broker/, ... mapped under the streamrl namespace) into SITE too.
-# A STASH holding only gateway-wheels.tar (stage.sh's gateway/ folder: one carry) installs the gateway's
+# A STASH holding only gateway-wheels.tar.* (stage.sh's gateway/g00, g01: two carries) installs the gateway's
 # Python packages alone, without vLLM: enough for bench/gateway_bench.py and gateway_scaling.py.
 #   usage: scripts/gpu/install.sh STASH SITE     then: export PYTHONPATH=SITE PATH=SITE/bin:$PATH
 set -euo pipefail
 stash=${1:?STASH}; site=${2:?SITE}
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 gateway_only=0
-if ! compgen -G "$stash/piece.*" > /dev/null && [ -f "$stash/gateway-wheels.tar" ]; then
+if ! compgen -G "$stash/piece.*" > /dev/null && compgen -G "$stash/gateway-wheels.tar.*" > /dev/null; then
   gateway_only=1
   if [ ! -d "$site/fastapi" ]; then
     work=$(mktemp -d)
-    tar xf "$stash/gateway-wheels.tar" -C "$work"
+    cat "$stash"/gateway-wheels.tar.* | tar xf - -C "$work"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$work"/*.whl
     rm -rf "$work"
   fi
