@@ -89,7 +89,7 @@ MISTAKES = [
     Mistake("trainer-port-taken", lambda d, p: ["trainer", "--model", checkpoint(d), "--metrics-port", str(p)],
             "already in use"),
     Mistake("trainer-config-typo", lambda d, p: ["trainer", "--config", write(d / "t.toml", "lora_rnk = 4\n")],
-            "did you mean lora_rank"),
+            "did you mean [trainer.lora] rank?"),
     Mistake("gateway-no-upstream", lambda d, p: ["gateway", "--bootstrap-servers", "127.0.0.1:9092"], "--upstream"),
     Mistake("gateway-no-broker", lambda d, p: ["gateway", "--upstream", "http://127.0.0.1:8000"],
             "--bootstrap-servers"),
