@@ -681,12 +681,13 @@ def vllm_record_sizes(upstream: str, requests: int = 20, max_tokens: int = 256) 
 
     from streamrl.broker.embedded import EmbeddedBroker, free_port
     from streamrl.broker.topics import Topics
-    from streamrl.gateway.config import GatewayConfig
+    from streamrl.gateway.config import GatewayConfig, GatewayKafka
     from streamrl.gateway.server import GatewayServer
 
     with EmbeddedBroker(topics=Topics("sizes")) as broker:
-        config = GatewayConfig(upstreams=(upstream,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                               topic_prefix="sizes", follow_policy=False)
+        config = GatewayConfig(upstreams=(upstream,),
+                               kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix="sizes"),
+                               port=free_port(), follow_policy=False)
         with GatewayServer(config) as gw:
             model = httpx.get(f"{upstream}/v1/models").json()["data"][0]["id"]
             for i in range(requests):

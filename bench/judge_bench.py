@@ -71,6 +71,7 @@ def main() -> int:
     from streamrl.broker.clients import make_consumer, make_producer
     from streamrl.broker.embedded import EmbeddedBroker
     from streamrl.broker.schema import CompletionRecord, JudgeRequest, RewardRecord, decode, encode
+    from streamrl.broker.security import KafkaSettings
     from streamrl.broker.topics import Topics
     from streamrl.engine.server import Engine, EngineConfig
     from streamrl.judge.config import JudgeConfig
@@ -114,8 +115,9 @@ def main() -> int:
                                                     rubric="Is the final answer arithmetically correct?")))
         producer.flush()
         producer.close()
-        config = JudgeConfig(base_url=f"{args.engine_url}/v1", model=served, bootstrap_servers=broker.bootstrap_servers,
-                             topic_prefix=topics.prefix, concurrency=args.concurrency, name="bench",
+        config = JudgeConfig(base_url=f"{args.engine_url}/v1", model=served,
+                             kafka=KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                             concurrency=args.concurrency, name="bench",
                              max_explanation_chars=args.max_explanation_chars, max_tokens=args.max_tokens)
         stop = threading.Event()
         service = JudgeService(config, stop)

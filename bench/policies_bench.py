@@ -348,7 +348,7 @@ def up_config(p: int, names: list[str], model: str, upstream: str, run_dir: Path
         "up": {"model": model, "port": port, "work_dir": str(run_dir), "upstreams": [upstream],
                "broker_port": broker_port, "policy_name": names[0], "policies": names[1:],
                "train": not args.imitate_training,
-               "trainer_device": args.trainer_device, "topic_prefix": f"pb{p}"},
+               "trainer_device": args.trainer_device, "kafka": {"topic_prefix": f"pb{p}"}},
         "gateway": {"max_loaded_versions": args.max_loaded_versions},
         "trainer": nest(TrainerConfig, {"learning_rate": args.learning_rate, "group_size": args.group_size,
                                         "groups_per_step": args.groups_per_step, "lora_rank": args.lora_rank,

@@ -55,7 +55,7 @@ from tqdm import tqdm
 
 from .clients import POLL_ALL, make_consumer
 from .schema import PURPOSES, CompletionRecord, JudgeRequest, RecordError, RewardRecord, decode
-from .security import KafkaSecurity
+from .security import KafkaSettings
 from .topics import Topics
 
 log = logging.getLogger(__name__)
@@ -112,11 +112,8 @@ class ExportOptions:
     """The output file (written as OUT.partial, renamed when complete)."""
     format: Literal["parquet", "jsonl"] | None = None
     """Output format (default: from the output's suffix, .parquet or .jsonl)."""
-    bootstrap_servers: str = "127.0.0.1:9092"
-    """Kafka bootstrap servers."""
-    topic_prefix: str = "streamrl"
-    """The topics' prefix (PREFIX.completions, PREFIX.rewards)."""
-    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    """The Kafka read from: brokers, topic prefix (PREFIX.completions, PREFIX.rewards), security."""
     since_ms: int | None = None
     """Only records at or after this Kafka timestamp (epoch ms)."""
     until_ms: int | None = None
@@ -186,7 +183,7 @@ class LogRange:
 
     @classmethod
     def _snapshot(cls, consumer: KafkaConsumer, options: ExportOptions) -> LogRange:
-        topics = Topics(options.topic_prefix)
+        topics = Topics(options.kafka.topic_prefix)
         tps = [TopicPartition(t, p) for t in (topics.completions, topics.rewards) for p in _partitions(consumer, t)]
         begin = consumer.beginning_offsets(tps)
         end = _true_ends(consumer, tps, consumer.end_offsets(tps))
@@ -235,7 +232,7 @@ def _timestamp_at(consumer: KafkaConsumer, tp: TopicPartition, offset: int, end:
 
 
 def _consumer(options: ExportOptions) -> KafkaConsumer:
-    return make_consumer(options.bootstrap_servers, group_id=None, security=options.kafka, client_id="streamrl-export",
+    return make_consumer(options.kafka.bootstrap_servers, group_id=None, security=options.kafka, client_id="streamrl-export",
                          max_partition_fetch_bytes=FETCH_BYTES)
 
 
@@ -320,7 +317,7 @@ def export(options: ExportOptions, log_range: LogRange | None = None) -> ExportS
         summary = ExportSummary(str(options.out), fmt)
         sink = _ParquetSink(partial) if fmt == "parquet" else _JsonlSink(partial)
         try:
-            joiner = _Joiner(options, summary, sink, Topics(options.topic_prefix))
+            joiner = _Joiner(options, summary, sink, Topics(options.kafka.topic_prefix))
             with tqdm(total=log_range.total, unit="rec", desc="export", disable=not options.progress or None,
                       leave=False) as bar:
                 for record in _merged(consumer, log_range, summary.counts):

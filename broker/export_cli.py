@@ -13,7 +13,7 @@ from pathlib import Path
 from streamrl.config_flags import add_config_flags, given
 
 from .export import ExportOptions, export, parse_time
-from .security import KafkaSecurity
+from .security import KafkaSettings
 
 _OWN_FLAGS = ("out", "since_ms", "until_ms")
 """Fields with flags of their own (a positional path; times taken as ISO or epoch seconds)."""
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> ExportOptions:
     """The options the flags give (defaults for the rest; Kafka security as every other part takes it)."""
     values = given(args, ExportOptions)
-    values["kafka"] = KafkaSecurity.of(values.get("kafka"))
+    values["kafka"] = KafkaSettings.of(values.get("kafka"))
     return ExportOptions(out=args.out, since_ms=None if args.since is None else parse_time(args.since),
                          until_ms=None if args.until is None else parse_time(args.until), **values)
 

@@ -1,9 +1,12 @@
-"""How every Kafka client streamrl makes authenticates and encrypts: one typed settings object.
+"""Every part's Kafka settings, declared once: where the brokers are, the topics' prefix, and how every Kafka
+client streamrl makes authenticates and encrypts.
 
-``KafkaSecurity`` sits in each part's configuration as its ``kafka`` field (``GatewayConfig.kafka``,
-``TrainerConfig.kafka``, ``UpConfig.kafka``; a ``[gateway.kafka]``-style table in a config file, flags
-``--kafka-security-protocol`` and so on) and is handed to ``broker/clients.py``, which builds every
-producer, consumer and admin client from it. The default is PLAINTEXT, what the embedded broker speaks.
+``KafkaSettings`` (``KafkaSecurity`` and the brokers' address and topic prefix) is each part's ``kafka`` field
+(``GatewayConfig.kafka``, ``TrainerConfig.kafka``, ``JudgeConfig.kafka``, ``UpConfig.kafka``,
+``ExportOptions.kafka``): a ``[trainer.kafka]``-style table in a config file, flags ``--bootstrap-servers``,
+``--topic-prefix``, ``--kafka-security-protocol`` and so on. A part whose broker is optional (the gateway,
+``streamrl up``) subclasses it with its own default. ``KafkaSecurity`` alone is what ``broker/clients.py``
+builds every producer, consumer and admin client from. The default is PLAINTEXT, what the embedded broker speaks.
 
 Secrets: ``sasl_password`` may be given, but a config file (and the JSON ``streamrl up`` writes for its
 parts) is a poor place for it; when it is not given the password is read from the environment variable
@@ -18,7 +21,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
+
+from streamrl.config_file import FLAT
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -70,12 +75,16 @@ class KafkaSecurity:
         return self.security_protocol in ("SSL", "SASL_SSL")
 
     @classmethod
-    def of(cls, value: KafkaSecurity | Mapping[str, Any] | None) -> KafkaSecurity:
-        """From a config file's table (a dict; unknown keys are errors naming them) or as it is."""
+    def of(cls, value: KafkaSecurity | Mapping[str, Any] | None) -> Self:
+        """From a config file's table (a dict; unknown keys are errors naming them) or as it is; another part's
+        settings (``GatewayKafka`` where ``KafkaSettings`` is wanted) by their values, so that the class, which
+        carries the part's defaults, is always the part's own."""
         if value is None:
             return cls()
-        if isinstance(value, cls):
+        if type(value) is cls:
             return value
+        if isinstance(value, KafkaSecurity):
+            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         if not isinstance(value, Mapping):
             raise ValueError(f"kafka settings must be a table, not {type(value).__name__}")
         unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
@@ -130,3 +139,15 @@ class KafkaSecurity:
         if values["sasl_password"] is not None:
             values["sasl_password"] = "***"
         return values
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaSettings(KafkaSecurity):
+    """A part's whole Kafka table: the security settings, the brokers and the topics' prefix, so that no part
+    declares them again. Their flags keep their names (``--bootstrap-servers``, ``--topic-prefix``: ``FLAT``);
+    a part whose default differs subclasses this with its own (``GatewayKafka``: no broker, no logging)."""
+
+    bootstrap_servers: str = field(default="127.0.0.1:9092", metadata={FLAT: "bootstrap_servers"})
+    """Kafka bootstrap servers (host:port, comma-separated)."""
+    topic_prefix: str = field(default="streamrl", metadata={FLAT: "topic_prefix"})
+    """The topics' prefix (PREFIX.completions, PREFIX.rewards, PREFIX.policy, ...)."""

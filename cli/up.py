@@ -33,10 +33,10 @@ from typing import IO, Any
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import policy_names
-from streamrl.broker.security import KafkaSecurity
+from streamrl.broker.security import KafkaSettings
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.child import signal_group, spawn, wait_http
-from streamrl.config_file import check_fields, flat_names, flatten, read_file
+from streamrl.config_file import FLAT, check_fields, flat_names, flatten, nest, read_file
 from streamrl.config_flags import add_config_flags, given
 from streamrl.engine.lora_slots import lora_slots
 from streamrl.engine.server import Engine, EngineConfig, check_vllm_release, installed_vllm
@@ -72,15 +72,28 @@ class DemoTrainer:
     max_step_tokens: int = 0
     """Fixed steps: the demo's producer is paced to ``groups_per_step`` groups per version (its pacer
     counts on it), so there is never a surplus for a bigger step to take."""
+    divergence_window: int = 4
+    """The demo's learning rate is high on purpose (it learns in a minute on 2 CPU cores), and a healthy run's
+    first steps swing: one step's KL reached 6.3 nats/token and its 2-step mean 4.25, over the 3.5 threshold, in
+    a run that then reached 0.95 (docs/trainer.md, "Divergence"); their 4-step mean stayed under 3.0."""
 
 
-TRAINER_OWNED = ("model", "bootstrap_servers", "kafka", "topic_prefix", "name", "adapters", "device")
-"""``TrainerConfig`` fields ``up`` sets itself (``device`` from ``--trainer-device``); the [trainer] table and the
-``--trainer-*`` flags may set every other one."""
+TRAINER_OWNED = ("model", "kafka", "bootstrap_servers", "topic_prefix", "name", "adapters", "device")
+"""``TrainerConfig`` settings ``up`` sets itself (``kafka``: the whole table, its two most likely keys named too, so
+that a [trainer] table that sets them is told so; ``device`` from ``--trainer-device``); the [trainer] table and
+the ``--trainer-*`` flags may set every other one."""
 
 ENGINE_OWNED = ("model", "host", "token_capture")
 """``EngineConfig`` fields ``up`` sets itself (``token_capture`` from ``[up]``, one switch for the engine and
 the gateway); an ``[engine]`` table may set every other one."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpKafka(KafkaSettings):
+    """``up``'s Kafka table, which every part it starts shares: an external Kafka only if one is given."""
+
+    bootstrap_servers: str | None = field(default=None, metadata={FLAT: "bootstrap_servers"})  # type: ignore[assignment]
+    """External Kafka; None starts the embedded broker."""
 
 
 @dataclass
@@ -93,15 +106,12 @@ class UpConfig:
     work_dir: str | None = None
     """Adapters, logs, trainer config and history. None = a new directory per run under the cache (the
     embedded broker keeps nothing across runs, so neither should the trainer's offsets)."""
-    bootstrap_servers: str | None = None
-    """External Kafka; None starts the embedded broker."""
-    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)
-    """Security settings of the external Kafka (SASL, TLS), for every client of every part."""
+    kafka: UpKafka = field(default_factory=UpKafka)
+    """The external Kafka (its address, SASL, TLS) and the topics' prefix, for every client of every part."""
     broker_port: int | None = None
     partitions: int = 4
     upstreams: list[str] = field(default_factory=list)
     """External vLLM base URLs; empty starts one engine."""
-    topic_prefix: str = "streamrl"
     policy_name: str = "policy"
     policies: list[str] = field(default_factory=list)
     """More policies served and trained beside ``policy_name`` (``--policies support,sql``), from the same
@@ -154,7 +164,7 @@ class UpConfig:
     record buffer, ...), validated when the stack is built."""
 
     def __post_init__(self) -> None:
-        self.kafka = KafkaSecurity.of(self.kafka)
+        self.kafka = UpKafka.of(self.kafka)
         if self.trainer_nproc < 1:
             raise ValueError("trainer_nproc must be >= 1")
         if self.replicas < 1:
@@ -187,11 +197,10 @@ class UpConfig:
         return EngineConfig(**{**sized, **self.engine_table, "model": model, "host": self.host,
                                "token_capture": self.token_capture})
 
-    @property
-    def child_kafka(self) -> KafkaSecurity:
-        """The Kafka settings written into the parts' config files: without the password, which reaches
-        them in the environment (``child_env``)."""
-        return dataclasses.replace(self.kafka, sasl_password=None)
+    def child_kafka(self, bootstrap_servers: str) -> dict[str, Any]:
+        """The ``kafka`` table of every part ``up`` starts: ``up``'s own on the broker in use (the external Kafka
+        or the embedded broker), without the password, which reaches them in the environment (``child_env``)."""
+        return {**dataclasses.asdict(self.kafka), "bootstrap_servers": bootstrap_servers, "sasl_password": None}
 
     @property
     def child_env(self) -> dict[str, str]:
@@ -201,11 +210,11 @@ class UpConfig:
     def gateway_config(self, upstreams: list[str], bootstrap_servers: str, port: int) -> GatewayConfig:
         """Defaults ``up`` picks (the adapter root: its trainer's adapters; the spool: in the run's directory,
         found again by the next ``up`` on it) < the [gateway] table < what ``up`` owns (upstreams, broker and
-        its security, address, topics, policy name, token capture, which the engine shares)."""
+        its security, address, topics: the kafka table; policy name, token capture, which the engine shares)."""
         values = {"adapter_root": str(self.run_dir / "adapters"), "spool_dir": str(self.run_dir / "spool"),
                   "shutdown_grace_s": GATEWAY_SHUTDOWN_GRACE_S, **self.gateway_table,
-                  "upstreams": tuple(upstreams), "bootstrap_servers": bootstrap_servers, "kafka": self.child_kafka,
-                  "host": self.host, "port": port, "topic_prefix": self.topic_prefix,
+                  "upstreams": tuple(upstreams), "kafka": self.child_kafka(bootstrap_servers),
+                  "host": self.host, "port": port,
                   "policy_name": self.policy_name, "policies": self.policy_names[1:],
                   "token_capture": self.token_capture,
                   **({"workers": self.gateways} if self.gateways > 1 else {}),
@@ -245,9 +254,8 @@ class UpConfig:
             values["device"] = self.trainer_device
         if values.get("metrics_port") is None:  # ``up`` watches it to know when the trainer is ready
             values["metrics_port"] = free_port(self.host)
-        values.update(model=model, bootstrap_servers=bootstrap_servers, kafka=self.child_kafka,
-                      topic_prefix=self.topic_prefix,
-                      name=name, adapters=str(self.run_dir / "adapters" / name if several else self.run_dir / "adapters"),
+        values.update(model=model, kafka=self.child_kafka(bootstrap_servers), name=name,
+                      adapters=str(self.run_dir / "adapters" / name if several else self.run_dir / "adapters"),
                       history=values.get("history") or str(self.run_dir / "history.jsonl"))
         with as_usage_error("[trainer]"):
             return TrainerConfig.load(None, **values)
@@ -271,16 +279,18 @@ def load_config(path: str | Path | None = None, **flags: Any) -> UpConfig:
     owned = sorted(set(engine) & set(ENGINE_OWNED))
     if owned:
         raise UsageError(f"{path}: [engine]: {', '.join(owned)} is set by [up] ({', '.join(ENGINE_OWNED)}), not here")
-    trainer = check_fields(TrainerConfig, data.get("trainer", {}), "trainer", path)
-    owned = sorted(set(trainer) & (set(TRAINER_OWNED) - {"device"}))
-    if owned:
+    trainer = data.get("trainer", {})
+    owned = sorted(set(trainer) & (set(TRAINER_OWNED) - {"device"})) if isinstance(trainer, dict) else []
+    if owned:  # before the keys are checked: a [trainer] bootstrap_servers is up's, not [trainer.kafka]'s
         raise UsageError(f"{path}: [trainer]: {', '.join(owned)} is set by up itself, not here")
+    trainer = check_fields(TrainerConfig, trainer, "trainer", path)
     gateway = check_fields(GatewayConfig, data.get("gateway", {}), "gateway", path)
     demo = check_fields(DemoConfig, data.get("demo", {}), "demo", path)
     engine_flags = {k[len("engine_"):]: flags.pop(k) for k in list(flags) if k.startswith("engine_")}
     demo_flags = {k[len("demo_"):]: flags.pop(k) for k in list(flags) if k.startswith("demo_")}
     trainer_flags = {k[len("trainer__"):]: flags.pop(k) for k in list(flags) if k.startswith("trainer__")}
     want_demo = bool(flags.pop("demo", False)) or "demo" in data
+    flags = nest(UpConfig, flags)  # flat names (``bootstrap_servers``) into their table (``kafka``)
     engine.update({k: v for k, v in engine_flags.items() if v is not None})
     demo.update({k: v for k, v in demo_flags.items() if v is not None})
     if isinstance(flags.get("kafka"), dict) and isinstance(up.get("kafka"), dict):
@@ -469,16 +479,16 @@ class Stack:
             check_model(c.model)
         for url in c.upstreams:
             check_url(url, "--upstream")
-        if c.bootstrap_servers:
-            check_bootstrap_servers(c.bootstrap_servers, "--bootstrap-servers")
+        if c.kafka.bootstrap_servers:
+            check_bootstrap_servers(c.kafka.bootstrap_servers, "--bootstrap-servers")
             with as_usage_error("[up.kafka]"):
                 c.kafka.client_kwargs()  # its TLS files exist, its SASL password is somewhere
-        trainers = [c.trainer_config(c.model or "model", c.bootstrap_servers or "127.0.0.1:9092", name)
+        trainers = [c.trainer_config(c.model or "model", c.kafka.bootstrap_servers or "127.0.0.1:9092", name)
                     for name in c.policy_names]
         if "policies" in c.gateway_table:
             raise UsageError("[gateway] policies is set by up (--policies, [up] policies), not in the [gateway] table")
         with as_usage_error("[gateway]"):
-            gateway = c.gateway_config(c.upstreams or ["http://127.0.0.1"], c.bootstrap_servers or "127.0.0.1:9092",
+            gateway = c.gateway_config(c.upstreams or ["http://127.0.0.1"], c.kafka.bootstrap_servers or "127.0.0.1:9092",
                                        c.port or 1)
             keys = load_keys(gateway.api_keys, os.environ)
             check_bind(gateway.host, keys, gateway.insecure)
@@ -491,7 +501,7 @@ class Stack:
         if not c.upstreams:
             check_vllm_release(engine, installed_vllm())  # before anything starts, not at the engine's turn
         check_port_free(c.host, c.port, "--port (the gateway)")
-        if not c.bootstrap_servers:
+        if not c.kafka.bootstrap_servers:
             check_port_free(c.host, c.broker_port, "--broker-port (the embedded broker)")
         if not c.upstreams:
             check_port_free(c.host, engine.port, "[engine] port")
@@ -535,11 +545,11 @@ class Stack:
 
     def _broker(self) -> str:
         c = self.config
-        topics = Topics(c.topic_prefix)
-        if c.bootstrap_servers:
-            create_topics(c.bootstrap_servers, topics, partitions=c.partitions, security=c.kafka)
-            self.log.line("broker", f"external Kafka at {c.bootstrap_servers}")
-            return c.bootstrap_servers
+        topics = Topics(c.kafka.topic_prefix)
+        if c.kafka.bootstrap_servers:
+            create_topics(c.kafka.bootstrap_servers, topics, partitions=c.partitions, security=c.kafka)
+            self.log.line("broker", f"external Kafka at {c.kafka.bootstrap_servers}")
+            return c.kafka.bootstrap_servers
         with self.gate.defer():
             self.broker = EmbeddedBroker(c.host, c.broker_port, topics=topics, partitions=c.partitions,
                                          log_file=self.logs / "broker.log")
@@ -619,8 +629,8 @@ class Stack:
 
         c = self.config
         base = httpx.get(f"{self.upstreams[0]}/v1/models", timeout=30).json()["data"][0]["id"]
-        judge = JudgeConfig(base_url=f"{self.gateway_url}/v1", model=base, bootstrap_servers=self.bootstrap_servers,
-                            topic_prefix=c.topic_prefix, kafka=c.child_kafka, name=f"{c.policy_name}-judge")
+        judge = JudgeConfig(base_url=f"{self.gateway_url}/v1", model=base, kafka=c.child_kafka(self.bootstrap_servers),
+                            name=f"{c.policy_name}-judge")
         path = self.run_dir / "judge.json"
         path.write_text(json.dumps(dataclasses.asdict(judge), indent=2))
         self._spawn("judge", [sys.executable, *self._cli, "judge", "--config", str(path)],

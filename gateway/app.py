@@ -67,7 +67,7 @@ class Gateway:
         check_bind(config.host, self.keys, config.insecure)
         for key_id, unknown in self.keys.unknown_policies(config.policy_names):
             log.warning("API key %s names policies this gateway does not serve: %s", key_id, ", ".join(unknown))
-        self.topics = Topics(config.topic_prefix)
+        self.topics = Topics(config.kafka.topic_prefix)
         self.metrics = GatewayMetrics()
         self.metrics.info.labels(self.gateway_id).set(1)
         self.pool = UpstreamPool(config.upstreams, interval_s=config.health_interval_s,
@@ -115,14 +115,14 @@ class Gateway:
         # just as stale (a server under load closes idle connections late, as the next request arrives)
         self.fresh_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                                    auto_decompress=False, skip_auto_headers=("User-Agent",))
-        if c.bootstrap_servers is not None:
+        if c.kafka.bootstrap_servers is not None:
             waiter = None
             if c.token_capture and c.deferred_capture:  # the producer reads the engines' capture streams
                 consumer = os.urandom(8).hex()
                 waiter = WaiterSpec(deferred_captures,
                                     (consumer, dict(c.extra_headers), c.deferred_capture_wait_s))
                 self.proxy.defer_to(consumer)
-            self.producer = LogProducer(c.bootstrap_servers, max_buffered=c.max_buffered_records,
+            self.producer = LogProducer(c.kafka.bootstrap_servers, max_buffered=c.max_buffered_records,
                                         max_buffered_bytes=c.max_buffered_bytes,
                                         send_timeout_ms=c.producer_send_timeout_ms, process=c.producer_process,
                                         spool_dir=c.spool_path, spool_max_bytes=c.spool_max_bytes,
@@ -135,9 +135,9 @@ class Gateway:
         await self.pool.start(self.session)
         if self.dashboard is not None:
             self.dashboard.start()
-        if c.bootstrap_servers is not None and c.follow_policy:
+        if c.kafka.bootstrap_servers is not None and c.follow_policy:
             for router in self.policies:
-                tails = TailProcess(c.bootstrap_servers, security=c.kafka,
+                tails = TailProcess(c.kafka.bootstrap_servers, security=c.kafka,
                                     client_id=f"streamrl-gateway-{self.gateway_id}")
                 self.tails.append(tails)
                 await tails.start()
@@ -150,7 +150,7 @@ class Gateway:
             log.warning("the record producer process has not started after %.0fs; serving on (records wait in "
                         "the pipe)", PRODUCER_START_S)
         log.info("gateway %s up: upstreams %s, logging %s, policy name %r, %s", self.gateway_id,
-                 list(c.upstreams), "to " + c.bootstrap_servers if c.bootstrap_servers else "off", c.policy_name,
+                 list(c.upstreams), "to " + c.kafka.bootstrap_servers if c.kafka.bootstrap_servers else "off", c.policy_name,
                  f"API keys {', '.join(self.keys.ids)}" if self.keys else "no API keys")
 
     async def stop(self) -> None:

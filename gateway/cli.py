@@ -58,9 +58,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise UsageError("give --upstream URL (a vLLM server; repeat for several), or --config FILE")
     config = GatewayConfig.load(args.config, **values)
     if args.no_logging:
-        return dataclasses.replace(config, bootstrap_servers=None)
-    if config.bootstrap_servers is None:
-        raise UsageError("give --bootstrap-servers (or bootstrap_servers in --config), "
+        return dataclasses.replace(config, kafka=dataclasses.replace(config.kafka, bootstrap_servers=None))
+    if config.kafka.bootstrap_servers is None:
+        raise UsageError("give --bootstrap-servers (or [gateway.kafka] bootstrap_servers in --config), "
                          "or --no-logging to forward without logging")
     return config
 
@@ -71,8 +71,8 @@ def preflight(config: GatewayConfig, reuse_port: bool) -> None:
     processes bind it beside each other)."""
     for url in config.upstreams:
         check_url(url, "--upstream")
-    if config.bootstrap_servers is not None:
-        check_bootstrap_servers(config.bootstrap_servers, "--bootstrap-servers")
+    if config.kafka.bootstrap_servers is not None:
+        check_bootstrap_servers(config.kafka.bootstrap_servers, "--bootstrap-servers")
         with as_usage_error():  # its TLS files exist, its SASL password is somewhere
             config.kafka.client_kwargs()
     with as_usage_error():

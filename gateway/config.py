@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from streamrl.broker.schema import check_policy, policy_names
-from streamrl.broker.security import KafkaSecurity
-from streamrl.config_file import load_config
+from streamrl.broker.security import KafkaSettings
+from streamrl.config_file import FLAT, load_config
 from streamrl.gateway.recording.kafka_producers import PRODUCER_CLIENTS, ProducerClient
 
 UpdateMode = Literal["pinned", "in-flight"]
@@ -19,15 +19,21 @@ IN_FLIGHT_CACHES: tuple[str, ...] = get_args(InFlightCache)
 
 
 @dataclass(frozen=True, slots=True)
+class GatewayKafka(KafkaSettings):
+    """The gateway's Kafka table: every part's settings, but no broker unless one is given (the gateway can
+    forward without logging)."""
+
+    bootstrap_servers: str | None = field(default=None, metadata={FLAT: "bootstrap_servers"})  # type: ignore[assignment]
+    """Kafka bootstrap servers; None turns logging off (the overhead benchmark's baseline; the CLI asks
+    for ``--no-logging`` to say so)."""
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     upstreams: tuple[str, ...]
     """vLLM OpenAI base URLs, without ``/v1``."""
-    bootstrap_servers: str | None = None
-    """Kafka bootstrap servers; None turns logging off (the overhead benchmark's baseline; the CLI asks
-    for ``--no-logging`` to say so)."""
     host: str = "127.0.0.1"
     port: int = 8080
-    topic_prefix: str = "streamrl"
     policy_name: str = "policy"
     """The stable model name clients use for the policy being trained (the default one, with ``policies``)."""
     policies: tuple[str, ...] = ()
@@ -47,7 +53,7 @@ class GatewayConfig:
     finds it even once newer versions have retired it. Held versions take the places ``keep_previous_versions``
     keeps first; 0: held only while requests run on it."""
     follow_policy: bool = True
-    """Follow the policy topic and hot-swap published versions (needs ``bootstrap_servers``)."""
+    """Follow the policy topic and hot-swap published versions (needs ``kafka.bootstrap_servers``)."""
     policy_catch_up_s: float = 10.0
     """At start, wait at most this long to route the latest published version before serving."""
     max_body_bytes: int = 16 << 20
@@ -122,8 +128,8 @@ class GatewayConfig:
     trusted_publishers: tuple[str, ...] = ()
     """When given, only policy records whose ``publisher`` is one of these are served (a trainer's
     ``publisher_id``, ``streamrl publish --publisher``)."""
-    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)
-    """Kafka security settings of the gateway's producer and policy consumer."""
+    kafka: GatewayKafka = field(default_factory=GatewayKafka)
+    """The Kafka of the gateway's producer and policy consumer: brokers, topic prefix, security."""
     gateway_id: str | None = None
     """This gateway's id on the coordination topic (docs/gateway.md, "Several gateways"); None: host name,
     process id and start time, unique per process (a restarted gateway is a new one)."""
@@ -186,7 +192,7 @@ class GatewayConfig:
         object.__setattr__(self, "trusted_publishers", tuple(self.trusted_publishers))
         object.__setattr__(self, "policies", policy_names(self.policies))
         check_policy(self.policy_name)
-        object.__setattr__(self, "kafka", KafkaSecurity.of(self.kafka))
+        object.__setattr__(self, "kafka", GatewayKafka.of(self.kafka))
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> GatewayConfig:
@@ -200,4 +206,4 @@ class GatewayConfig:
 
     @property
     def logging_enabled(self) -> bool:
-        return self.bootstrap_servers is not None
+        return self.kafka.bootstrap_servers is not None

@@ -89,7 +89,7 @@ class Coordination:
         Kafka unreachable: retried every second, for as long as it takes (the caller serves meanwhile)."""
         while True:
             try:
-                await asyncio.to_thread(create_gateways_topic, self.config.bootstrap_servers, self.topics,
+                await asyncio.to_thread(create_gateways_topic, self.config.kafka.bootstrap_servers, self.topics,
                                         security=self.config.kafka)
                 break
             except Exception as exc:

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     if not config.model:
         raise UsageError("--model (the judge model's name at --base-url) is required")
     check_url(config.base_url, "--base-url")
-    check_bootstrap_servers(config.bootstrap_servers, "--bootstrap-servers")
+    check_bootstrap_servers(config.kafka.bootstrap_servers, "--bootstrap-servers")
     with as_usage_error():  # its TLS files exist, its SASL password is somewhere
         config.kafka.client_kwargs()
     print("streamrl judge, effective configuration:\n" + config.describe(), flush=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from streamrl.broker.security import KafkaSecurity
+from streamrl.broker.security import KafkaSettings
 from streamrl.config_file import load_config
 
 DEFAULT_RUBRIC = ("Score how well each trajectory accomplishes the task the user set, relative to the others: "
@@ -25,10 +25,8 @@ class JudgeConfig:
     """The judge model's name at ``base_url`` (required)."""
     api_key: str = ""
     """API key for ``base_url``; empty: the environment variable STREAMRL_JUDGE_API_KEY, else none."""
-    bootstrap_servers: str = "127.0.0.1:9092"
-    topic_prefix: str = "streamrl"
-    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)
-    """Kafka security settings of the judge's consumer and producer."""
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    """The Kafka of the judge's consumer and producer: brokers, topic prefix, security."""
     name: str = "judge"
     """This judge's id: stamped on its rewards as ``judged_by``; its consumer group is streamrl-judge.<name>."""
     rubric: str = DEFAULT_RUBRIC
@@ -82,7 +80,7 @@ class JudgeConfig:
     poll_timeout_s: float = 0.2
 
     def __post_init__(self) -> None:
-        self.kafka = KafkaSecurity.of(self.kafka)
+        self.kafka = KafkaSettings.of(self.kafka)
         self.group_rubrics = dict(self.group_rubrics)
         if not 0.0 <= self.weight <= 1.0:
             raise ValueError("weight must be in [0, 1]")

@@ -55,7 +55,7 @@ class JudgeService:
     def __init__(self, config: JudgeConfig, stop: threading.Event | None = None) -> None:
         self.config = config
         self.stop = stop or threading.Event()
-        self.topics = Topics(config.topic_prefix)
+        self.topics = Topics(config.kafka.topic_prefix)
         self.book = GroupBook(config.name, quiet_period_s=config.quiet_period_s, ttl_s=config.trajectory_ttl_s,
                               max_trajectories=config.max_trajectories, settle_s=config.settle_s)
         self.counts: Counter[str] = self.book.counts
@@ -64,7 +64,7 @@ class JudgeService:
 
     def _connect(self) -> None:
         c = self.config
-        self.consumer = make_consumer(c.bootstrap_servers, group_id=c.consumer_group, security=c.kafka,
+        self.consumer = make_consumer(c.kafka.bootstrap_servers, group_id=c.consumer_group, security=c.kafka,
                                       client_id="streamrl-judge")
         tps = []
         for topic in (self.topics.completions, self.topics.rewards):
@@ -86,7 +86,7 @@ class JudgeService:
         self.catch_up = {f"{tp.topic}:{tp.partition}": off for tp, off in self.consumer.end_offsets(tps).items()}
         self.committed = dict(self.next)
         log.info("judge %s reading from %s; judging once caught up to %s", c.name, self.next, self.catch_up)
-        self.producer = make_producer(c.bootstrap_servers, security=c.kafka, acks="all", client_id="streamrl-judge")
+        self.producer = make_producer(c.kafka.bootstrap_servers, security=c.kafka, acks="all", client_id="streamrl-judge")
 
     def _caught_up(self, polled: int) -> bool:
         if self.catch_up is None:

@@ -3,7 +3,7 @@ from the field's docstring, so a part's CLI never lists its options a second tim
 
 ``--flat-name`` for each setting (``names`` may keep an established spelling); every default is None,
 meaning "not given", so ``streamrl.config_file.load_config`` layers defaults < file < the flags given.
-A field whose type is itself a dataclass (``kafka: KafkaSecurity``, ``lora: LoraConfig``) gets one flag per
+A field whose type is itself a dataclass (``kafka: KafkaSettings``, ``lora: LoraConfig``) gets one flag per
 field of that class, named by the field's flat name (``streamrl.config_file.flat_names``: by default
 ``--kafka-security-protocol``; a table that groups a part's settings by concern keeps their flags as they
 were, ``--lora-rank``, ``--learning-rate``), given back as a dict of the ones given (the file's table is
@@ -32,7 +32,17 @@ _DEST = "config__"
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (the string literal that follows its annotation)."""
+    """The docstring under each field of a dataclass (the string literal that follows its annotation); a field
+    a subclass inherits (``KafkaSettings``'s from ``KafkaSecurity``) or declares again without one keeps its
+    base class's."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            docs.update(_own_field_docs(base))
+    return {**docs, **_own_field_docs(cls)}
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):

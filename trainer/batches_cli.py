@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if config.replay:
         check_dir(config.replay, "--replay")
     else:
-        check_bootstrap_servers(config.bootstrap_servers, "--bootstrap-servers")
+        check_bootstrap_servers(config.kafka.bootstrap_servers, "--bootstrap-servers")
         with as_usage_error():
             config.kafka.client_kwargs()
     try:

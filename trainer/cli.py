@@ -62,7 +62,7 @@ def preflight(config: TrainerConfig) -> None:
     if config.replay:
         check_dir(config.replay, "--replay")
     else:
-        check_bootstrap_servers(config.bootstrap_servers, "--bootstrap-servers")
+        check_bootstrap_servers(config.kafka.bootstrap_servers, "--bootstrap-servers")
         with as_usage_error():  # its TLS files exist, its SASL password is somewhere
             config.kafka.client_kwargs()
     check_port_free("0.0.0.0", config.metrics_port, "--metrics-port")

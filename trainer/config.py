@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from streamrl.broker.security import KafkaSecurity
+from streamrl.broker.security import KafkaSecurity, KafkaSettings
 from streamrl.config_file import FLAT, load_config
 
 from .divergence import DivergenceThresholds
@@ -170,10 +170,8 @@ class TrainerConfig:
     """The policy this trainer trains: its versions are published under this name (the gateways' policy name),
     and only completions served for it (or for no policy: the base model asked for by its own name) are
     trained; another policy's trajectories on the same topics are counted ``other_policy`` and skipped."""
-    bootstrap_servers: str = "127.0.0.1:9092"
-    topic_prefix: str = "streamrl"
-    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)
-    """Kafka security settings of the trainer's consumer and policy producer."""
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    """The Kafka of the trainer's consumer and policy producer: brokers, topic prefix, security."""
     publisher_id: str = ""
     """Stamped on each policy record as its ``publisher`` (gateways may serve only trusted publishers).
     Default streamrl-trainer.<name>."""
@@ -233,7 +231,7 @@ class TrainerConfig:
         from .tracking import check_trackers
 
         check_trackers(self.report_to)
-        self.kafka = KafkaSecurity.of(self.kafka)
+        self.kafka = KafkaSettings.of(self.kafka)
         if self.cpu_threads < 0:
             raise ValueError("cpu_threads must be >= 0 (0: half the machine's cores)")
 

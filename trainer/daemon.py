@@ -109,7 +109,7 @@ class Trainer:
                 from streamrl.broker.schema import PolicyRecord
                 from streamrl.broker.topics import Topics
 
-                self.policy_log = PolicyLog(c.bootstrap_servers, Topics(c.topic_prefix), client_id="streamrl-trainer",
+                self.policy_log = PolicyLog(c.kafka.bootstrap_servers, Topics(c.kafka.topic_prefix), client_id="streamrl-trainer",
                                             security=c.kafka, publisher=c.publisher)
                 if self.state.policy and self.policy_log.last_version(c.name) < self.state.version:
                     self.policy_log.publish(PolicyRecord(**self.state.policy))

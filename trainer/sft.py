@@ -109,7 +109,7 @@ def preflight(sft: SftConfig, trainer: TrainerConfig) -> None:
     if Path(sft.out).exists() and not Path(sft.out).is_dir():
         raise UsageError(f"--out {sft.out} exists and is not a directory")
     if sft.publish:
-        check_bootstrap_servers(trainer.bootstrap_servers, "--bootstrap-servers")
+        check_bootstrap_servers(trainer.kafka.bootstrap_servers, "--bootstrap-servers")
         with as_usage_error():
             trainer.kafka.client_kwargs()
 
@@ -256,7 +256,7 @@ def publish(adapter: Path, c: TrainerConfig, publisher: str, step: int, summary:
     from streamrl.broker.topics import Topics
 
     metrics = {k: float(summary[k]) for k in ("eval_loss", "eval_accuracy", "loss") if k in summary}
-    record = publish_version(c.bootstrap_servers, Topics(c.topic_prefix), c.name, None, adapter, c.model, step=step,
+    record = publish_version(c.kafka.bootstrap_servers, Topics(c.kafka.topic_prefix), c.name, None, adapter, c.model, step=step,
                              metrics=metrics, security=c.kafka, publisher=publisher, client_id="streamrl-sft")
     return {"name": record.name, "version": record.version, "path": record.path, "sha256": record.sha256}
 

@@ -31,7 +31,7 @@ def open_source(c: TrainerConfig, start: FeedState | None) -> GroupSource:
 
     from .source import KafkaRecordSource
 
-    records = KafkaRecordSource(c.bootstrap_servers, Topics(c.topic_prefix), c.group_id,
+    records = KafkaRecordSource(c.kafka.bootstrap_servers, Topics(c.kafka.topic_prefix), c.group_id,
                                 start.offsets if start else None, security=c.kafka)
     return StreamGroups(records, c, start)
 

@@ -23,7 +23,7 @@ from streamrl.engine.server import Engine
 from streamrl.gateway.auth import (
     ENV_VAR,
 )
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 from streamrl.tiny_model import random_adapter
 
@@ -74,8 +74,9 @@ def gw(broker: EmbeddedBroker, engine: Engine, adapter_dirs: dict[str, Path],
     create_topics(broker.bootstrap_servers, TOPICS, partitions=1)
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("".join(f"{key} {scopes} {key_id}\n" for key, (scopes, key_id) in KEYS.items()))
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=TOPICS.prefix, policy_name=NAME, health_interval_s=0.5,
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                           port=free_port(), policy_name=NAME, health_interval_s=0.5,
                            api_keys=str(keys), adapter_root=str(adapter_dirs["root"]),
                            trusted_publishers=(TRAINER,))
     with GatewayServer(config) as server:

@@ -23,7 +23,7 @@ from support.kafka_reader import produce
 from support.trainer_records import group_records, new_topics, policy_records
 
 from streamrl.broker.embedded import free_port
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 from streamrl.trainer.batch import Batch, batch_seq
 from streamrl.trainer.batch_io import read_ipc_file, read_ipc_stream
@@ -329,8 +329,9 @@ def test_the_documented_learner_trains_acknowledges_and_publishes(tiny_model, br
     script.write_text(docs_example())
     name = f"byo{uuid.uuid4().hex[:6]}"  # the engine is the session's: a name of this test's own
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    gateway = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                            topic_prefix=topics.prefix, policy_name=name, health_interval_s=0.5)
+    gateway = GatewayConfig(upstreams=(engine.url,),
+                            kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                            port=free_port(), policy_name=name, health_interval_s=0.5)
     proc = subprocess.Popen([sys.executable, str(script), "--model", str(tiny_model), "--bootstrap-servers",
                              broker.bootstrap_servers, "--topic-prefix", topics.prefix, "--name", name,
                              "--work", str(tmp_path / "run"), "--steps", "2"],

@@ -21,7 +21,7 @@ import pytest
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine.server import Engine
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 from streamrl.producers.client import Gateway
 from streamrl.trainer.config import TrainerConfig
@@ -59,8 +59,9 @@ def keyed(broker: EmbeddedBroker, engine: Engine, tmp_path_factory: pytest.TempP
     create_topics(broker.bootstrap_servers, topics, partitions=1)
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"{ADMIN} admin ops\n{INFERENCE} inference,rewards agent\n")
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=topics.prefix, policy_name="dashk", health_interval_s=0.5,
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                           port=free_port(), policy_name="dashk", health_interval_s=0.5,
                            api_keys=str(keys), dashboard_interval_s=0.2)
     with GatewayServer(config) as server:
         yield server
@@ -168,8 +169,9 @@ def loop(tiny_model: Path, broker: EmbeddedBroker, engine: Engine,
                             adapters=str(tmp_path / "adapters"), topic_prefix=topics.prefix, groups_per_step=1,
                             max_step_tokens=0, device="cpu", history=str(tmp_path / "history.jsonl"),
                             metrics_port=free_port())
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=topics.prefix, policy_name=name, health_interval_s=0.5,
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                           port=free_port(), policy_name=name, health_interval_s=0.5,
                            adapter_root=trainer.adapters, dashboard_interval_s=0.5, policy_catch_up_s=1.0)
     stop = threading.Event()
     trainer_thread = threading.Thread(target=run_trainer, args=(trainer, stop), name="trainer", daemon=True)

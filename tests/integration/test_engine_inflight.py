@@ -29,7 +29,7 @@ from streamrl.broker.schema import CompletionRecord, token_versions
 from streamrl.broker.topics import Topics
 from streamrl.engine.server import Engine
 from streamrl.engine.wire import CAPTURE_HEADER, FOLLOW_HEADER, FOLLOW_KEEP
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 
 TOPICS = Topics("inflight-moves")
@@ -117,8 +117,8 @@ def test_a_publish_moves_a_running_stream_with_no_other_request(broker: Embedded
     name = f"{NAME}-quiet"
     reader = TopicReader(broker.bootstrap_servers, topics.completions)
     publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
-    config = GatewayConfig(bootstrap_servers=broker.bootstrap_servers, port=free_port(), topic_prefix=topics.prefix,
-                           policy_name=name, health_interval_s=0.5, upstreams=(engine.url,), update_mode="in-flight")
+    config = GatewayConfig(kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                           port=free_port(), policy_name=name, health_interval_s=0.5, upstreams=(engine.url,), update_mode="in-flight")
     body = {"model": name, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "stream": True}
     with GatewayServer(config) as gw:
         wait_routed(gw, 1)
@@ -155,8 +155,8 @@ def move_mid_way(broker: EmbeddedBroker, engine: Engine, topics: Topics, adapter
     """v1 routed by a gateway in the in-flight mode, a long stream by the policy's name, then the engine told that
     v2 is routed, then a stream pinned to v1; returns the streams' answers and the engine's probe after them."""
     publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
-    config = GatewayConfig(bootstrap_servers=broker.bootstrap_servers, port=free_port(), topic_prefix=topics.prefix,
-                           policy_name=name, health_interval_s=0.5, upstreams=(engine.url,), update_mode="in-flight",
+    config = GatewayConfig(kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                           port=free_port(), policy_name=name, health_interval_s=0.5, upstreams=(engine.url,), update_mode="in-flight",
                            in_flight_cache=cache)
     outs: dict[str, dict[str, object]] = {name: {}, f"{name}@v1": {}}
     started = {model: threading.Event() for model in outs}

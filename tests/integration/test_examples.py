@@ -28,9 +28,10 @@ from transformers import AutoTokenizer
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import CompletionRecord, JudgeRequest, RewardRecord
+from streamrl.broker.security import KafkaSettings
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine.server import Engine
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 from streamrl.judge.config import JudgeConfig
 from streamrl.judge.service import JudgeService
@@ -48,8 +49,9 @@ TOPICS = Topics("examples")
 @pytest.fixture(scope="module")
 def gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
     create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=TOPICS.prefix, health_interval_s=0.5, follow_policy=False)
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                           port=free_port(), health_interval_s=0.5, follow_policy=False)
     with GatewayServer(config) as gw:
         yield gw
 
@@ -277,8 +279,9 @@ def test_autotask_generates_inputs_and_is_judged(broker: EmbeddedBroker, base_mo
         assert call.request["messages"][1]["content"] in task._inputs
 
     # short explanations: the random tiny model writes gibberish up to the bound (structured output keeps it JSON)
-    config = JudgeConfig(base_url=f"{gateway.url}/v1", model=base_model, bootstrap_servers=broker.bootstrap_servers,
-                         topic_prefix=TOPICS.prefix, max_explanation_chars=24, max_tokens=256, quiet_period_s=30,
+    config = JudgeConfig(base_url=f"{gateway.url}/v1", model=base_model,
+                         kafka=KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                         max_explanation_chars=24, max_tokens=256, quiet_period_s=30,
                          commit_interval_s=0.2, name="autotask")
     stop = threading.Event()
     runner = threading.Thread(target=JudgeService(config, stop).run, daemon=True)

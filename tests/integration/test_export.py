@@ -25,7 +25,7 @@ from streamrl.broker.embedded import EmbeddedBroker
 from streamrl.broker.export import CALL, SCHEMA, ExportOptions, LogRange, _lookup, export, parse_time
 from streamrl.broker.export_cli import options_from_args
 from streamrl.broker.schema import CompletionRecord, JudgeRequest, PolicyRecord, RewardRecord, encode
-from streamrl.broker.security import KafkaSecurity
+from streamrl.broker.security import KafkaSettings
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.cli import build_parser, main
 
@@ -41,7 +41,8 @@ def fresh_topics(broker: EmbeddedBroker, partitions: int = 2) -> Topics:
 
 
 def options(broker: EmbeddedBroker, topics: Topics, out: Path, **kw: Any) -> ExportOptions:
-    return ExportOptions(out=out, bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix,
+    return ExportOptions(out=out,
+                         kafka=KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
                          progress=False, **kw)
 
 
@@ -281,9 +282,9 @@ def test_options_from_the_command_line(tmp_path: Path) -> None:
                               "--kafka-sasl-username", "exporter", "--purpose", "all", "--min-reward", "0.5",
                               "--unrewarded", "--since", "2026-12-01T17:00:00Z", "--until", "1796148000.5"])
     o = options_from_args(args)
-    assert o.kafka == KafkaSecurity(security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
-                                    sasl_username="exporter")
-    assert (o.bootstrap_servers, o.purpose, o.min_reward, o.unrewarded) == ("kafka:9093", "all", 0.5, True)
+    assert o.kafka == KafkaSettings(bootstrap_servers="kafka:9093", security_protocol="SASL_SSL",
+                                    sasl_mechanism="SCRAM-SHA-512", sasl_username="exporter")
+    assert (o.kafka.bootstrap_servers, o.purpose, o.min_reward, o.unrewarded) == ("kafka:9093", "all", 0.5, True)
     assert (o.since_ms, o.until_ms) == (1796144400000, 1796148000500)
     assert o.resolved_format() == "jsonl"
     assert parse_time("2026-12-01T18:00:00+01:00") == parse_time("2026-12-01T17:00:00") == 1796144400000

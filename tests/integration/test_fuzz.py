@@ -23,7 +23,7 @@ from schemathesis import GenerationMode
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine.server import Engine
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 
 TOPICS = Topics("fuzz")
@@ -37,8 +37,9 @@ EXPLORE = bool(os.environ.get("STREAMRL_FUZZ_EXPLORE"))
 @pytest.fixture(scope="module")
 def fuzzed(broker: EmbeddedBroker, engine: Engine) -> Iterator[tuple[GatewayServer, Engine]]:
     create_topics(broker.bootstrap_servers, TOPICS, partitions=1)
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=TOPICS.prefix, follow_policy=False, health_interval_s=60,
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                           port=free_port(), follow_policy=False, health_interval_s=60,
                            max_body_bytes=64 << 10)
     with GatewayServer(config) as gw:
         yield gw, engine

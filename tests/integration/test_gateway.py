@@ -19,7 +19,7 @@ from streamrl.broker.schema import CompletionRecord, RecordError, RewardRecord, 
 from streamrl.broker.topics import Topics
 from streamrl.engine.server import Engine
 from streamrl.engine.wire import PROBE_PATH
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 
 TOPICS = Topics("test")  # the prefix of the session's broker fixture
@@ -317,9 +317,9 @@ def test_two_upstreams_one_stopped(broker, engine, relay, base_model, completion
     relay.not_found = (PROBE_PATH,)
     second = relay
     # the second engine first: with equal load it is picked first, so stopping it exercises the retry
-    config = GatewayConfig(upstreams=(second.url, engine.url), bootstrap_servers=broker.bootstrap_servers,
-                           port=free_port(), topic_prefix=TOPICS.prefix, health_interval_s=60,
-                           follow_policy=False)
+    config = GatewayConfig(upstreams=(second.url, engine.url),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                           port=free_port(), health_interval_s=60, follow_policy=False)
     with GatewayServer(config) as gw:
         health = httpx.get(f"{gw.url}/health").json()
         assert [u["token_capture"] for u in health["upstreams"]] == ["json", "engine, deferred"]  # found at start-up
@@ -360,8 +360,9 @@ def test_broker_stopped_requests_succeed_and_records_are_spooled(engine, base_mo
     (delivery once the broker is back: tests/integration/test_gateway_spool.py)."""
     own = EmbeddedBroker(topics=Topics("down")).start()
     try:
-        config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=own.bootstrap_servers, port=free_port(),
-                               topic_prefix="down", producer_send_timeout_ms=1000, follow_policy=False,
+        config = GatewayConfig(upstreams=(engine.url,),
+                               kafka=GatewayKafka(bootstrap_servers=own.bootstrap_servers, topic_prefix="down"),
+                               port=free_port(), producer_send_timeout_ms=1000, follow_policy=False,
                                spool_dir=str(tmp_path), spool_after_ms=300)
         with GatewayServer(config) as gw:
             oai = client(gw)

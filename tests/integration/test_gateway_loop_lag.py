@@ -48,7 +48,7 @@ def _buckets(text: str) -> dict[str, float]:
 
 
 def test_gateway_exports_the_lag_of_its_loop() -> None:
-    config = GatewayConfig(upstreams=(f"http://127.0.0.1:{free_port()}",), bootstrap_servers=None, port=free_port())
+    config = GatewayConfig(upstreams=(f"http://127.0.0.1:{free_port()}",), port=free_port())
     with GatewayServer(config) as gw:
         monitor = gw.gateway.loop_lag
         assert monitor.loop is not None, "the monitor did not start with the gateway"
@@ -88,7 +88,7 @@ def test_a_collection_is_timed_by_generation() -> None:
 
 
 def test_gateway_exports_its_collections() -> None:
-    config = GatewayConfig(upstreams=(f"http://127.0.0.1:{free_port()}",), bootstrap_servers=None, port=free_port())
+    config = GatewayConfig(upstreams=(f"http://127.0.0.1:{free_port()}",), port=free_port())
     with GatewayServer(config) as gw:
         before = gw.gateway.gc_pauses.counts[2][:]
         gc.collect(2)  # the gateway runs in this process: its callback times this collection

@@ -23,7 +23,7 @@ from streamrl.broker.schema import CompletionRecord, RewardRecord, decode
 from streamrl.broker.topics import Topics
 from streamrl.child import spawn, stop_group, wait_http
 from streamrl.engine.server import Engine
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 
 CHAT = [{"role": "user", "content": "Count with me: one, two"}]
@@ -85,8 +85,9 @@ def test_gateway_serves_through_a_broker_outage_and_loses_nothing(engine: Engine
                                                                   own_broker: EmbeddedBroker,
                                                                   tmp_path: Path) -> None:
     broker, topics = own_broker.start(), own_broker.topics
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=topics.prefix, follow_policy=False, health_interval_s=0.5,
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                           port=free_port(), follow_policy=False, health_interval_s=0.5,
                            spool_dir=str(tmp_path), spool_after_ms=300, producer_send_timeout_ms=3_000)
     with GatewayServer(config) as gw:
         before = traffic(gw.url, base_model, "before", trajectories=1)

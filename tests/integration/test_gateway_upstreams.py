@@ -36,7 +36,7 @@ from streamrl.engine.wire import (
     encode_capture,
     frame,
 )
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 from streamrl.tiny_model import random_adapter
 
@@ -58,9 +58,9 @@ def test_upstream_leaves_and_rejoins_and_gets_the_missed_version(broker: Embedde
     name = "rejoin"
     base_model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
     adapter = random_adapter(tiny_model, tmp_path / "v1", seed=11)
-    config = GatewayConfig(upstreams=(engine.url, relay.url), bootstrap_servers=broker.bootstrap_servers,
-                           port=free_port(), topic_prefix=TOPICS.prefix, policy_name=name,
-                           health_interval_s=0.2, load_retry_s=0.2)
+    config = GatewayConfig(upstreams=(engine.url, relay.url),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                           port=free_port(), policy_name=name, health_interval_s=0.2, load_retry_s=0.2)
     reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
     try:
         with GatewayServer(config) as gw:
@@ -137,7 +137,7 @@ def test_a_request_the_upstream_hangs_up_on_is_retried_on_a_new_connection(engin
     succeeds, its retry going out on a new connection rather than another stale pooled one."""
     base_model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
     body = {"model": base_model, "messages": CHAT, "max_tokens": 2}
-    config = GatewayConfig(upstreams=(relay.url,), bootstrap_servers=None, port=free_port(), health_interval_s=60)
+    config = GatewayConfig(upstreams=(relay.url,), port=free_port(), health_interval_s=60)
 
     async def wave(url: str, n: int) -> list[int]:
         async with httpx.AsyncClient(timeout=60) as client:
@@ -162,8 +162,9 @@ def test_upstream_timeout_is_504(broker: EmbeddedBroker, engine: Engine, relay: 
     produced for the call (the relay holds vLLM's real answer back for 2 s)."""
     create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
     base_model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
-    config = GatewayConfig(upstreams=(relay.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=TOPICS.prefix, upstream_timeout_s=0.2, follow_policy=False,
+    config = GatewayConfig(upstreams=(relay.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                           port=free_port(), upstream_timeout_s=0.2, follow_policy=False,
                            health_interval_s=60)
     with GatewayServer(config) as gw:
         relay.answer_delay_s = 2.0
@@ -179,8 +180,9 @@ def test_a_stream_is_recorded_when_the_client_hangs_up_on_done(broker: EmbeddedB
     the stream is cancelled by that hang-up: the call must have been recorded already."""
     create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
     base_model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
-    config = GatewayConfig(upstreams=(relay.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=TOPICS.prefix, follow_policy=False, health_interval_s=60)
+    config = GatewayConfig(upstreams=(relay.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                           port=free_port(), follow_policy=False, health_interval_s=60)
     reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
     try:
         with GatewayServer(config) as gw:
@@ -262,8 +264,9 @@ def test_a_capture_sent_after_done_is_recorded_after_the_client_left(broker: Emb
     reads on to the capture in the background, and the call is recorded with the engine's tokens."""
     create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
     upstream = LateCaptureEngine()
-    config = GatewayConfig(upstreams=(upstream.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=TOPICS.prefix, follow_policy=False, health_interval_s=60)
+    config = GatewayConfig(upstreams=(upstream.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                           port=free_port(), follow_policy=False, health_interval_s=60)
     reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
     try:
         with GatewayServer(config) as gw:
@@ -292,8 +295,9 @@ def test_a_call_stuck_in_flight_does_not_keep_the_gateway_from_stopping(broker: 
     the gateway stops, and the record of a call answered before is delivered (its producers closed)."""
     create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
     base_model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
-    config = GatewayConfig(upstreams=(relay.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=TOPICS.prefix, follow_policy=False, health_interval_s=60,
+    config = GatewayConfig(upstreams=(relay.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                           port=free_port(), follow_policy=False, health_interval_s=60,
                            shutdown_grace_s=1.0)
     reader = TopicReader(broker.bootstrap_servers, TOPICS.completions)
     gw = GatewayServer(config).start()

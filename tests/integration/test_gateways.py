@@ -31,7 +31,7 @@ from streamrl.broker.schema import CompletionRecord
 from streamrl.broker.topics import Topics
 from streamrl.child import spawn, stop_group, wait_http
 from streamrl.engine.server import Engine
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 
 ADAPTER_VERSIONS = 3
@@ -55,8 +55,9 @@ def name(engine: Engine, caplog: pytest.LogCaptureFixture) -> Iterator[str]:
 def gateway_config(broker: EmbeddedBroker, upstream: str, name: str, tmp: Path, **kw) -> GatewayConfig:
     """Beats of 0.2 s and a TTL of 2 s: a dead gateway is found out within the test's patience."""
     port = free_port()
-    return GatewayConfig(upstreams=(upstream,), bootstrap_servers=broker.bootstrap_servers, port=port,
-                         topic_prefix=TOPICS.prefix, policy_name=name, health_interval_s=0.5, heartbeat_s=0.2,
+    return GatewayConfig(upstreams=(upstream,),
+                         kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                         port=port, policy_name=name, health_interval_s=0.5, heartbeat_s=0.2,
                          gateway_ttl_s=2.0, spool_dir=str(tmp / f"spool-{port}"), **kw)
 
 
@@ -330,8 +331,9 @@ def test_trajectory_alternating_between_gateways_is_recorded_whole(broker, engin
     record arrives, once, under the one trajectory id, and the records of both gateways carry the same
     fields (nothing says which gateway wrote them)."""
     reader = TopicReader(broker.bootstrap_servers, broker.topics.completions)
-    configs = [dataclasses.replace(gateway_config(broker, engine.url, "policy", tmp_path),
-                                   topic_prefix=broker.topics.prefix, follow_policy=False) for _ in range(2)]
+    configs = [dataclasses.replace(gateway_config(broker, engine.url, "policy", tmp_path), follow_policy=False,
+                                   kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers,
+                                                      topic_prefix=broker.topics.prefix)) for _ in range(2)]
     gateways = start_all(configs)
     try:
         trajectory = f"traj-{uuid.uuid4().hex}"
@@ -414,8 +416,8 @@ def test_a_gateway_started_with_kafka_down_serves_then_joins(engine, adapters, b
     catch-up wait instead of failing to start, and joins the coordination, leads and follows the policy
     topic once the broker is up."""
     own = EmbeddedBroker(topics=Topics("gateways-late"), partitions=2, log_file=LOG_DIR / "broker-gateways.log")
-    config = dataclasses.replace(gateway_config(own, engine.url, name, tmp_path), topic_prefix=own.topics.prefix,
-                                 policy_catch_up_s=2.0)
+    config = dataclasses.replace(gateway_config(own, engine.url, name, tmp_path), policy_catch_up_s=2.0,
+                                 kafka=GatewayKafka(bootstrap_servers=own.bootstrap_servers, topic_prefix=own.topics.prefix))
     try:
         with GatewayServer(config) as gw:
             r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": name, "messages": CHAT, "max_tokens": 2},

@@ -23,7 +23,7 @@ from streamrl.broker.policy_log import publish_version
 from streamrl.broker.schema import CompletionRecord, PolicyRecord, encode, token_versions
 from streamrl.broker.topics import Topics
 from streamrl.engine.server import Engine
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 
 TOPICS = Topics("hotswap")
@@ -44,8 +44,8 @@ def unload_afterwards(engine: Engine, caplog: pytest.LogCaptureFixture) -> Itera
 
 def gateway_config(broker: EmbeddedBroker, engine: Engine, name: str, **kw) -> GatewayConfig:
     kw.setdefault("upstreams", (engine.url,))
-    return GatewayConfig(bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                         topic_prefix=TOPICS.prefix, policy_name=name, health_interval_s=0.5, **kw)
+    return GatewayConfig(kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                         port=free_port(), policy_name=name, health_interval_s=0.5, **kw)
 
 
 def wait_routed(gw: GatewayServer, version: int, timeout: float = 30.0) -> None:
@@ -290,11 +290,11 @@ def test_catch_up_bad_checksum_and_max_loaded(broker, engine, topics, adapters, 
 
 
 def test_kept_versions_must_leave_room_for_the_routed_and_the_next_one() -> None:
-    assert GatewayConfig(upstreams=("http://x",), bootstrap_servers=None).keep_previous_versions == 1
-    GatewayConfig(upstreams=("http://x",), bootstrap_servers=None, max_loaded_versions=4, keep_previous_versions=2)
+    assert GatewayConfig(upstreams=("http://x",)).keep_previous_versions == 1
+    GatewayConfig(upstreams=("http://x",), max_loaded_versions=4, keep_previous_versions=2)
     for kw in ({"max_loaded_versions": 2}, {"keep_previous_versions": -1}):
         with pytest.raises(ValueError, match="keep_previous_versions must be between 0 and"):
-            GatewayConfig(upstreams=("http://x",), bootstrap_servers=None, **kw)
+            GatewayConfig(upstreams=("http://x",), **kw)
 
 
 def test_a_pinned_episode_keeps_its_retired_version_until_it_ends(broker, engine, topics, adapters, base_model,

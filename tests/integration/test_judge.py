@@ -29,9 +29,10 @@ from streamrl.broker.schema import (
     RewardRecord,
     decode,
 )
+from streamrl.broker.security import KafkaSettings
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine.server import Engine
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 from streamrl.judge.client import JudgeClient, JudgeFailed
 from streamrl.judge.config import JudgeConfig
@@ -53,9 +54,9 @@ def fresh_topics(broker: EmbeddedBroker, prefix: str) -> Topics:
 
 def judge_config(broker: EmbeddedBroker, topics: Topics, base_url: str, model: str, **kw) -> JudgeConfig:
     """Short explanations: the random tiny model writes gibberish up to the bound (structured output keeps it JSON)."""
-    return JudgeConfig(base_url=base_url, model=model, bootstrap_servers=broker.bootstrap_servers,
-                       topic_prefix=topics.prefix, max_explanation_chars=24, max_tokens=256, quiet_period_s=30,
-                       commit_interval_s=0.2, **kw)
+    return JudgeConfig(base_url=base_url, model=model,
+                       kafka=KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                       max_explanation_chars=24, max_tokens=256, quiet_period_s=30, commit_interval_s=0.2, **kw)
 
 
 def read_all(broker: EmbeddedBroker, topic: str) -> list:
@@ -142,8 +143,9 @@ def test_a_group_over_the_judge_context_fails_clearly_at_once(engine: Engine, ba
 @pytest.fixture
 def judge_gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[tuple[GatewayServer, Topics]]:
     topics = fresh_topics(broker, "judge-e2e")
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=topics.prefix, health_interval_s=0.5, follow_policy=False)
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                           port=free_port(), health_interval_s=0.5, follow_policy=False)
     gw = GatewayServer(config).start()
     yield gw, topics
     gw.stop()

@@ -19,7 +19,7 @@ from streamrl.broker.policy_log import publish_version
 from streamrl.broker.schema import CompletionRecord, RewardRecord
 from streamrl.broker.topics import Topics
 from streamrl.engine.server import Engine
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 
 TOPICS = Topics("policies")
@@ -60,8 +60,9 @@ def chat(gw: GatewayServer, model: str) -> httpx.Response:
 
 def test_two_policies_route_and_swap_independently(broker: EmbeddedBroker, engine: Engine, topics: Topics,
                                                    adapters, base_model: str) -> None:
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=topics.prefix, policy_name=NAMES[0], policies=NAMES,
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                           port=free_port(), policy_name=NAMES[0], policies=NAMES,
                            health_interval_s=0.5)
     assert config.policy_names == NAMES
     reader = TopicReader(broker.bootstrap_servers, topics.completions)
@@ -143,8 +144,9 @@ def test_a_key_limited_to_a_policy_uses_and_rewards_it_alone(broker: EmbeddedBro
     keys.write_text(f"{SUPPORT_KEY} inference,rewards team-support policies=support\n"
                     f"{BOTH_KEY} inference,rewards team-both policies=support,sql\n"
                     f"{ADMIN_KEY} admin,inference,rewards ops\n")
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=topics.prefix, policy_name=NAMES[0], policies=NAMES, api_keys=str(keys))
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                           port=free_port(), policy_name=NAMES[0], policies=NAMES, api_keys=str(keys))
     reader = TopicReader(broker.bootstrap_servers, topics.rewards)
     message = [{"role": "user", "content": "hi"}]
     with GatewayServer(config) as gw:

@@ -22,7 +22,7 @@ from streamrl.broker.policy_log import PolicyLog
 from streamrl.broker.schema import PolicyRecord
 from streamrl.broker.topics import Topics
 from streamrl.engine.server import Engine
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 from streamrl.producers.client import Gateway
 from streamrl.trainer.config import TrainerConfig
@@ -104,8 +104,9 @@ def run(tiny_model: Path, broker: EmbeddedBroker, engine: Engine, topics: Topics
                                  adapters=str(tmp / "adapters" / n), topic_prefix=topics.prefix, group_size=GROUP_SIZE,
                                  groups_per_step=1, max_step_tokens=0, device="cpu", save_batches=str(tmp / "batches" / n),
                                  history=str(tmp / f"history.{n}.jsonl")) for n in NAMES}
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=topics.prefix, policy_name=NAMES[0], policies=NAMES, api_keys=str(keys),
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                           port=free_port(), policy_name=NAMES[0], policies=NAMES, api_keys=str(keys),
                            adapter_root=str(tmp / "adapters"), health_interval_s=0.5, policy_catch_up_s=1.0)
     out: dict[str, Any] = {"trainers": trainers}
     policy_log = TopicReader(broker.bootstrap_servers, topics.policy)  # before the first publication

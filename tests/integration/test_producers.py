@@ -18,7 +18,7 @@ from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import CompletionRecord, RewardRecord
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.engine.server import Engine
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 from streamrl.producers.calculator import CalculatorTask
 from streamrl.producers.client import AsyncGateway, Gateway, RewardError, Trajectory
@@ -34,8 +34,9 @@ TOPICS = Topics("producers")  # own topics on the session broker: other tests' c
 @pytest.fixture(scope="module")
 def gateway(broker: EmbeddedBroker, engine: Engine) -> Iterator[GatewayServer]:
     create_topics(broker.bootstrap_servers, TOPICS, partitions=2)
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=TOPICS.prefix, health_interval_s=0.5, follow_policy=False)
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=TOPICS.prefix),
+                           port=free_port(), health_interval_s=0.5, follow_policy=False)
     with GatewayServer(config) as gw:
         yield gw
 

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from streamrl.broker.embedded import free_port
 from streamrl.broker.schema import WEIGHTS_FILE, RewardRecord, sha256_file
 from streamrl.cli import main
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.daemon import run_trainer
@@ -143,8 +143,9 @@ def test_publish_makes_the_gateway_serve_the_version(broker, engine, tmp_path, t
     SFT adapter, and a chat completion for the policy is answered by that version."""
     topics = new_topics(broker.bootstrap_servers)
     name = f"sftgw{uuid.uuid4().hex[:6]}"
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers, port=free_port(),
-                           topic_prefix=topics.prefix, policy_name=name, health_interval_s=0.5)
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
+                           port=free_port(), policy_name=name, health_interval_s=0.5)
     assert config.follow_policy
     out = tmp_path / "adapter"
     try:

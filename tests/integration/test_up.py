@@ -55,13 +55,13 @@ def test_config_file_then_flags(tmp_path: Path) -> None:
     t = c.trainer_config("m", "127.0.0.1:1")
     assert t.optim.learning_rate == 0.01 and t.lora.rank == 4  # the file beats the demo's defaults...
     assert t.feed.groups_per_step == DemoTrainer().groups_per_step  # ...which fill the rest
-    assert t.device == "cpu" and t.name == "agent" and t.model == "m" and t.bootstrap_servers == "127.0.0.1:1"
+    assert t.device == "cpu" and t.name == "agent" and t.model == "m" and t.kafka.bootstrap_servers == "127.0.0.1:1"
     assert t.adapters == str(tmp_path / "adapters") and t.history == str(tmp_path / "history.jsonl")
 
 
 def test_without_demo_the_trainer_keeps_its_own_defaults(tmp_path: Path) -> None:
     c = load_config(None, model="m", work_dir=str(tmp_path))
-    assert c.demo is None and c.bootstrap_servers is None and c.upstreams == []
+    assert c.demo is None and c.kafka.bootstrap_servers is None and c.upstreams == []
     from streamrl.trainer.config import OptimConfig
 
     assert c.trainer_config("m", "b:1").optim.learning_rate == OptimConfig().learning_rate
@@ -193,10 +193,11 @@ def test_external_broker_and_upstream_then_ctrl_c(tmp_path: Path, tiny_model: Pa
             assert reply.status_code == 200 and reply.headers["X-Policy-Version"] == "0"
         for name in ("policy", "sql"):  # a trainer per policy, each its own adapters, consumer group and port
             trainer_cfg = json.loads((tmp_path / f"trainer-{name}.json").read_text())
-            assert trainer_cfg["topic_prefix"] == "uptest" and trainer_cfg["bootstrap_servers"] == broker.bootstrap_servers
+            assert trainer_cfg["kafka"]["topic_prefix"] == "uptest"
+            assert trainer_cfg["kafka"]["bootstrap_servers"] == broker.bootstrap_servers
             assert trainer_cfg["name"] == name and trainer_cfg["adapters"] == str(tmp_path / "adapters" / name)
         judge_cfg = json.loads((tmp_path / "judge.json").read_text())
-        assert judge_cfg["base_url"] == f"http://127.0.0.1:{port}/v1" and judge_cfg["topic_prefix"] == "uptest"
+        assert judge_cfg["base_url"] == f"http://127.0.0.1:{port}/v1" and judge_cfg["kafka"]["topic_prefix"] == "uptest"
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         assert proc.wait(timeout=120) == 0
     text = (tmp_path / "up.log").read_text()

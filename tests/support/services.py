@@ -14,7 +14,7 @@ import httpx
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.child import wait_http
 from streamrl.engine.server import Engine, EngineConfig
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 
 LOG_DIR = Path(os.environ.get("STREAMRL_TEST_LOGS", "/tmp/streamrl-test-logs"))
@@ -53,8 +53,10 @@ def start_gateway(broker: EmbeddedBroker, engine: Engine, token_capture: bool,
     """A gateway in front of ``engine`` logging to the session broker's topics (no policy following: other
     tests publish versions there), checked to take tokens the way ``token_capture`` and ``deferred_capture``
     say."""
-    config = GatewayConfig(upstreams=(engine.url,), bootstrap_servers=broker.bootstrap_servers,
-                           port=free_port(), topic_prefix=broker.topics.prefix, max_body_bytes=64 << 10,
+    config = GatewayConfig(upstreams=(engine.url,),
+                           kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers,
+                                              topic_prefix=broker.topics.prefix),
+                           port=free_port(), max_body_bytes=64 << 10,
                            health_interval_s=0.5, follow_policy=False, token_capture=token_capture,
                            deferred_capture=deferred_capture)
     gw = GatewayServer(config).start()

@@ -23,22 +23,22 @@ def gateway_args(*argv: str) -> argparse.Namespace:
 
 def test_every_gateway_field_can_come_from_a_file_and_flags_override_it(tmp_path: Path) -> None:
     path = tmp_path / "gw.toml"
-    path.write_text('[gateway]\nupstreams = ["http://a:1/"]\nbootstrap_servers = "k:9092"\n'
+    path.write_text('[gateway]\nupstreams = ["http://a:1/"]\n'
                     'health_interval_s = 0.25\nproducer_process = false\nport = 9000\n'
-                    '[gateway.extra_headers]\nAuthorization = "Bearer x"\n')
+                    '[gateway.extra_headers]\nAuthorization = "Bearer x"\n[gateway.kafka]\nbootstrap_servers = "k:9092"\n')
     c = config_from_args(gateway_args("--config", str(path), "--port", "9100", "--no-token-capture"))
-    assert (c.upstreams, c.bootstrap_servers, c.port, c.host) == (("http://a:1",), "k:9092", 9100, "127.0.0.1")
+    assert (c.upstreams, c.kafka.bootstrap_servers, c.port, c.host) == (("http://a:1",), "k:9092", 9100, "127.0.0.1")
     assert (c.health_interval_s, c.producer_process, c.token_capture) == (0.25, False, False)
     assert c.extra_headers == {"Authorization": "Bearer x"}
     json_path = tmp_path / "gw.json"  # JSON, without a table
-    json_path.write_text(json.dumps({"upstreams": ["http://b"], "bootstrap_servers": "k:1", "record_request": False}))
+    json_path.write_text(json.dumps({"upstreams": ["http://b"], "kafka": {"bootstrap_servers": "k:1"}, "record_request": False}))
     assert config_from_args(gateway_args("--config", str(json_path))).record_request is False
 
 
 def test_the_gateway_refuses_an_incomplete_or_unknown_configuration(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match=r"--bootstrap-servers .* or --no-logging"):
         config_from_args(gateway_args("--upstream", "http://b"))
-    assert config_from_args(gateway_args("--upstream", "http://b", "--no-logging")).bootstrap_servers is None
+    assert config_from_args(gateway_args("--upstream", "http://b", "--no-logging")).kafka.bootstrap_servers is None
     with pytest.raises(UsageError, match=r"give --upstream URL"):
         config_from_args(gateway_args("--bootstrap-servers", "k:1"))
     path = tmp_path / "bad.toml"

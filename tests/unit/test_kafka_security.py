@@ -19,11 +19,11 @@ from confluent_kafka import KafkaException
 
 from streamrl.broker.clients import admin_kwargs, consumer_kwargs, make_consumer, make_producer
 from streamrl.broker.embedded import free_port
-from streamrl.broker.security import KafkaSecurity
+from streamrl.broker.security import KafkaSecurity, KafkaSettings
 from streamrl.cli import build_parser
 from streamrl.cli.up import load_config as load_up_config
 from streamrl.gateway.cli import config_from_args
-from streamrl.gateway.config import GatewayConfig
+from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.recording.kafka_producers import KafkaUnreachable, connect
 from streamrl.trainer.config import TrainerConfig
 
@@ -91,7 +91,7 @@ def test_password_comes_from_the_environment_and_is_never_shown() -> None:
     assert security.client_kwargs({"STREAMRL_KAFKA_PASSWORD": "from-env"})["sasl_plain_password"] == "from-env"
     with pytest.raises(ValueError, match="STREAMRL_KAFKA_PASSWORD"):
         security.client_kwargs({})
-    shown = KafkaSecurity(**SASL_SSL, sasl_password="s3cret")
+    shown = KafkaSettings(**SASL_SSL, sasl_password="s3cret")
     assert "s3cret" not in repr(shown) and shown.redacted()["sasl_password"] == "***"
     trainer = TrainerConfig(kafka=shown)
     assert "s3cret" not in trainer.describe() and "SCRAM-SHA-512" in trainer.describe()
@@ -121,12 +121,12 @@ def test_settings_come_from_flags_and_config_tables(tmp_path: Path) -> None:
     ``--kafka-*`` flags over it."""
     parser, _ = build_parser()
     path = tmp_path / "gateway.toml"
-    path.write_text('[gateway]\nupstreams = ["http://u"]\nbootstrap_servers = "k:9093"\n'
-                    '[gateway.kafka]\nsecurity_protocol = "SASL_SSL"\nsasl_mechanism = "PLAIN"\n'
+    path.write_text('[gateway]\nupstreams = ["http://u"]\n'
+                    '[gateway.kafka]\nbootstrap_servers = "k:9093"\nsecurity_protocol = "SASL_SSL"\nsasl_mechanism = "PLAIN"\n'
                     'sasl_username = "gw"\n')
     args = parser.parse_args(["gateway", "--config", str(path), "--kafka-sasl-username", "gw2"])
-    assert config_from_args(args).kafka == KafkaSecurity(security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
-                                                         sasl_username="gw2")
+    assert config_from_args(args).kafka == GatewayKafka(bootstrap_servers="k:9093", security_protocol="SASL_SSL",
+                                                        sasl_mechanism="PLAIN", sasl_username="gw2")
     trainer = TrainerConfig.load(None, **tomllib.loads('[kafka]\nsecurity_protocol = "SSL"\n'))
     assert trainer.kafka.security_protocol == "SSL"
     with pytest.raises(ValueError, match=r"unknown option\(s\) in \[kafka\]: sasl_user"):
@@ -139,8 +139,9 @@ def test_settings_come_from_flags_and_config_tables(tmp_path: Path) -> None:
     # what ``up`` hands its gateway and trainer: the same settings, the password only in their environment
     gateway = up.gateway_config(["http://u"], "k:9093", 1)
     trainer = up.trainer_config("model", "k:9093")
-    assert gateway.kafka == trainer.kafka == KafkaSecurity(security_protocol="SASL_SSL",
-                                                           sasl_mechanism="SCRAM-SHA-256", sasl_username="up")
+    assert gateway.kafka == GatewayKafka(bootstrap_servers="k:9093", security_protocol="SASL_SSL",
+                                         sasl_mechanism="SCRAM-SHA-256", sasl_username="up")
+    assert trainer.kafka == KafkaSettings(**gateway.kafka.redacted())
     assert up.child_env == {"STREAMRL_KAFKA_PASSWORD": "pw"}
 
 
