@@ -203,7 +203,8 @@ def move_mid_way(broker: EmbeddedBroker, engine: Engine, topics: Topics, adapter
         short = httpx.post(f"{engine.url}/v1/completions", json={"model": f"{name}@v2", "prompt": "a", "max_tokens": 2},
                            headers={CAPTURE_HEADER: "1", FOLLOW_HEADER: FOLLOW_KEEP}, timeout=60)
         assert short.status_code == 200 and short.headers[CAPTURE_HEADER] == "1"
-        assert threads[name].is_alive(), "the long stream ended before the engine answered the marked request on v2"
+        # not asserted here that the long stream still runs: the engine may have scheduled the marked request (and
+        # moved the stream) while its answer waited behind the stream's chunks; the record's spans tell (below)
         threads[f"{name}@v1"].start()  # pinned, on v1 while the engine knows v2 is routed: it must stay on v1
         for thread in threads.values():
             thread.join(300)
