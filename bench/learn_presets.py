@@ -221,15 +221,9 @@ def preset_from_table(name: str, table: dict[str, Any], known: dict[str, Preset]
 
 
 def field_defaults() -> dict[str, Any]:
-    """Each preset field's default as a result file writes it (JSON): what an older file that lacks the field
-    ran with."""
-    found = {}
-    for f in dataclasses.fields(Preset):
-        if f.default is not dataclasses.MISSING:
-            found[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            found[f.name] = f.default_factory()
-    return json.loads(json.dumps(found))
+    """Each preset field's default as a result file writes it (``asdict``, through JSON): what an older file that
+    lacks the field ran with."""
+    return json.loads(json.dumps(dataclasses.asdict(Preset())))
 
 
 def load_preset_file(path: Path, known: dict[str, Preset] | None = None) -> dict[str, Preset]:

@@ -66,11 +66,11 @@ async def evaluate_version(client: httpx.AsyncClient, task: HeldOutTask, model: 
                                               for p in task.held_out), return_exceptions=True)
         finally:
             client.event_hooks["response"].remove(gateway.served.async_hook)
-        errors = [o for o in outcomes if isinstance(o, Exception)]
         for o in outcomes:
             if isinstance(o, BaseException) and not isinstance(o, Exception):
                 raise o  # cancelled: the evaluation is being dropped
-        scores = [o for o in outcomes if o is not None and not isinstance(o, BaseException)]
+        errors = [o for o in outcomes if isinstance(o, Exception)]
+        scores = [o for o in outcomes if isinstance(o, int | float)]
         return EvalResult(version, sum(scores) / len(scores) if scores else float("nan"), len(scores),
                           len(task.held_out), time.monotonic() - started, time.time(), len(errors),
                           f"{type(errors[0]).__name__}: {errors[0]}"[:300] if errors else "")

@@ -48,29 +48,26 @@ def test_load_takes_the_flags_flat_names(tmp_path) -> None:
         TrainerConfig.load(None, lora_rnak=4)
 
 
-def test_a_flat_key_in_the_trainer_table_names_its_table(tmp_path) -> None:
+MISPLACED = [  # a file, and the error it gets
+    ("[trainer]\nmodel = 'm'\nlora_rank = 16\n",
+     r"t.toml:3:1: unknown option 'lora_rank' in \[trainer\] \(did you mean \[trainer.lora\] rank\?\)"),
+    ("[trainer]\nlearning_rate = 0.1\n", r"did you mean \[trainer.optim\] learning_rate\?"),
+    ("[trainer.optim]\nlearning_rate = 0.1\n[trainer.lora]\nlearning_rate = 0.2\n",
+     r"t.toml:4:1: unknown option 'learning_rate' in \[trainer.lora\] "
+     r"\(the \[trainer.lora\] settings: rank, alpha, dropout, target_modules"),
+    ("[trainer.lora]\nrnak = 16\n", r"unknown option 'rnak' in \[trainer.lora\] \(did you mean rank\?\)"),
+    ("[trainer.lora]\nrank = 'big'\n", r"\[trainer.lora\] rank: expected a whole number"),
+    ("[trainer]\nlora = 16\n", r"\[trainer\] lora: expected a table"),
+]
+
+
+@pytest.mark.parametrize(("text", "error"), MISPLACED)
+def test_a_flat_key_in_the_trainer_table_names_its_table(tmp_path, text: str, error: str) -> None:
     """A setting that lives in a nested table, written at the ``[trainer]`` level by its flat name, is an error
     that says where it goes (no alias); a mistake inside a nested table names that table and its line."""
     path = tmp_path / "t.toml"
-    path.write_text("[trainer]\nmodel = 'm'\nlora_rank = 16\n")
-    with pytest.raises(ConfigError, match=r"t.toml:3:1: unknown option 'lora_rank' in \[trainer\] "
-                                          r"\(did you mean \[trainer.lora\] rank\?\)"):
-        TrainerConfig.load(path)
-    path.write_text("[trainer]\nlearning_rate = 0.1\n")
-    with pytest.raises(ConfigError, match=r"did you mean \[trainer.optim\] learning_rate\?"):
-        TrainerConfig.load(path)
-    path.write_text("[trainer.optim]\nlearning_rate = 0.1\n[trainer.lora]\nlearning_rate = 0.2\n")
-    with pytest.raises(ConfigError, match=r"t.toml:4:1: unknown option 'learning_rate' in \[trainer.lora\] "
-                                          r"\(the \[trainer.lora\] settings: rank, alpha, dropout, target_modules"):
-        TrainerConfig.load(path)
-    path.write_text("[trainer.lora]\nrnak = 16\n")
-    with pytest.raises(ConfigError, match=r"unknown option 'rnak' in \[trainer.lora\] \(did you mean rank\?\)"):
-        TrainerConfig.load(path)
-    path.write_text("[trainer.lora]\nrank = 'big'\n")
-    with pytest.raises(ConfigError, match=r"\[trainer.lora\] rank: expected a whole number"):
-        TrainerConfig.load(path)
-    path.write_text("[trainer]\nlora = 16\n")
-    with pytest.raises(ConfigError, match=r"\[trainer\] lora: expected a table"):
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=error):
         TrainerConfig.load(path)
 
 
