@@ -17,7 +17,7 @@ from streamrl.config_flags import add_config_flags, given
 
 from .policy_log import PolicyLog, adapter_record
 from .schema import WEIGHTS_FILE
-from .security import KafkaSecurity
+from .security import KafkaSecurity, KafkaSettings
 from .topics import Topics
 
 DESCRIPTION = """\
@@ -31,23 +31,28 @@ Docs: docs/gateway.md."""
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("adapter", type=Path, help=f"a peft LoRA adapter directory (with {WEIGHTS_FILE})")
-    p.add_argument("--bootstrap-servers", required=True, help="Kafka bootstrap servers")
     p.add_argument("--base-model", required=True, help="the model the adapter was trained on (as the engines serve it)")
     p.add_argument("--name", default="policy", help="policy name (default policy)")
     p.add_argument("--version", type=int, help="version number (default: one past the newest on the topic)")
-    p.add_argument("--topic-prefix", default="streamrl")
     p.add_argument("--publisher", default="streamrl-publish",
                    help="the record's publisher, for gateways with trusted_publishers (default streamrl-publish)")
-    add_config_flags(p, KafkaSecurity, group="kafka", names={
-        f: "kafka-" + f.replace("_", "-") for f in KafkaSecurity.__dataclass_fields__})
+    add_config_flags(p, KafkaSettings, group="kafka", names={  # the flags every part's Kafka table has
+        f: ("kafka-" if f in KafkaSecurity.__dataclass_fields__ else "") + f.replace("_", "-")
+        for f in KafkaSettings.__dataclass_fields__})
+
+
+def kafka_from_args(args: argparse.Namespace) -> KafkaSettings:
+    """The Kafka table the flags give (the same flags as every other part's)."""
+    return KafkaSettings(**given(args, KafkaSettings, "kafka"))
 
 
 def run(args: argparse.Namespace) -> int:
     if not (args.adapter / WEIGHTS_FILE).is_file():
         print(f"streamrl publish: {args.adapter} has no {WEIGHTS_FILE}: not a peft adapter directory", file=sys.stderr)
         return 2
-    log = PolicyLog(args.bootstrap_servers, Topics(args.topic_prefix), client_id="streamrl-publish",
-                    security=KafkaSecurity(**given(args, KafkaSecurity, "kafka")), publisher=args.publisher)
+    kafka = kafka_from_args(args)
+    log = PolicyLog(kafka.bootstrap_servers, Topics(kafka.topic_prefix), client_id="streamrl-publish",
+                    security=kafka, publisher=args.publisher)
     try:
         newest = log.last_version(args.name)
         version = args.version if args.version is not None else newest + 1

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from importlib import import_module
 from typing import NoReturn
 
-from streamrl.usage import EXIT_USAGE, UsageError
+from streamrl.usage import EXIT_UNREACHABLE, EXIT_USAGE, UsageError, unreachable_kafka
 
 DESCRIPTION = """\
 streamrl: agents that learn from their own use. Point any OpenAI client at the gateway, post rewards over
@@ -99,3 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"streamrl {args.command}: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except Exception as exc:
+        message = unreachable_kafka(exc)
+        if message is None:
+            raise
+        print(f"streamrl {args.command}: {message}", file=sys.stderr, flush=True)
+        return EXIT_UNREACHABLE

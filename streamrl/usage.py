@@ -27,6 +27,23 @@ class UsageError(ValueError):
     ``ValueError``, so that code calling streamrl as a library catches it as it catches any refused value."""
 
 
+EXIT_UNREACHABLE = 1
+"""The exit code of a command that could not reach what it was pointed at (Kafka): not a mistake in the flags."""
+
+
+def unreachable_kafka(exc: BaseException) -> str | None:
+    """The one line a one-shot command (``publish``, ``export``) prints when Kafka did not answer at all, or None
+    for any other error: kafka-python's clients raise ``KafkaTimeoutError("Unable to bootstrap from ...")`` when
+    no broker answered within their bootstrap timeout (the daemons, gateway, trainer and judge, wait for Kafka
+    instead)."""
+    from kafka.errors import KafkaTimeoutError
+
+    if isinstance(exc, KafkaTimeoutError) and "bootstrap" in str(exc):
+        return (f"no Kafka broker answered ({exc}): check --bootstrap-servers (`streamrl up` logs its embedded "
+                "broker's address as \"embedded broker ready at HOST:PORT\")")
+    return None
+
+
 @contextlib.contextmanager
 def as_usage_error(where: str = "") -> Iterator[None]:
     """Turn the ``ValueError``/``TypeError`` a config dataclass raises on a bad value (and the

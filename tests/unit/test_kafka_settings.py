@@ -12,6 +12,7 @@ import pytest
 
 from streamrl.broker.export import ExportOptions
 from streamrl.broker.export_cli import options_from_args
+from streamrl.broker.publish_cli import kafka_from_args as publish_kafka
 from streamrl.broker.security import KafkaSettings
 from streamrl.cli import build_parser
 from streamrl.cli.up import UpConfig, UpKafka, flags_from_args
@@ -22,7 +23,7 @@ from streamrl.gateway.cli import config_from_args as gateway_from_args
 from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.judge.config import JudgeConfig
 from streamrl.trainer.config import TrainerConfig
-from streamrl.usage import UsageError
+from streamrl.usage import UsageError, unreachable_kafka
 
 SASL = {"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "sasl_username": "u"}
 
@@ -66,11 +67,14 @@ def test_the_flags_keep_their_names_and_land_in_the_kafka_table(argv: list[str],
         "k:1", "p", "SASL_SSL", "u")
 
 
-def test_export_and_up_take_the_same_flags() -> None:
+def test_export_publish_and_up_take_the_same_flags() -> None:
     parser, _ = build_parser()
     flags = ["--bootstrap-servers", "k:1", "--topic-prefix", "p", "--kafka-security-protocol", "SSL"]
     options = options_from_args(parser.parse_args(["export", "out.jsonl", *flags]))
     assert options.kafka == KafkaSettings(bootstrap_servers="k:1", topic_prefix="p", security_protocol="SSL")
+    published = parser.parse_args(["publish", "adapter", "--base-model", "m", *flags])
+    assert publish_kafka(published) == options.kafka
+    assert publish_kafka(parser.parse_args(["publish", "adapter", "--base-model", "m"])) == KafkaSettings()
     up = load_up_config(None, **flags_from_args(parser.parse_args(["up", *flags])))
     assert up.kafka == UpKafka(bootstrap_servers="k:1", topic_prefix="p", security_protocol="SSL")
     # what ``up`` hands every part it starts: the broker in use and its own prefix and security
@@ -133,3 +137,14 @@ def test_the_password_is_masked_wherever_the_settings_are_shown() -> None:
     up = UpConfig(work_dir="/tmp/x", kafka=kafka)  # up writes its parts' files without it
     assert up.child_kafka("k:1")["sasl_password"] is None and up.child_env == {"STREAMRL_KAFKA_PASSWORD": "s3cret"}
     assert dataclasses.asdict(up.gateway_config(["http://u"], "k:1", 1))["kafka"]["sasl_password"] is None
+
+
+def test_a_one_shot_command_that_reaches_no_broker_says_so_in_one_line() -> None:
+    """``publish`` and ``export`` against an address where no broker answers: kafka-python's bootstrap timeout
+    (30 s, so not run here: the error is the one its clients raise) becomes one line naming the flag."""
+    from kafka.errors import KafkaTimeoutError
+
+    message = unreachable_kafka(KafkaTimeoutError("Unable to bootstrap from 127.0.0.1:9"))
+    assert message is not None and "127.0.0.1:9" in message and "--bootstrap-servers" in message
+    assert unreachable_kafka(KafkaTimeoutError("Timeout after 60000 ms waiting to send")) is None  # not this
+    assert unreachable_kafka(ValueError("bootstrap")) is None
