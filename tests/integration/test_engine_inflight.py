@@ -5,8 +5,8 @@ adapter gave (with the KV cache of the earlier tokens kept from the older adapte
 
 When the move happens is not left to a race between a publish and the stream's end: v2 is loaded into the
 engine beforehand (the gateway routes v1 and knows nothing of it), and once the long stream by the policy's name
-has sent its first token the test sends the engine one marked request on v2 itself, which is what a gateway's
-first request after a swap does, and what moves the running ones at the engine's next step. The stream pinned to
+has sent its first token the process reading it sends the engine one marked request on v2 itself, which is what
+a gateway's first request after a swap does, and what moves the running ones at the engine's next step. The stream pinned to
 v1 starts after that, so it runs while the engine knows v2 is routed, whichever order the two streams' requests
 reach the engine in. The swap itself under load, in this mode, is tests/integration/test_hotswap.py's."""
 
