@@ -13,6 +13,7 @@ reach the engine in. The swap itself under load, in this mode, is tests/integrat
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -137,7 +138,13 @@ def test_a_publish_moves_a_running_stream_with_no_other_request(broker: Embedded
                                                                 topics: Topics, adapters: list[Path],
                                                                 base_model: str):
     """The gateway tells the engine at once that a version is routed (``PolicyFollower._announce``): a long
-    stream, the only request there is, moves to the version published while it runs."""
+    stream, the only request there is, moves to the version published while it runs.
+
+    The stream's lease can follow it only while the gateway still relays it, so the client holds the relay up:
+    it reads nothing between its first line and the lease's move, through a socket with a small receive buffer
+    (otherwise the sockets' buffers take the whole stream, the relay ends at the gateway's pace, and on 2 cores
+    the announcement's answer, waiting behind that relay in the gateway's loop, came up to 1.5 s after the
+    publish, in CI once after the relay's end)."""
     name = f"{NAME}-quiet"
     reader = TopicReader(broker.bootstrap_servers, topics.completions)
     publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
@@ -150,7 +157,9 @@ def test_a_publish_moves_a_running_stream_with_no_other_request(broker: Embedded
         while not gw.gateway.pool.upstreams[0].moves_requests:
             assert time.monotonic() < deadline, "the gateway does not know that the engine moves requests"
             time.sleep(0.01)
-        with httpx.Client(timeout=300) as http, http.stream("POST", f"{gw.url}/v1/completions", json=body) as r:
+        small_window = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
+        with httpx.Client(timeout=300, transport=small_window) as http, \
+                http.stream("POST", f"{gw.url}/v1/completions", json=body) as r:
             request_id = r.headers["x-request-id"]
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: {"))  # running
