@@ -454,6 +454,7 @@ def summarise(spec: RunSpec, preset: Preset, run_dir: Path, t_ready: float | Non
     result["end_s"] = demo.get("seconds")
     result["versions_per_s"] = len(history) / demo["seconds"] if demo.get("seconds") else None
     result["staleness"] = learn_stats.staleness_per_token(history)
+    result["trainer_waiting"] = learn_stats.trainer_waiting(history)
     result["reply_tokens"] = learn_stats.reply_tokens(history, demo)
     result["trajectories_failed"] = demo.get("failed")
     result["step_anatomy"] = step_anatomy(demo.get("versions", {}))
@@ -852,6 +853,21 @@ def list_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_histories(paths: list[Path]) -> int:
+    """One line per trainer history: steps, staleness per sampled token (shares at 0 / 1 / 2+, mean) and the
+    share of the trainer's time spent waiting for groups."""
+    print("history | steps | staleness 0 / 1 / 2+ | mean | trainer waiting")
+    for path in paths:
+        history = read_history(path)
+        staleness = learn_stats.staleness_per_token(history)
+        shares, mean, waiting = staleness.get("shares"), staleness["mean"], learn_stats.trainer_waiting(history)
+        cells = [path.name, str(len(history)),
+                 " / ".join(f"{shares[k]:.2f}" for k in ("0", "1", "2+")) if shares else "no histograms",
+                 "-" if mean is None else f"{mean:.2f}", "-" if waiting is None else f"{waiting:.0%}"]
+        print(" | ".join(cells))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from streamrl.config_flags import add_config_flags
 
@@ -886,6 +902,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--plot", help="the plot (default: OUTPUT with .png)")
     m.add_argument("--allow-other-presets", action="store_true",
                    help="pool files whose presets differ (the first file's levels and times are used)")
+    hs = sub.add_parser("histories", help="staleness per sampled token (shares at 0, 1, 2+) and the trainer's "
+                                          "waiting share of runs' trainer histories (a run's *-history.jsonl)")
+    hs.add_argument("histories", nargs="+", type=Path)
     ls = sub.add_parser("presets", help="print every preset as TOML")
     ls.add_argument("--preset-file")
     args = p.parse_args(argv)
@@ -897,6 +916,8 @@ def main(argv: list[str] | None = None) -> int:
             setup = preset, modes, parse_seeds(args.seeds), choose_baseline(args.baseline, modes)
         elif args.command == "merge":
             return merge(args)
+        elif args.command == "histories":
+            return print_histories(args.histories)
         else:
             return list_presets(args)
     except (ValueError, OSError) as exc:

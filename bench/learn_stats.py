@@ -122,7 +122,9 @@ def staleness_per_token(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Staleness (versions between the policy that sampled a token and the one trained on it) per sampled token,
     from the trainer's history. Exact where every step has its ``staleness_tokens`` histogram (sampled tokens by
     staleness): mean, p90 (nearest rank) and max over all the run's tokens. Older histories have only each step's
-    mean: that mean weighted by the step's sampled tokens (a step's tokens all at its mean), max over steps."""
+    mean: that mean weighted by the step's sampled tokens (a step's tokens all at its mean), max over steps.
+    ``shares`` (exact only): the share of the tokens at staleness 0, 1 and 2 or more (docs/benchmarks.md, "What
+    bounds staleness per sampled token")."""
     steps = [h for h in history if "staleness_mean" in h]
     if steps and all(isinstance(h.get("staleness_tokens"), dict) for h in steps):
         counts: dict[float, float] = {}
@@ -131,15 +133,28 @@ def staleness_per_token(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 counts[float(lag)] = counts.get(float(lag), 0.0) + float(n)
         pairs = [(lag, n) for lag, n in counts.items() if n > 0]
         total = sum(n for _, n in pairs)
+        shares = {label: sum(n for v, n in pairs if low <= v < high) / total
+                  for label, low, high in (("0", 0, 1), ("1", 1, 2), ("2+", 2, math.inf))} if total else None
         return {"source": "trainer history, per token",
                 "mean": sum(v * n for v, n in pairs) / total if total else None,
-                "p90": weighted_quantile(pairs, 0.9), "max": max((v for v, _ in pairs), default=None)}
+                "p90": weighted_quantile(pairs, 0.9), "max": max((v for v, _ in pairs), default=None),
+                "shares": shares}
     pairs = [(float(h["staleness_mean"]), float(h.get("sampled_tokens") or 0)) for h in steps]
     total = sum(w for _, w in pairs)
     return {"source": "trainer history, step means weighted by tokens",
             "mean": sum(v * w for v, w in pairs) / total if total else None,
             "p90": weighted_quantile(pairs, 0.9),
             "max": max((float(h["staleness_max"]) for h in history if "staleness_max" in h), default=None)}
+
+
+def trainer_waiting(history: Sequence[dict[str, Any]]) -> float | None:
+    """The share of the trainer's time spent waiting for groups (each step's ``wait_s`` against its other
+    seconds: the step, the adapter's save, the checkpoint, the announcement), after the first step (whose wait
+    includes the run's start-up). Near 0: generation keeps up with training; near 1: the trainer mostly waits."""
+    parts = ("wait_s", "step_s", "adapter_s", "checkpoint_s", "announce_s")
+    steps = [h for h in history[1:] if "wait_s" in h]
+    total = sum(float(h.get(k, 0.0)) for h in steps for k in parts)
+    return sum(float(h["wait_s"]) for h in steps) / total if total > 0 else None
 
 
 def reply_tokens(history: Sequence[dict[str, Any]], demo: dict[str, Any]) -> dict[str, Any]:

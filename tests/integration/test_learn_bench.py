@@ -61,7 +61,9 @@ def test_tiny_preset_interleaves_every_mode_and_seed_and_merges(engine: Engine, 
     for r in runs:
         assert r["score_source"] == "served reward" and r["curve"], "the numbers task is scored by served reward"
         assert r["steps"] >= 1 and r["versions_per_s"] > 0
-        assert set(r["staleness"]) == {"source", "mean", "p90", "max"} and r["reply_tokens"]["max"] <= 16
+        assert set(r["staleness"]) == {"source", "mean", "p90", "max", "shares"} and r["reply_tokens"]["max"] <= 16
+        assert abs(sum(r["staleness"]["shares"].values()) - 1) < 1e-9
+        assert r["trainer_waiting"] is None if r["steps"] < 2 else 0 <= r["trainer_waiting"] <= 1
         # exact figures: per sampled token from the history's histograms, per reply from the demo summary
         assert r["staleness"]["source"] == "trainer history, per token"
         assert r["reply_tokens"]["source"] == "demo summary, per reply" and r["reply_tokens"]["n"] >= 1

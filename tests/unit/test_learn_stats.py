@@ -84,11 +84,22 @@ def test_staleness_is_exact_from_the_histograms() -> None:
                {"staleness_mean": 1.5, "staleness_max": 3, "sampled_tokens": 500,
                 "staleness_tokens": {"0": 400, "1": 50, "3": 50, "7": 0}}]
     exact = stats.staleness_per_token(history)
-    assert exact == {"source": "trainer history, per token", "mean": (100 + 150) / 1000, "p90": 1.0, "max": 3.0}
+    assert exact == {"source": "trainer history, per token", "mean": (100 + 150) / 1000, "p90": 1.0, "max": 3.0,
+                     "shares": {"0": 0.85, "1": 0.1, "2+": 0.05}}
     history[1]["staleness_tokens"] = {"0": 390, "3": 110}  # 11% of the run's tokens at 3: p90 at 3
     assert stats.staleness_per_token(history)["p90"] == 3.0
     del history[0]["staleness_tokens"]  # an older step without its histogram: the estimate for the whole run
     assert stats.staleness_per_token(history)["source"] == "trainer history, step means weighted by tokens"
+
+
+def test_the_trainers_waiting_share_leaves_out_the_first_step() -> None:
+    """The first step's wait is the run's start-up; after it, waits of 1 + 3 s against 4 s of steps and 2 s of
+    saving and announcing: 40%."""
+    history = [{"wait_s": 60.0, "step_s": 1.0},
+               {"wait_s": 1.0, "step_s": 2.0, "adapter_s": 0.5, "checkpoint_s": 0.25, "announce_s": 0.25},
+               {"wait_s": 3.0, "step_s": 2.0, "adapter_s": 1.0}]
+    assert stats.trainer_waiting(history) == 0.4
+    assert stats.trainer_waiting(history[:1]) is None and stats.trainer_waiting([]) is None
 
 
 def test_reply_length_from_the_demo_summary_else_the_history() -> None:
