@@ -2,8 +2,9 @@
 
 ``UsageError`` is what a command raises for something its user can fix: a config file that does not parse,
 a port already taken, a model that is neither a checkpoint nor a packaged name. ``streamrl``'s entry point
-prints it as ``streamrl <command>: <message>`` on stderr and exits with code 2, without a traceback;
-anything else that escapes a command is streamrl's own bug and keeps its traceback. The ``check_*``
+prints it as ``streamrl <command>: <message>`` on stderr and exits with code 2, without a traceback; a
+Kafka that never answered (:func:`unreachable_kafka`) is one line too, exit code 1; anything else that escapes a
+command is streamrl's own bug and keeps its traceback. The ``check_*``
 functions are the checks a command makes of what it was given before it starts a process or binds a port,
 so that a mistake costs seconds, not the minute it takes vLLM to start.
 """
