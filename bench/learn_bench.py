@@ -455,6 +455,7 @@ def summarise(spec: RunSpec, preset: Preset, run_dir: Path, t_ready: float | Non
     result["versions_per_s"] = len(history) / demo["seconds"] if demo.get("seconds") else None
     result["staleness"] = learn_stats.staleness_per_token(history)
     result["trainer_waiting"] = learn_stats.trainer_waiting(history)
+    result["merging"] = learn_stats.merging(history)
     result["reply_tokens"] = learn_stats.reply_tokens(history, demo)
     result["trajectories_failed"] = demo.get("failed")
     result["step_anatomy"] = step_anatomy(demo.get("versions", {}))
@@ -854,16 +855,18 @@ def list_presets(args: argparse.Namespace) -> int:
 
 
 def print_histories(paths: list[Path]) -> int:
-    """One line per trainer history: steps, staleness per sampled token (shares at 0 / 1 / 2+, mean) and the
-    share of the trainer's time spent waiting for groups."""
-    print("history | steps | staleness 0 / 1 / 2+ | mean | trainer waiting")
+    """One line per trainer history: steps, staleness per sampled token (shares at 0 / 1 / 2+, mean), the
+    share of the trainer's time spent waiting for groups, and the multi-call trajectories merged / split."""
+    print("history | steps | staleness 0 / 1 / 2+ | mean | trainer waiting | multi-call merged / split")
     for path in paths:
         history = read_history(path)
         staleness = learn_stats.staleness_per_token(history)
         shares, mean, waiting = staleness.get("shares"), staleness["mean"], learn_stats.trainer_waiting(history)
+        merged = learn_stats.merging(history)
         cells = [path.name, str(len(history)),
                  " / ".join(f"{shares[k]:.2f}" for k in ("0", "1", "2+")) if shares else "no histograms",
-                 "-" if mean is None else f"{mean:.2f}", "-" if waiting is None else f"{waiting:.0%}"]
+                 "-" if mean is None else f"{mean:.2f}", "-" if waiting is None else f"{waiting:.0%}",
+                 "-" if merged is None else f"{merged['merged']} / {merged['split']}"]
         print(" | ".join(cells))
     return 0
 
@@ -902,8 +905,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--plot", help="the plot (default: OUTPUT with .png)")
     m.add_argument("--allow-other-presets", action="store_true",
                    help="pool files whose presets differ (the first file's levels and times are used)")
-    hs = sub.add_parser("histories", help="staleness per sampled token (shares at 0, 1, 2+) and the trainer's "
-                                          "waiting share of runs' trainer histories (a run's *-history.jsonl)")
+    hs = sub.add_parser("histories", help="staleness per sampled token (shares at 0, 1, 2+), the trainer's waiting "
+                                          "share and multi-call merging of runs' trainer histories (*-history.jsonl)")
     hs.add_argument("histories", nargs="+", type=Path)
     ls = sub.add_parser("presets", help="print every preset as TOML")
     ls.add_argument("--preset-file")

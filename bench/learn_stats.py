@@ -157,6 +157,18 @@ def trainer_waiting(history: Sequence[dict[str, Any]]) -> float | None:
     return sum(float(h["wait_s"]) for h in steps) / total if total > 0 else None
 
 
+def merging(history: Sequence[dict[str, Any]]) -> dict[str, int] | None:
+    """The run's trajectories of more than one call, merged into one training sequence or split into several
+    (the trainer's ``trajectories_multi_call`` and ``trajectories_split`` per step); None for histories without
+    them."""
+    steps = [h for h in history if "trajectories_multi_call" in h]
+    if not steps:
+        return None
+    multi = sum(int(h["trajectories_multi_call"]) for h in steps)
+    split = sum(int(h.get("trajectories_split", 0)) for h in steps)
+    return {"multi_call": multi, "merged": multi - split, "split": split}
+
+
 def reply_tokens(history: Sequence[dict[str, Any]], demo: dict[str, Any]) -> dict[str, Any]:
     """Reply length in tokens: the demo summary's own figures where it has them (``reply_tokens``: p50, p90,
     max and n over every trajectory's sampled tokens, exact), else from the trainer's history, each step's sampled tokens per sequence (a step's mean

@@ -32,7 +32,12 @@ def batch_metrics(batch: Batch, version: int) -> dict[str, Any]:
     a request moved to newer versions mid-way has tokens of several): ``staleness_mean`` and ``staleness_max``
     over the tokens trained, ``staleness_tokens`` counts them by staleness (``{"0": n0, "1": n1, ...}``), so
     that staleness per sampled token (mean, quantiles, max) over a run is exact. It is the one non-number here:
-    consumers that want numbers filter by type (policy record, /metrics)."""
+    consumers that want numbers filter by type (policy record, /metrics).
+
+    Multi-turn merging: ``trajectories_multi_call`` counts the trajectories of more than one call, and
+    ``trajectories_split`` those of them whose calls became more than one sequence (a later prompt did not
+    start with the earlier prompt and sampled tokens: a template that renders an earlier turn again otherwise,
+    docs/loop.md, "What merges"); the others merged into one."""
     mask, versions = batch.loss_mask, batch.token_versions
     sampled = mask.values[mask.offsets[0]:mask.offsets[-1]] == 1
     lags = version - versions.values[versions.offsets[0]:versions.offsets[-1]][sampled].astype(np.int64)
@@ -44,10 +49,17 @@ def batch_metrics(batch: Batch, version: int) -> dict[str, Any]:
     for tid, reward in zip(batch.trajectory_ids, batch.reward.tolist(), strict=True):
         rewards.setdefault(tid, reward)
     r = list(rewards.values())
+    calls: Counter[str] = Counter()
+    sequences: Counter[str] = Counter()
+    for tid, ids in zip(batch.trajectory_ids, batch.record.column("request_ids").to_pylist(), strict=True):
+        calls[tid] += len(ids)
+        sequences[tid] += 1
+    multi = [tid for tid, n in calls.items() if n > 1]
     return {
         "reward_mean": float(np.mean(r)), "reward_std": float(np.std(r)),
         "trajectories": len(r), "staleness_mean": float(np.mean(lags)), "staleness_max": float(lags.max()),
         "staleness_tokens": {str(lag): n for lag, n in sorted(tokens.items())},
+        "trajectories_multi_call": len(multi), "trajectories_split": sum(sequences[tid] > 1 for tid in multi),
     }
 
 

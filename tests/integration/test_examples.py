@@ -38,9 +38,10 @@ from streamrl.judge.service import JudgeService
 from streamrl.producers.client import AsyncGateway
 from streamrl.producers.episode import Outcome
 from streamrl.trainer.assembler import ReadyGroup, Trajectory, merge_calls
-from streamrl.trainer.batch import build_batch
+from streamrl.trainer.batch import Batch, build_batch
 from streamrl.trainer.config import TrainerConfig
 from streamrl.trainer.learner import Learner
+from streamrl.trainer.metrics import batch_metrics
 from streamrl.trainer.model import load_policy
 
 TOPICS = Topics("examples")
@@ -134,6 +135,11 @@ def train_on(rewards: TopicReader, group: dict[str, list[CompletionRecord]],
     assert batch is not None, f"the group carries no signal: {dict(counts)}"
     stats = learner.step(batch)
     assert stats.sequences == batch.num_rows and stats.grad_norm > 0
+    # the step's merging counts (history, /metrics) say what merge_calls made of each trajectory
+    multi = [calls for calls in group.values() if len(calls) > 1]
+    m = batch_metrics(Batch.of(batch), 0)
+    assert (m["trajectories_multi_call"], m["trajectories_split"]) == (len(multi),
+                                                                      sum(merged(calls) > 1 for calls in multi))
 
 
 # -------------------------------------------------------------------------------------------- tic-tac-toe

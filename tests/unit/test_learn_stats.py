@@ -102,6 +102,13 @@ def test_the_trainers_waiting_share_leaves_out_the_first_step() -> None:
     assert stats.trainer_waiting(history[:1]) is None and stats.trainer_waiting([]) is None
 
 
+def test_multi_call_merging_is_summed_over_the_run() -> None:
+    history = [{"trajectories_multi_call": 16, "trajectories_split": 0},
+               {"trajectories_multi_call": 16, "trajectories_split": 5}, {"trajectories_multi_call": 3}]
+    assert stats.merging(history) == {"multi_call": 35, "merged": 30, "split": 5}
+    assert stats.merging([{"staleness_mean": 0.0}]) is None  # written before the trainer counted them
+
+
 def test_reply_length_from_the_demo_summary_else_the_history() -> None:
     history = [{"sampled_tokens": 640, "sequences": 10}, {"sampled_tokens": 1280, "sequences": 10},
                {"sampled_tokens": 100, "sequences": 0}]

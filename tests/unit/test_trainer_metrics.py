@@ -11,14 +11,14 @@ from streamrl.trainer.tracking import numbers
 
 
 def sequence(group: str, version: int, sampled: int, prompt: int = 3, reward: float = 0.0,
-             trajectory: str = "t", moved: tuple[int, int] | None = None) -> dict:
+             trajectory: str = "t", moved: tuple[int, int] | None = None, calls: tuple[str, ...] = ()) -> dict:
     """A row of ``prompt`` prompt tokens then ``sampled`` sampled ones, sampled by ``version`` (``moved``: from
     sampled token ``moved[0]`` on by version ``moved[1]``)."""
     n = prompt + sampled
     versions = [version] * n
     if moved is not None:
         versions[prompt + moved[0]:] = [moved[1]] * (sampled - moved[0])
-    return {"group_id": group, "trajectory_id": trajectory, "request_ids": [], "token_ids": [0] * n,
+    return {"group_id": group, "trajectory_id": trajectory, "request_ids": list(calls), "token_ids": [0] * n,
             "loss_mask": [0] * prompt + [1] * sampled, "behaviour_logprobs": [0.0] * n, "token_versions": versions,
             "advantage": 0.0, "reward": reward, "policy_version": version, "temperature": 1.0}
 
@@ -45,3 +45,15 @@ def test_a_moved_sequences_tokens_count_at_the_version_that_sampled_them() -> No
     m = batch_metrics(batch, 5)
     assert m["staleness_tokens"] == {"0": 24, "3": 10}
     assert m["staleness_mean"] == pytest.approx(30 / 34) and m["staleness_max"] == 3.0
+
+
+def test_multi_call_trajectories_are_counted_merged_or_split() -> None:
+    """a: two calls merged into one sequence; b: three calls in two sequences (split); c: one call; d: none
+    recorded (a batch built outside the assembler)."""
+    batch = Batch.of(pa.RecordBatch.from_pylist(
+        [sequence("g1", 5, 4, trajectory="a", calls=("r1", "r2")),
+         sequence("g1", 5, 4, trajectory="b", calls=("r3",)), sequence("g1", 5, 4, trajectory="b", calls=("r4", "r5")),
+         sequence("g2", 5, 4, trajectory="c", calls=("r6",)), sequence("g2", 5, 4, trajectory="d")],
+        schema=BATCH_SCHEMA))
+    m = batch_metrics(batch, 5)
+    assert (m["trajectories_multi_call"], m["trajectories_split"]) == (2, 1)
