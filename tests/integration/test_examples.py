@@ -239,6 +239,7 @@ def test_mcp_tools_discovered_over_stdio(gateway: GatewayServer, completions: To
     assert first.tool_calls[0]["function"]["name"] == "list_products"
     tool = second.request["messages"][-1]
     assert tool["role"] == "tool" and all(item in tool["content"] for item in ITEMS)  # the server read the database
+    assert merged([first, second]) == 2  # the tool call rendered again, not as sampled (docs/loop.md)
 
 
 # ---------------------------------------------------------------------------------------- email search
@@ -257,6 +258,7 @@ def test_email_search_reads_the_mailbox(gateway: GatewayServer, completions: Top
     assert first.tool_calls[0]["function"]["name"] == "search_inbox"
     tool = second.request["messages"][-1]
     assert tool["role"] == "tool" and (tool["content"].startswith("[") or tool["content"].startswith("no email"))
+    assert merged([first, second]) == 2  # the tool call rendered again, not as sampled (docs/loop.md)
     (reward,) = rewards.wait_for(lambda r: isinstance(r, RewardRecord) and r.trajectory_id == outcome.trajectory_id)
     assert reward.reward == outcome.reward and reward.metrics == {"turns": 2.0}
 
