@@ -5,7 +5,7 @@ client streamrl makes authenticates and encrypts.
 (``GatewayConfig.kafka``, ``TrainerConfig.kafka``, ``JudgeConfig.kafka``, ``UpConfig.kafka``,
 ``ExportOptions.kafka``): a ``[trainer.kafka]``-style table in a config file, flags ``--bootstrap-servers``,
 ``--topic-prefix``, ``--kafka-security-protocol`` and so on. A part whose broker is optional (the gateway,
-``streamrl up``) subclasses it with its own default. ``KafkaSecurity`` alone is what ``broker/clients.py``
+``streamrl up``) takes ``OptionalKafkaSettings``, whose default is no broker. ``KafkaSecurity`` alone is what ``broker/clients.py``
 builds every producer, consumer and admin client from. The default is PLAINTEXT, what the embedded broker speaks.
 
 Secrets: ``sasl_password`` may be given, but a config file (and the JSON ``streamrl up`` writes for its
@@ -145,9 +145,20 @@ class KafkaSecurity:
 class KafkaSettings(KafkaSecurity):
     """A part's whole Kafka table: the security settings, the brokers and the topics' prefix, so that no part
     declares them again. Their flags keep their names (``--bootstrap-servers``, ``--topic-prefix``: ``FLAT``);
-    a part whose default differs subclasses this with its own (``GatewayKafka``: no broker, no logging)."""
+    a part that can run without Kafka takes :class:`OptionalKafkaSettings` instead."""
 
     bootstrap_servers: str = field(default="127.0.0.1:9092", metadata={FLAT: "bootstrap_servers"})
     """Kafka bootstrap servers (host:port, comma-separated)."""
     topic_prefix: str = field(default="streamrl", metadata={FLAT: "topic_prefix"})
     """The topics' prefix (PREFIX.completions, PREFIX.rewards, PREFIX.policy, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OptionalKafkaSettings(KafkaSettings):
+    """The Kafka table of a part that runs without one unless it is given: no broker by default (the gateway
+    then forwards without logging; ``streamrl up`` starts its embedded broker). Subclassed per part
+    (``GatewayKafka``, ``UpKafka``) so that each part's settings keep their own class."""
+
+    bootstrap_servers: str | None = field(default=None, metadata={FLAT: "bootstrap_servers"})  # type: ignore[assignment]
+    """Kafka bootstrap servers (host:port, comma-separated); unset: no Kafka (the gateway turns logging off,
+    which ``--no-logging`` says; ``streamrl up`` starts its embedded broker)."""

@@ -33,10 +33,10 @@ from typing import IO, Any
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.schema import policy_names
-from streamrl.broker.security import KafkaSettings
+from streamrl.broker.security import OptionalKafkaSettings
 from streamrl.broker.topics import Topics, create_topics
 from streamrl.child import signal_group, spawn, wait_http
-from streamrl.config_file import FLAT, check_fields, flat_names, flatten, nest, read_file
+from streamrl.config_file import check_fields, flat_names, flatten, nest, read_file
 from streamrl.config_flags import add_config_flags, given
 from streamrl.engine.lora_slots import lora_slots
 from streamrl.engine.server import Engine, EngineConfig, check_vllm_release, installed_vllm
@@ -89,11 +89,9 @@ the gateway); an ``[engine]`` table may set every other one."""
 
 
 @dataclass(frozen=True, slots=True)
-class UpKafka(KafkaSettings):
-    """``up``'s Kafka table, which every part it starts shares: an external Kafka only if one is given."""
-
-    bootstrap_servers: str | None = field(default=None, metadata={FLAT: "bootstrap_servers"})  # type: ignore[assignment]
-    """External Kafka; None starts the embedded broker."""
+class UpKafka(OptionalKafkaSettings):
+    """``up``'s Kafka table, which every part it starts shares: an external Kafka if one is given, else the
+    embedded broker."""
 
 
 @dataclass

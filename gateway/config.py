@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from streamrl.broker.schema import check_policy, policy_names
-from streamrl.broker.security import KafkaSettings
-from streamrl.config_file import FLAT, load_config
+from streamrl.broker.security import OptionalKafkaSettings
+from streamrl.config_file import load_config
 from streamrl.gateway.recording.kafka_producers import PRODUCER_CLIENTS, ProducerClient
 
 UpdateMode = Literal["pinned", "in-flight"]
@@ -19,12 +19,8 @@ IN_FLIGHT_CACHES: tuple[str, ...] = get_args(InFlightCache)
 
 
 @dataclass(frozen=True, slots=True)
-class GatewayKafka(KafkaSettings):
-    """The gateway's Kafka table: every part's settings, but no broker unless one is given (the gateway can
-    forward without logging)."""
-
-    bootstrap_servers: str | None = field(default=None, metadata={FLAT: "bootstrap_servers"})  # type: ignore[assignment]
-    """Kafka bootstrap servers; None turns logging off (the overhead benchmark's baseline; the CLI asks
+class GatewayKafka(OptionalKafkaSettings):
+    """The gateway's Kafka table: no broker turns logging off (the overhead benchmark's baseline; the CLI asks
     for ``--no-logging`` to say so)."""
 
 
