@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamrl.config_flags import add_config_flags, given
 
 from .policy_log import PolicyLog, adapter_record
 from .schema import WEIGHTS_FILE
-from .security import KafkaSecurity, KafkaSettings
+from .security import KafkaSettings
 from .topics import Topics
 
 DESCRIPTION = """\
@@ -36,14 +37,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", type=int, help="version number (default: one past the newest on the topic)")
     p.add_argument("--publisher", default="streamrl-publish",
                    help="the record's publisher, for gateways with trusted_publishers (default streamrl-publish)")
-    add_config_flags(p, KafkaSettings, group="kafka", names={  # the flags every part's Kafka table has
-        f: ("kafka-" if f in KafkaSecurity.__dataclass_fields__ else "") + f.replace("_", "-")
-        for f in KafkaSettings.__dataclass_fields__})
+    add_config_flags(p, PublishKafka)
+
+
+@dataclass(frozen=True)
+class PublishKafka:
+    """``publish``'s one table, ``kafka``, so that its flags are every part's (``--bootstrap-servers``,
+    ``--topic-prefix``, ``--kafka-*``), named by the same rule."""
+
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
 
 
 def kafka_from_args(args: argparse.Namespace) -> KafkaSettings:
-    """The Kafka table the flags give (the same flags as every other part's)."""
-    return KafkaSettings(**given(args, KafkaSettings, "kafka"))
+    """The Kafka table the flags give."""
+    return KafkaSettings.of(given(args, PublishKafka).get("kafka"))
 
 
 def run(args: argparse.Namespace) -> int:
