@@ -430,8 +430,7 @@ def summarise(spec: RunSpec, preset: Preset, run_dir: Path, t_ready: float | Non
                               "exit_code": rc, "complete": bool(demo), "demo": demo, "steps": len(history), "t0": t0}
     if not demo:
         result["why"] = f"no demo summary (streamrl up exit code {rc}; see {run_dir / 'up.log'})"
-    result["step_seconds"] = [{k: round(h[k], 3) for k in ("wait_s", "step_s", "adapter_s", "checkpoint_s",
-                                                            "announce_s") if k in h} for h in history]
+    result["step_seconds"] = [{k: round(h[k], 3) for k in learn_stats.STEP_SECONDS if k in h} for h in history]
     cycles = [sum(t.values()) for t in result["step_seconds"][1:]]  # the first step includes start-up
     result["seconds_per_version"] = sum(cycles) / len(cycles) if cycles else None
     # how far the trained policy had moved from the one that sampled its data: large values mean stale

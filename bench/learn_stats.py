@@ -147,13 +147,17 @@ def staleness_per_token(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "max": max((float(h["staleness_max"]) for h in history if "staleness_max" in h), default=None)}
 
 
+STEP_SECONDS = ("wait_s", "step_s", "adapter_s", "checkpoint_s", "announce_s")
+"""Where a trainer step's seconds go, in its history: waiting for groups, the optimizer step, saving the adapter,
+the checkpoint, the announcement."""
+
+
 def trainer_waiting(history: Sequence[dict[str, Any]]) -> float | None:
     """The share of the trainer's time spent waiting for groups (each step's ``wait_s`` against its other
     seconds: the step, the adapter's save, the checkpoint, the announcement), after the first step (whose wait
     includes the run's start-up). Near 0: generation keeps up with training; near 1: the trainer mostly waits."""
-    parts = ("wait_s", "step_s", "adapter_s", "checkpoint_s", "announce_s")
     steps = [h for h in history[1:] if "wait_s" in h]
-    total = sum(float(h.get(k, 0.0)) for h in steps for k in parts)
+    total = sum(float(h.get(k, 0.0)) for h in steps for k in STEP_SECONDS)
     return sum(float(h["wait_s"]) for h in steps) / total if total > 0 else None
 
 
