@@ -37,13 +37,13 @@ from .loop_lag import CollectionPauses, LoopLagMonitor
 from .metrics import GatewayMetrics
 from .openapi import openapi_document
 from .policy import PolicyTable
-from .proxy import JSON, Proxy
+from .proxy import JSON, BadRequest, Proxy, error_response, read_body
 from .recording.capture import RECORD_BUILDERS
 from .recording.capture_stream import deferred_captures
 from .recording.delivery import FAILED, NCOUNTS, Delivery
 from .recording.log_producer import LogProducer, ProducerStats, WaiterSpec
 from .recording.recorder import Recorder
-from .rewards import post_rewards
+from .rewards import parse_trajectory_ends, post_rewards
 from .tail_process import TailProcess
 from .upstreams import UpstreamPool
 from .wire import CHAT, COMPLETIONS
@@ -213,10 +213,12 @@ class Gateway:
         return ProducerStats.from_counts(c, failed=c[FAILED])
 
     def rewards_accepted(self, records: list[RewardRecord | JudgeRequest]) -> None:
-        """Rewards (and judge requests) durable: counted by the policy they name; rewards go to the dashboard's
-        per-version rewards of the policy whose call they reward."""
+        """Rewards (and judge requests) durable: counted by the policy they name; their episodes ended (what
+        these pinned is let go); rewards go to the dashboard's per-version rewards of the policy whose call they
+        reward."""
         for r in records:
             self.metrics.rewards.labels(r.policy or "").inc()
+        self.policies.end_episodes({r.trajectory_id for r in records})
         if self.dashboard is not None:
             self.dashboard.rewarded([r for r in records if isinstance(r, RewardRecord)])
 
@@ -285,6 +287,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
                                       (config.spool_after_ms + config.producer_send_timeout_ms) / 1000,
                                       key, config.policy_names, gateway.rewards_accepted)
         gateway.metrics.observe("/v1/rewards", response.status_code, time.perf_counter() - started)
+        return response
+
+    @app.post("/v1/trajectories/end")
+    async def end_trajectories(request: Request) -> Response:
+        """Episodes that post no reward (an evaluation's) say they ended: the versions they pinned are let go."""
+        started = time.perf_counter()
+        try:
+            ids = parse_trajectory_ends(await read_body(request, config.max_body_bytes))
+        except BadRequest as exc:
+            response = error_response(exc.status, exc.message, exc.param)
+        else:
+            response = Response(orjson.dumps({"ended": gateway.policies.end_episodes(ids)}), media_type=JSON)
+        gateway.metrics.observe("/v1/trajectories/end", response.status_code, time.perf_counter() - started)
         return response
 
     @app.get("/v1/models")

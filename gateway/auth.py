@@ -43,6 +43,7 @@ ROUTE_SCOPES: dict[str, str] = {
     "/v1/completions": "inference",
     "/v1/models": "inference",
     "/v1/rewards": "rewards",
+    "/v1/trajectories/end": "inference",
     "/metrics": "admin",
     "/health": OPEN,
     "/openapi.json": OPEN,

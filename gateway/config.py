@@ -44,10 +44,11 @@ class GatewayConfig:
     began with) still finds it; older ones are unloaded once idle. At most ``max_loaded_versions - 2``
     (the routed version and the next one being loaded need their places)."""
     pinned_hold_s: float = 5.0
-    """A version stays held this long after a request pinned to it (``policy@v<N>``) ended: the next call of an
-    episode pinned to it (a held-out evaluation of an agent, an agent finishing on the version it began with)
-    finds it even once newer versions have retired it. Held versions take the places ``keep_previous_versions``
-    keeps first; 0: held only while requests run on it."""
+    """A version stays held this long after a request pinned to it (``policy@v<N>``) ended, unless the request's
+    episode ends first (its reward, ``POST /v1/trajectories/end``): the next call of an episode pinned to it (a
+    held-out evaluation of an agent, an agent finishing on the version it began with) finds it even once newer
+    versions have retired it. Held versions take the places ``keep_previous_versions`` keeps first; 0: held only
+    while requests run on it."""
     follow_policy: bool = True
     """Follow the policy topic and hot-swap published versions (needs ``kafka.bootstrap_servers``)."""
     policy_catch_up_s: float = 10.0

@@ -145,6 +145,20 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
                     **_errors(400, 401, 403, 413, 503),
                 },
             }},
+            "/v1/trajectories/end": {"post": {
+                "summary": "Episodes that post no reward ended: the versions they pinned are let go",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["trajectory_ids"], "additionalProperties": False,
+                    "properties": {"trajectory_ids": {"type": "array", "minItems": 1, "maxItems": MAX_ITEMS,
+                                                      "items": {"type": "string", "minLength": 1}}}}}}},
+                "responses": {
+                    "200": {"description": "how many holds on pinned versions ended",
+                            "content": {"application/json": {"schema": {
+                                "type": "object", "required": ["ended"],
+                                "properties": {"ended": {"type": "integer"}}}}}},
+                    **_errors(400, 401, 403, 413),
+                },
+            }},
             "/v1/models": {"get": {"summary": "The policy, its versions and the base models",
                                    "responses": {"200": {"description": "OpenAI's model list",
                                                          "content": json_object}, **_errors(401, 403)}}},

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from streamrl.broker.schema import PolicyRecord
@@ -34,8 +34,9 @@ class VersionState:
     unloading: bool = False
     """Its unload is under way (or its load was given up): no new request reaches it."""
     loaded_at: float = field(default=0.0)
-    pinned_until: float = 0.0
-    """``time.monotonic()`` until which a pinned request that ended keeps it held (``PolicyRouter.pinned_hold_s``)."""
+    pinned: dict[str, float] = field(default_factory=dict)
+    """Episodes (trajectory ids) whose request pinned to it ended, each with the ``time.monotonic()`` until
+    which that keeps it held (``PolicyRouter.pinned_hold_s``), unless the episode ends first (``end_episodes``)."""
 
     @property
     def served_name(self) -> str:
@@ -44,18 +45,21 @@ class VersionState:
     def held(self, now: float) -> bool:
         """Requests run on it, or one pinned to it ended a moment ago: the next call of a multi-call episode
         pinned to it (an evaluation's, an agent's) is on its way, so it is neither unloaded nor closed to it."""
-        return self.in_flight > 0 or now < self.pinned_until
+        return self.in_flight > 0 or any(now < until for until in self.pinned.values())
 
 
 class Lease:
     """One request's hold on the model that serves it. ``release()`` exactly once when done."""
 
-    __slots__ = ("_router", "_state", "engine_model", "follows", "marked_on", "policy_name", "sent", "version")
+    __slots__ = ("_router", "_state", "engine_model", "follows", "marked_on", "policy_name", "sent", "trajectory_id",
+                 "version")
 
     def __init__(self, router: PolicyRouter | None, state: VersionState | None, engine_model: str,
-                 policy_name: str | None, version: int, follows: bool = False) -> None:
+                 policy_name: str | None, version: int, follows: bool = False, trajectory_id: str = "") -> None:
         self._router, self._state = router, state
         self.engine_model, self.policy_name, self.version = engine_model, policy_name, version
+        self.trajectory_id = trajectory_id
+        """The episode the request belongs to: a pinned request's hold after it ends is that episode's."""
         self.follows = follows
         """Routed by the policy's name to a version (not pinned to one): in the ``in-flight`` update mode the
         request may move to a newer version while it runs."""
@@ -101,7 +105,7 @@ class Lease:
         if state is not None and self._router is not None:
             self._router.unmark(self, state.record.version)
             if not self.follows:
-                self._router.hold_pinned(state)
+                self._router.hold_pinned(state, self.trajectory_id)
             self._let_go(state)
 
 
@@ -130,17 +134,18 @@ class PolicyRouter:
     def version(self) -> int:
         return 0 if self.routed is None else self.routed.record.version
 
-    def resolve(self, model: str) -> Lease | None:
+    def resolve(self, model: str, trajectory_id: str = "") -> Lease | None:
         """The lease for a client's model name; None when no upstream knows it (a 404)."""
-        own = self.resolve_own(model)
+        own = self.resolve_own(model, trajectory_id)
         if own is not None:
             return own
         if self.pool.known_model(model):
             return Lease(None, None, model, None, 0)
         return None
 
-    def resolve_own(self, model: str) -> Lease | None:
-        """The lease when ``model`` is this policy's name or a loaded version of it (``<name>@v<N>``), else None."""
+    def resolve_own(self, model: str, trajectory_id: str = "") -> Lease | None:
+        """The lease when ``model`` is this policy's name or a loaded version of it (``<name>@v<N>``), else None;
+        ``trajectory_id``: the request's episode (whose pinned hold the lease's end starts)."""
         if model == self.name:
             routed = self.routed
             if routed is None:
@@ -150,7 +155,7 @@ class PolicyRouter:
         for state in self.versions.values():  # a pinned version, e.g. "policy@v3", while loaded (and held if retired)
             if state.served_name == model and state.loaded_at and not state.unloading \
                     and (not state.retiring or state.held(self.clock())):
-                return Lease(self, state, model, self.name, state.record.version)
+                return Lease(self, state, model, self.name, state.record.version, trajectory_id=trajectory_id)
         return None
 
     def held(self) -> set[int]:
@@ -158,18 +163,40 @@ class PolicyRouter:
         now = self.clock()
         return {v for v, s in self.versions.items() if s.held(now)}
 
-    def hold_pinned(self, state: VersionState) -> None:
-        """A request pinned to ``state`` ended: hold it ``pinned_hold_s`` longer, then look at it again (an
+    def hold_pinned(self, state: VersionState, episode: str) -> None:
+        """A request of ``episode`` pinned to ``state`` ended: hold it for that episode ``pinned_hold_s`` longer
+        (its next call is on its way) or until the episode ends (``end_episodes``), then look at it again (an
         idle retiring version may be unloaded then)."""
         if self.pinned_hold_s <= 0:
             return
-        state.pinned_until = self.clock() + self.pinned_hold_s
+        state.pinned[episode] = self.clock() + self.pinned_hold_s
         with contextlib.suppress(RuntimeError):  # no event loop: nothing to look at later (a unit test's lease)
-            asyncio.get_running_loop().call_later(self.pinned_hold_s, self._hold_ended, state)
+            asyncio.get_running_loop().call_later(self.pinned_hold_s, self._hold_ended, state, episode)
 
-    def _hold_ended(self, state: VersionState) -> None:
-        if not state.held(self.clock()):
+    def _hold_ended(self, state: VersionState, episode: str) -> None:
+        now = self.clock()
+        until = state.pinned.get(episode)
+        if until is not None and until <= now:
+            del state.pinned[episode]
+        if not state.held(now):
             self.on_idle(state)
+
+    def end_episodes(self, episodes: Collection[str]) -> int:
+        """These episodes (trajectory ids) ended (their reward was posted, or their client said so): the
+        versions they pinned are no longer held for them, and one that nothing else holds is idle now, not
+        ``pinned_hold_s`` later. Returns how many holds ended."""
+        ended = 0
+        for state in list(self.versions.values()):
+            if not state.pinned:
+                continue
+            before = len(state.pinned)
+            for episode in episodes:
+                state.pinned.pop(episode, None)
+            if len(state.pinned) < before:
+                ended += before - len(state.pinned)
+                if not state.held(self.clock()):
+                    self.on_idle(state)
+        return ended
 
     def route(self, state: VersionState) -> VersionState | None:
         """Point the policy name at ``state``; returns the version it replaces."""
@@ -241,13 +268,18 @@ class PolicyTable:
     def __iter__(self):
         return iter(self.routers.values())
 
-    def resolve(self, model: str) -> Lease | None:
+    def resolve(self, model: str, trajectory_id: str = "") -> Lease | None:
         """The lease for a client's model name: a policy's name or pinned version, else a model an upstream
-        serves as it is (the base model, an adapter loaded by hand); None: a 404."""
+        serves as it is (the base model, an adapter loaded by hand); None: a 404. ``trajectory_id``: the
+        request's episode."""
         for router in self.routers.values():
-            lease = router.resolve_own(model)
+            lease = router.resolve_own(model, trajectory_id)
             if lease is not None:
                 return lease
         if self.pool.known_model(model):
             return Lease(None, None, model, None, 0)
         return None
+
+    def end_episodes(self, episodes: Collection[str]) -> int:
+        """``PolicyRouter.end_episodes`` for every policy."""
+        return sum(router.end_episodes(episodes) for router in self.routers.values())

@@ -314,7 +314,7 @@ class Proxy:
         except RecordError as exc:
             raise BadRequest(400, str(exc), "purpose") from None
         key = request.scope.get(KEY_STATE)
-        lease = self.policies.resolve(body["model"])
+        lease = self.policies.resolve(body["model"], trajectory_id)
         if lease is None:
             raise BadRequest(404, f"The model `{body['model']}` does not exist.", "model")
         if self.auth_on and not key.may_use(lease.policy_name):

@@ -1,4 +1,5 @@
-"""``POST /v1/rewards``: one reward or a list of them, validated as a whole, then sent to Kafka.
+"""``POST /v1/rewards``: one reward or a list of them, validated as a whole, then sent to Kafka; and
+``POST /v1/trajectories/end``, the end of episodes that post no reward (held-out evaluations).
 
 An item with a ``judge`` object (``{"trajectory_id", "group_id", "group_size", "reward"?, "judge":
 {"rubric"?, "weight"?}}``) asks ``streamrl judge`` to score the trajectory with its group: it goes to the
@@ -26,6 +27,7 @@ from streamrl.broker.schema import (
     JudgeRequest,
     RecordError,
     RewardRecord,
+    check_id,
     encode,
     judge_request,
     reward_record,
@@ -110,3 +112,22 @@ async def post_rewards(request: Request, delivery: Delivery | None, topic: str, 
     if accepted is not None:
         accepted(records)
     return Response(orjson.dumps({"accepted": len(records)}), 200, media_type=JSON)
+
+
+def parse_trajectory_ends(raw: bytes) -> list[str]:
+    """``POST /v1/trajectories/end``'s body, ``{"trajectory_ids": [...]}``: between 1 and ``MAX_ITEMS`` ids.
+    A reward ends its episode too; this is for episodes that post none (an evaluation's), so that a version
+    pinned by them is let go as soon as they end rather than the gateway's ``pinned_hold_s`` later."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(400, f"invalid JSON: {exc}") from None
+    if not isinstance(body, dict) or set(body) != {"trajectory_ids"}:
+        raise BadRequest(400, 'send {"trajectory_ids": [...]}', "trajectory_ids")
+    ids = body["trajectory_ids"]
+    if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_ITEMS:
+        raise BadRequest(400, f"trajectory_ids must be a list of 1 to {MAX_ITEMS} ids", "trajectory_ids")
+    try:
+        return [check_id(i, f"trajectory_ids[{n}]") for n, i in enumerate(ids)]
+    except RecordError as exc:
+        raise BadRequest(400, str(exc), "trajectory_ids") from None

@@ -8,13 +8,16 @@ were from one reward. This helper does both so an agent's code stays plain OpenA
         t.reward(1.0)               # posted to POST /v1/rewards when the block ends
 
 ``t.client`` is an ``openai.OpenAI`` whose every request carries ``X-Trajectory-Id`` (and ``X-Group-Id``).
-A block that raises posts no reward: the trajectory is abandoned and the trainer expires it. Many
+A block that raises posts no reward: the trajectory is abandoned and the trainer expires it. A block that
+ends with no reward (a held-out evaluation's) tells the gateway the episode ended (``POST
+/v1/trajectories/end``), so that a policy version its calls pinned (``policy@v<N>``) is let go at once. Many
 trajectories can share one ``Gateway`` (one connection pool) instead of each opening its own.
 ``AsyncGateway`` / ``AsyncTrajectory`` are the same for ``openai.AsyncOpenAI``.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from types import TracebackType
 from typing import Any
@@ -30,6 +33,8 @@ GROUP_HEADER = "X-Group-Id"
 VERSION_HEADER = "X-Policy-Version"
 PURPOSE_HEADER = "X-Streamrl-Purpose"
 """``eval`` marks a held-out evaluation's calls: recorded, never trained on (default ``train``)."""
+
+log = logging.getLogger(__name__)
 
 
 class RewardError(RuntimeError):
@@ -63,6 +68,16 @@ def reward_body(trajectory_id: str, reward: float, group_id: str | None = None, 
 def _check(response: httpx.Response) -> None:
     if response.status_code >= 400:
         raise RewardError(f"POST /v1/rewards -> {response.status_code}: {response.text[:500]}")
+
+
+def _ended(trajectory_id: str, response: httpx.Response | Exception) -> None:
+    """The answer to an episode's end. Not an error the episode fails on: without it the gateway lets the
+    version go ``pinned_hold_s`` later (an older gateway has no such route)."""
+    if isinstance(response, Exception):
+        log.debug("the end of trajectory %s was not sent: %r", trajectory_id, response)
+    elif response.status_code >= 400:
+        log.debug("the end of trajectory %s was refused: %s %s", trajectory_id, response.status_code,
+                  response.text[:200])
 
 
 def _tag_headers(trajectory_id: str, group_id: str | None, purpose: str) -> dict[str, str]:
@@ -119,6 +134,15 @@ class Gateway:
     def post_rewards(self, bodies: list[dict[str, Any]]) -> None:
         """Post rewards in one request (the gateway takes a list)."""
         _check(self.http.post(f"{self.base_url}/rewards", json=bodies, headers=self._auth))
+
+    def end_trajectories(self, trajectory_ids: list[str]) -> None:
+        """Say these episodes ended without a reward (``POST /v1/trajectories/end``); never raises."""
+        try:
+            response: httpx.Response | Exception = self.http.post(
+                f"{self.base_url}/trajectories/end", json={"trajectory_ids": trajectory_ids}, headers=self._auth)
+        except httpx.HTTPError as exc:
+            response = exc
+        _ended(trajectory_ids[0], response)
 
     def close(self) -> None:
         self.http.close()
@@ -190,6 +214,10 @@ class _Episode:
     def _should_post(self, exc_type: type[BaseException] | None) -> bool:
         return exc_type is None and self.has_reward and not self.posted
 
+    def _should_end(self, exc_type: type[BaseException] | None) -> bool:
+        """Ended cleanly with no reward posted: the gateway hears of the end from ``end_trajectories``."""
+        return exc_type is None and not self.has_reward and not self.posted
+
 
 class Trajectory(_Episode):
     """One episode: every call through ``client`` is tagged with its ids; the reward is posted at exit."""
@@ -218,6 +246,8 @@ class Trajectory(_Episode):
         try:
             if self._should_post(exc_type):
                 self.post()
+            elif self._should_end(exc_type):
+                self.gateway.end_trajectories([self.trajectory_id])
         finally:
             if self._owns_gateway:
                 self.gateway.close()
@@ -250,6 +280,15 @@ class AsyncGateway:
 
     async def post_rewards(self, bodies: list[dict[str, Any]]) -> None:
         _check(await self.http.post(f"{self.base_url}/rewards", json=bodies, headers=self._auth))
+
+    async def end_trajectories(self, trajectory_ids: list[str]) -> None:
+        """Say these episodes ended without a reward (``POST /v1/trajectories/end``); never raises."""
+        try:
+            response: httpx.Response | Exception = await self.http.post(
+                f"{self.base_url}/trajectories/end", json={"trajectory_ids": trajectory_ids}, headers=self._auth)
+        except httpx.HTTPError as exc:
+            response = exc
+        _ended(trajectory_ids[0], response)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -287,3 +326,5 @@ class AsyncTrajectory(_Episode):
         self.gateway.served.open.pop(self.trajectory_id, None)
         if self._should_post(exc_type):
             await self.post()
+        elif self._should_end(exc_type):
+            await self.gateway.end_trajectories([self.trajectory_id])

@@ -84,6 +84,9 @@ async def evaluate_version(client: httpx.AsyncClient, task: HeldOutTask, model: 
         return task.score(problem, r.json()["choices"][0]["message"]["content"] or "")
 
     scores = [s for s in await asyncio.gather(*(one(i, p) for i, p in enumerate(task.held_out))) if s is not None]
+    ended = [f"eval-v{version}-{i}" for i in range(len(task.held_out))]
+    with contextlib.suppress(httpx.HTTPError):  # the pinned version is let go now, not pinned_hold_s later
+        await client.post("/v1/trajectories/end", json={"trajectory_ids": ended})  # a refusal changes nothing else
     return EvalResult(version, sum(scores) / len(scores) if scores else float("nan"), len(scores),
                       len(task.held_out), time.monotonic() - started, time.time())
 

@@ -334,3 +334,43 @@ def test_a_pinned_episode_keeps_its_retired_version_until_it_ends(broker, engine
             assert 1 in gw.gateway.follower.plan.retiring and f"{name}@v1" in engine_adapters(engine)
             wait_unloaded(engine, f"{name}@v1")  # the episode over: let go once the hold ran out
             assert move(5).status_code == 404
+
+
+def test_a_pinned_version_is_let_go_when_its_episodes_end(broker, engine, topics, adapters, base_model):
+    """Two episodes pinned to v1 after v2 retired it: one a held-out game that posts no reward (its
+    ``Trajectory`` block says it ended, ``POST /v1/trajectories/end``), one that posts a reward. With a hold of
+    10 minutes v1 stays held while either may still call; once both ended it is unloaded at once, so a fast
+    pipeline's next version does not wait for room behind evaluations already over (docs/gateway.md)."""
+    from streamrl.producers.client import Gateway
+
+    name = f"pinhold{uuid.uuid4().hex[:6]}"
+    publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
+    config = gateway_config(broker, engine, name, keep_previous_versions=0, pinned_hold_s=600.0)
+    with GatewayServer(config) as gw, Gateway(gw.url) as client:
+        wait_routed(gw, 1)
+        game, rewarded = client.trajectory(purpose="eval"), client.trajectory(group_id="g", group_size=1)
+
+        def move(t, n: int) -> None:
+            r = t.client.completions.with_raw_response.create(model=f"{name}@v1", prompt=f"move {n}", max_tokens=2)
+            assert r.headers["x-policy-version"] == "1", n
+
+        with game:
+            with rewarded:
+                move(game, 1)
+                move(rewarded, 1)
+                publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
+                wait_routed(gw, 2)
+                deadline = time.monotonic() + 30
+                while 1 not in gw.gateway.follower.plan.retiring:
+                    assert time.monotonic() < deadline, "v1 was not retired once v2 was routed"
+                    time.sleep(0.01)
+                move(game, 2)  # retired, yet held for both episodes
+                move(rewarded, 2)
+                rewarded.reward(1.0)
+            assert gw.gateway.router.held() == {1}, "the rewarded episode ended; the game may still call v1"
+            move(game, 3)
+        wait_unloaded(engine, f"{name}@v1")  # both ended: let go long before the hold would have run out
+        bad = httpx.post(f"{gw.url}/v1/trajectories/end", json={"trajectory_ids": []})
+        assert bad.status_code == 400 and "trajectory_ids" in bad.text
+        assert httpx.post(f"{gw.url}/v1/trajectories/end", json={"trajectory_ids": [game.trajectory_id]}).json() \
+            == {"ended": 0}, "an episode ends once"

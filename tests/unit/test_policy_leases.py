@@ -116,7 +116,47 @@ def test_a_retired_version_serves_a_pinned_episode_while_held_then_lets_go() -> 
     assert router.held() == set() and router.resolve("policy@v1") is None, "the episode ended: retired for good"
     follower = router.resolve("policy")
     follower.release()
-    assert v2.pinned_until == 0.0, "a request routed by the policy's name holds nothing after it ends"
+    assert v2.pinned == {}, "a request routed by the policy's name holds nothing after it ends"
+
+
+def test_an_episode_that_ends_lets_its_pinned_version_go_at_once_and_only_its_own_hold() -> None:
+    """Two held-out games pinned to a retired v1: when one ends (its reward, or ``POST /v1/trajectories/end``)
+    v1 stays held for the other, whose next move is on its way; when both ended v1 is idle at once, not
+    ``pinned_hold_s`` later, so the next version does not wait for room behind an evaluation already over."""
+    now = [100.0]
+    router = PolicyRouter("policy", UpstreamPool((A, B)), pinned_hold_s=5.0, clock=lambda: now[0])
+    for v in (1, 2):
+        router.versions[v] = VersionState(PolicyRecord("policy", v, f"/a/v{v}", "base", v, "0" * 64), loaded_at=1.0)
+    v1, v2 = router.versions[1], router.versions[2]
+    router.route(v2)
+    idle: list[int] = []
+    router.idle_callbacks.append(lambda s: idle.append(s.record.version))
+    game_a, game_b = router.resolve("policy@v1", "game-a"), router.resolve("policy@v1", "game-b")
+    v1.retiring = True
+    game_a.release()
+    game_b.release()
+    idle.clear()
+    assert router.end_episodes(["game-a", "unknown"]) == 1
+    assert router.held() == {1} and idle == [], "game b's next move still needs v1"
+    next_move = router.resolve("policy@v1", "game-b")
+    assert next_move is not None and next_move.version == 1
+    next_move.release()
+    idle.clear()
+    assert router.end_episodes(["game-b"]) == 1
+    assert router.held() == set() and idle == [1], "both games over: idle now, not 5 s later"
+    assert router.resolve("policy@v1") is None, "retired for good"
+    assert router.end_episodes(["game-b"]) == 0, "an episode ends once"
+
+
+def test_a_pinned_request_still_running_holds_its_version_past_its_episodes_end() -> None:
+    router, (_, v2) = router_with(1, 2)
+    router.pinned_hold_s = 5.0
+    router.route(v2)
+    running = router.resolve("policy@v1", "game")
+    assert router.end_episodes(["game"]) == 0 and router.held() == {1}, "a lease in flight is not a hold"
+    running.release()
+    assert router.held() == {1}
+    assert router.end_episodes(["game"]) == 1 and router.held() == set()
 
 
 def test_without_a_hold_a_retired_version_closes_to_pinned_calls_at_once() -> None:
