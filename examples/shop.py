@@ -2,13 +2,18 @@
 cost?", answered by looking a price up with a tool and multiplying. The catalogue is generated from a seed,
 so the model cannot know a price without asking; the answer is exact.
 
-Reward: 1.0 for the exact total as the reply's last number; 0.1 when the answer is wrong but a tool was
-called and answered (a foothold for a small model: calling the tool is the first thing to learn); else 0.
+Reward, rungs a small model climbs one at a time (``score``): 1.0 for the exact total as the reply's last
+number; else 0.6 when a tool answered with the total (``multiply`` called with the quantity and the price); 0.3
+when a tool answered with the asked item's price (the right item looked up); 0.1 when a tool answered at all;
+else 0. SmolLM2-135M with its first call forced to ``price_of`` looks up the asked item in about half its
+episodes and never multiplies: with the total alone rewarded, every one of its groups scored 0.1 and nothing
+was learned (docs/benchmarks.md, ``shop-agent``).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from streamrl.producers.episode import final_number
@@ -67,8 +72,15 @@ def price_answer(item: str, prices: dict[str, int] = PRICES) -> str:
     return f"one {item} costs {prices[item]} cents"
 
 
-def score(order: Order, answer: str, used_tool: bool, prices: dict[str, int] = PRICES) -> float:
+def score(order: Order, answer: str, tool_answers: Sequence[str], prices: dict[str, int] = PRICES) -> float:
+    """``answer``: the agent's final reply; ``tool_answers``: what its tools answered (only calls that ran)."""
     got = final_number(answer)
-    if got is not None and got == order.total(prices):
+    total = order.total(prices)
+    if got is not None and got == total:
         return 1.0
-    return 0.1 if used_tool else 0.0
+    answers = {a.strip().lower() for a in tool_answers}
+    if str(total) in answers:
+        return 0.6
+    if price_answer(order.item, prices) in answers:
+        return 0.3
+    return 0.1 if answers else 0.0

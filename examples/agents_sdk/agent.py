@@ -87,5 +87,5 @@ class ShopAgentTask(AgentTask):
                                       run_config=RunConfig(tracing_disabled=True))
         except (MaxTurnsExceeded, ModelBehaviorError):  # out of turns, a malformed tool call: the episode failed
             return 0.0
-        used_tool = any(isinstance(item, ToolCallOutputItem) for item in result.new_items)
-        return score(problem, str(result.final_output or ""), used_tool)
+        tool_answers = [str(item.output) for item in result.new_items if isinstance(item, ToolCallOutputItem)]
+        return score(problem, str(result.final_output or ""), tool_answers)

@@ -90,5 +90,5 @@ class ShopGraphTask(AgentTask):
         except GraphRecursionError:
             return 0.0
         messages = state["messages"]
-        used_tool = any(isinstance(m, ToolMessage) and m.status == "success" for m in messages)
-        return score(problem, messages[-1].text, used_tool)
+        tool_answers = [m.text for m in messages if isinstance(m, ToolMessage) and m.status == "success"]
+        return score(problem, messages[-1].text, tool_answers)

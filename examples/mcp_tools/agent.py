@@ -73,7 +73,7 @@ class McpShopTask(AgentTask):
             tools = [openai_tool(tool) for tool in (await mcp.list_tools()).tools]
             messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                               {"role": "user", "content": problem.question}]
-            used_tool = False
+            tool_answers: list[str] = []
             for turn in range(self.max_turns):
                 forced = self.first_tool is not None and turn == 0
                 reply = await t.client.chat.completions.create(
@@ -82,7 +82,7 @@ class McpShopTask(AgentTask):
                     seed=None if self.seed is None else self.seed + turn)
                 message = reply.choices[0].message
                 if not message.tool_calls:
-                    return score(problem, message.content or "", used_tool)
+                    return score(problem, message.content or "", tool_answers)
                 messages.append(message.model_dump(include={"role", "content", "tool_calls"}))
                 for call in message.tool_calls:
                     try:
@@ -91,6 +91,7 @@ class McpShopTask(AgentTask):
                         text, ok = tool_text(result.content), not result.is_error
                     except ValueError as exc:  # arguments that are not JSON
                         text, ok = f"error: {exc}", False
-                    used_tool = used_tool or ok
+                    if ok:
+                        tool_answers.append(text)
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
         return 0.0

@@ -174,13 +174,13 @@ def test_tictactoe_games_through_the_gateway(gateway: GatewayServer, completions
 def test_agents_sdk_tool_loop(gateway: GatewayServer, completions: TopicReader, rewards: TopicReader,
                               tokenize: Any, learner: Learner) -> None:
     from examples.agents_sdk.agent import ShopAgentTask
-    from examples.shop import PRICES, sample_order
+    from examples.shop import PRICES, price_answer, sample_order
 
     order = sample_order(random.Random(0))
     outcomes = play(gateway.url, ShopAgentTask(first_tool="price_of", max_tokens=96, seed=0), [order])
     outcomes += play(gateway.url, ShopAgentTask(max_tokens=16, seed=1), [order])  # no tool: scores 0
     (forced, free) = outcomes
-    assert forced.turns == 2 and forced.reward == 0.1 and free.turns == 1 and free.reward == 0.0
+    assert forced.turns == 2 and free.turns == 1 and free.reward == 0.0
     calls = calls_of(completions, forced)
     for call in calls:
         assert_token_exact(call, tokenize)
@@ -191,6 +191,7 @@ def test_agents_sdk_tool_loop(gateway: GatewayServer, completions: TopicReader, 
     tool_message = second.request["messages"][-1]
     assert tool_message["role"] == "tool" and tool_message["content"] in {f"one {i} costs {p} cents"
                                                                            for i, p in PRICES.items()}
+    assert forced.reward == (0.3 if tool_message["content"] == price_answer(order.item) else 0.1)  # examples/shop.py
     # two sequences: the template renders the call again, not as sampled (vLLM's Jinja ``tojson`` sorts its keys:
     # {"arguments": ..., "name": ...}), so the second prompt does not start with the first call's tokens
     assert merged(calls) == 2
@@ -203,11 +204,11 @@ def test_agents_sdk_tool_loop(gateway: GatewayServer, completions: TopicReader, 
 def test_langgraph_react_loop_carries_its_state(gateway: GatewayServer, completions: TopicReader,
                                                 tokenize: Any) -> None:
     from examples.langgraph_react.agent import ShopGraphTask
-    from examples.shop import sample_order
+    from examples.shop import price_answer, sample_order
 
     order = sample_order(random.Random(0))
     (outcome,) = play(gateway.url, ShopGraphTask(first_tool="price_of", max_tokens=96, seed=0), [order])
-    assert outcome.turns == 2 and outcome.reward == 0.1 and outcome.version == 0
+    assert outcome.turns == 2 and outcome.version == 0
     first, second = calls_of(completions, outcome)
     for call in (first, second):
         assert_token_exact(call, tokenize)
@@ -217,6 +218,7 @@ def test_langgraph_react_loop_carries_its_state(gateway: GatewayServer, completi
     assistant, tool = second.request["messages"][2:]
     assert assistant["tool_calls"][0]["id"] == tool["tool_call_id"] == first.tool_calls[0]["id"]
     assert tool["content"].startswith(f"one {order.item} costs") or tool["content"].startswith("one ")
+    assert outcome.reward == (0.3 if tool["content"] == price_answer(order.item) else 0.1)  # examples/shop.py
     assert all(t["function"]["strict"] for t in first.request["tools"])
     assert merged([first, second]) == 2
 

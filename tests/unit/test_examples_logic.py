@@ -10,7 +10,7 @@ import pytest
 
 from examples.autotask.agent import parse_inputs
 from examples.email_search.mailbox import Inbox, answer_matches, generate, write_index
-from examples.shop import PRICES, Order, held_out_orders, sample_order, score
+from examples.shop import PRICES, Order, held_out_orders, price_answer, sample_order, score
 from examples.tictactoe.agent import HELD_OUT_SEEDS, TicTacToeTask
 from examples.tictactoe.game import Board, Opponent, best_move, illegal_reward, parse_move
 from streamrl.producers.demo_cli import DemoConfig, load_task
@@ -61,8 +61,12 @@ def test_shop_orders_and_score() -> None:
     rng = random.Random(0)
     assert not any(sample_order(rng) in held for _ in range(2000))
     order = Order("plum", 3)
-    assert score(order, f"That is {3 * PRICES['plum']} cents.", False) == 1.0
-    assert score(order, "no idea", True) == 0.1 and score(order, "5", False) == 0.0
+    plum, pear = price_answer("plum"), price_answer("pear")
+    assert score(order, f"That is {3 * PRICES['plum']} cents.", []) == 1.0
+    assert score(order, "no idea", [plum, str(3 * PRICES["plum"])]) == 0.6, "multiplied right, did not say it"
+    assert score(order, f"{PRICES['plum']} cents", [plum]) == 0.3, "the right item looked up"
+    assert score(order, "no idea", [pear]) == 0.1 and score(order, "5", []) == 0.0
+    assert score(order, f"{3 * PRICES['plum']}", [pear]) == 1.0, "the total is what counts"
 
 
 def test_mailbox_questions_have_one_answer_in_their_email(tmp_path: Path) -> None:
