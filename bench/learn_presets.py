@@ -163,6 +163,18 @@ SHOP_AGENT = replace(
     task="examples.agents_sdk.agent:ShopAgentTask", task_options={"first_tool": "price_of"}, max_tokens=128,
     max_model_len=2048, levels=(0.1, 0.3, 0.5),
 )
+SHOP_LANGGRAPH = replace(
+    SHOP_AGENT, name="shop-langgraph",
+    description="shop-agent's task and reward as a LangGraph ReAct graph with LangChain's ChatOpenAI "
+                "(examples/langgraph_react/), the first call a price look-up, on SmolLM2-135M.",
+    task="examples.langgraph_react.agent:ShopGraphTask",
+)
+SHOP_MCP = replace(
+    SHOP_AGENT, name="shop-mcp",
+    description="shop-agent's task and reward with its tools discovered from an MCP server over stdio (SQLite "
+                "behind it; examples/mcp_tools/), the first call a price look-up, on SmolLM2-135M.",
+    task="examples.mcp_tools.agent:McpShopTask",
+)
 WARM_START = replace(
     SHORT, name="warm-start",
     description="short's settings in runs of 70 s, for RL from an SFT warm-up against RL from the base model "
@@ -180,7 +192,8 @@ TINY = Preset(
     max_seconds=12.0, until_reward=2.0, max_model_len=1024,
     levels=(0.5, 0.6, 0.7), times_s=(4.0, 8.0, 12.0),
 )
-PRESETS: dict[str, Preset] = {p.name: p for p in (SHORT, LONG_TAIL, AGENT, EMAIL_SEARCH, SHOP_AGENT, WARM_START, TINY)}
+PRESETS: dict[str, Preset] = {p.name: p for p in (SHORT, LONG_TAIL, AGENT, EMAIL_SEARCH, SHOP_AGENT, SHOP_LANGGRAPH, SHOP_MCP,
+                                                       WARM_START, TINY)}
 """The named presets, by name."""
 
 

@@ -4,7 +4,7 @@
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
 #   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-paired | gateway-scaling | hotswap | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | sft | unpaced-real | judge-real | trainer | policies | policies-serving
-#   learn: bench/learn_bench.py, PRESET (short | long-tail | agent, default short) over SEEDS (default 0: one run per
+#   learn: bench/learn_bench.py, PRESET (default short; `learn_bench.py presets` lists them all) over SEEDS (default 0: one run per
 #          mode; more seeds are run while they fit: the bench skips a run that would not end inside the device's
 #          limit, DEVICE_LIMIT_S (default 570) counted from this script's start, and says so), MODES (default
 #          pipeline,sync,inflight; a seed's first mode turns with its value), LEARN_SECONDS (each run's demo time, default the preset's); OUT gets

@@ -2,7 +2,7 @@
 # On the GPU machine, in the repository root: join the pieces made by stage.sh (copied into STASH),
 # install them beside the image's torch into SITE, and lay out the streamrl package from this checkout
 # (the top-level folders gateway/, broker/, ... mapped under the streamrl namespace) into SITE too.
-# A STASH holding only gateway-wheels.tar.* (stage.sh's gateway/g00, g01: two carries) installs the gateway's
+# A STASH holding only gateway-wheels.tar.* (stage.sh's gateway/g00, g01, g02) installs the gateway's
 # Python packages alone, without vLLM: enough for bench/gateway_bench.py and gateway_scaling.py.
 #   usage: scripts/gpu/install.sh STASH SITE     then: export PYTHONPATH=SITE PATH=SITE/bin:$PATH
 set -euo pipefail

