@@ -575,7 +575,7 @@ class Stack:
         cli = [*self._cli, "trainer", "--config", str(path)]
         n = self.config.trainer_nproc
         argv = [sys.executable, *cli] if n == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *cli]
+            sys.executable, "-m", "streamrl.trainer.launch", "--standalone", f"--nproc-per-node={n}", *cli]
         env = {"PYTHONUNBUFFERED": "1"}
         if self.config.trainer_gpus:  # rank r runs on cuda:LOCAL_RANK, the r-th of these
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.config.trainer_gpus)

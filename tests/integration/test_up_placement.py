@@ -54,6 +54,8 @@ def test_two_replicas_and_two_trainer_ranks(tmp_path: Path) -> None:
                         tmp_path / "up.log", timeout=600)
     assert code == 0, text[-5000:]
     assert "stopped (exit code 0)" in text and not re.search(r"(gateway|trainer) still running .* killed", text)
+    assert "Traceback" not in text and "trainer | trainer ranks stopped (SIGTERM)" in text, \
+        "a two-rank trainer stops as quietly as one: torchrun's SignalException is not a traceback"
 
     ranks = set(re.findall(r"rank (\d)/2 on cpu", (work / "logs" / "trainer.log").read_text()))
     assert ranks == {"0", "1"}, "both trainer ranks must start, in one world of 2"
