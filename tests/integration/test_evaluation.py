@@ -32,17 +32,26 @@ class FewHeldOut:
         return reward(reply, problem.answer)
 
 
+def ends_told(url: str) -> float:
+    """How many ``POST /v1/trajectories/end`` the gateway answered 200 (its ``/metrics``)."""
+    line = 'streamrl_gateway_requests_total{route="/v1/trajectories/end",status="200"} '
+    found = [x for x in httpx.get(f"{url}/metrics").text.splitlines() if x.startswith(line)]
+    return float(found[0][len(line):]) if found else 0.0
+
+
 def test_evaluation_is_recorded_as_eval_and_never_held_by_the_trainer(engine_gateway, completions, tmp_path: Path) -> None:
     out = tmp_path / "eval.jsonl"
     lines: list[str] = []
     evaluator = Evaluator(engine_gateway.url, FewHeldOut(), max_tokens=8, out=out, emit=lines.append)
     stop = asyncio.Event()
     stop.set()  # evaluate what is routed now (the base model, version 0), then return
+    ends_before = ends_told(engine_gateway.url)
     [result] = asyncio.run(evaluator.run(stop))
     assert (result.version, result.answered, result.problems) == (0, 4, 4) and 0.0 <= result.score <= 1.0
     assert json.loads(out.read_text())["version"] == 0 and lines[0].startswith("eval v0: held-out score")
     shown = engine_gateway.gateway.dashboard.versions[0].eval  # posted to the gateway's dashboard too
     assert shown is not None and shown["score"] == result.score and shown["problems"] == 4
+    assert ends_told(engine_gateway.url) == ends_before + 1, "the episodes' end is told, in one request"
     records = completions.wait_for(lambda r: r.trajectory_id.startswith("eval-v0-"), count=4)
     assert {r.purpose for r in records} == {"eval"}
     # even with rewards posted for them, the trainer's assembler never holds an evaluation
