@@ -247,7 +247,7 @@ def up_config(preset: Preset, spec: RunSpec, model: Path, run_dir: Path, port: i
     config: dict[str, Any] = {
         "up": {"model": str(model), "port": port, "work_dir": str(run_dir), "trainer_device": trainer_device,
                "policy_name": spec.policy, "token_capture": not spec.mode.endswith("-json"),
-               "update_mode": mode.update_mode,
+               "update_mode": mode.update_mode, **({"judge": True} if preset.judge else {}),
                **({"upstreams": upstreams} if upstreams else {})},
         "engine": {"device": engine_device, "gpu_memory_utilization": mem_frac, "max_model_len": preset.max_model_len,
                    "extra_args": preset.engine_args.split() if preset.engine_args else []},
@@ -447,6 +447,9 @@ def summarise(spec: RunSpec, preset: Preset, run_dir: Path, t_ready: float | Non
     if evaluations:
         result["score_source"] = "held-out"
         result["curve"] = [p for p in result["evaluation"] if isinstance(p[2], int | float) and math.isfinite(p[2])]
+    elif preset.judge:  # rewards the judge gave, which only the trainer sees: its groups' mean per step
+        result["score_source"] = "judged reward"
+        result["curve"] = [(t, v, r) for t, r, v in result["reward_curve"]]
     else:  # no held-out set (numbers, calculator): the reward each version served to training traffic
         result["score_source"] = "served reward"
         result["curve"] = learn_stats.served_reward_curve(demo.get("versions", {}), preset.group_size)

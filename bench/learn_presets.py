@@ -93,6 +93,10 @@ class Preset:
     """Comma-separated GPUs, one vLLM replica each, started by every run (not with shared_engine)."""
     trainer_gpus: str = ""
     """Comma-separated GPUs, one trainer rank each (torchrun, NCCL)."""
+    judge: bool = False
+    """Start ``streamrl judge`` beside the trainer (``streamrl up --judge``) for a task whose rewards are the
+    judge's (``t.judge``). Without a held-out set the score is then the judged reward of the groups each step
+    trained on (the trainer's history): the producer never sees those rewards."""
     warmup: bool = False
     """First an untimed run to one trained version, so that first-use costs land in no timed run."""
     sft_examples: int = 512
@@ -175,6 +179,16 @@ SHOP_MCP = replace(
                 "behind it; examples/mcp_tools/), the first call a price look-up, on SmolLM2-135M.",
     task="examples.mcp_tools.agent:McpShopTask",
 )
+AUTOTASK = replace(
+    AGENT, name="autotask",
+    description="A task described in one line with no reward function (examples/autotask/, its default "
+                "description): SmolLM2-135M writes 32 inputs, answers them, and streamrl judge (the base model "
+                "through the gateway) scores each group relative to itself. No held-out set: the score is the "
+                "judged reward of the groups each step trained on.",
+    task="examples.autotask.agent:AutoTask", judge=True, max_tokens=128, group_size=8, groups_per_step=16,
+    max_model_len=8192,  # the judge reads a whole group at once: 8 inputs and answers, the rubric, its reply
+    levels=(0.3, 0.5, 0.7),
+)
 WARM_START = replace(
     SHORT, name="warm-start",
     description="short's settings in runs of 70 s, for RL from an SFT warm-up against RL from the base model "
@@ -193,7 +207,7 @@ TINY = Preset(
     levels=(0.5, 0.6, 0.7), times_s=(4.0, 8.0, 12.0),
 )
 PRESETS: dict[str, Preset] = {p.name: p for p in (SHORT, LONG_TAIL, AGENT, EMAIL_SEARCH, SHOP_AGENT, SHOP_LANGGRAPH, SHOP_MCP,
-                                                       WARM_START, TINY)}
+                                                       AUTOTASK, WARM_START, TINY)}
 """The named presets, by name."""
 
 

@@ -22,12 +22,14 @@ GENERATE = ("Here is a task: {description}\nWrite {n} different inputs someone m
 _NUMBERING = re.compile(r"^\s*(?:[-*•]|\d+[.)])\s*")
 
 
-def parse_inputs(text: str, limit: int) -> list[str]:
-    """The distinct non-empty lines of a generation, list markers and numbering removed, at most ``limit``."""
+def parse_inputs(text: str, limit: int, max_chars: int = 500) -> list[str]:
+    """The distinct non-empty lines of a generation, list markers and numbering removed, at most ``limit``; a line
+    longer than ``max_chars`` is dropped (a runaway line, which no answer's context might hold, would fail every
+    episode drawing it)."""
     seen: dict[str, None] = {}
     for line in text.splitlines():
         line = _NUMBERING.sub("", line).strip()
-        if line:
+        if line and len(line) <= max_chars:
             seen.setdefault(line)
     return list(seen)[:limit]
 
@@ -42,6 +44,8 @@ class AutoTask(AgentTask):
     generator_model: str | None = None
     """The model that writes the inputs (default: ``model``, as the gateway serves it when generation starts)."""
     generation_max_tokens: int = 1024
+    max_input_chars: int = 500
+    """Generated inputs longer than this are dropped."""
     rubric: str | None = None
     """What the judge scores by (default: how well each reply does the task described)."""
     _inputs: list[str] = field(default_factory=list, init=False, repr=False)
@@ -69,9 +73,11 @@ class AutoTask(AgentTask):
                         model=self.generator_model or self.model, max_tokens=self.generation_max_tokens,
                         messages=[{"role": "user", "content": GENERATE.format(description=self.description,
                                                                                n=self.n_inputs)}])
-                self._inputs = parse_inputs(reply.choices[0].message.content or "", self.n_inputs)
+                self._inputs = parse_inputs(reply.choices[0].message.content or "", self.n_inputs,
+                                            self.max_input_chars)
                 if not self._inputs:
-                    raise RuntimeError(f"{self.generator_model or self.model} wrote no inputs for {self.description!r}")
+                    raise RuntimeError(f"{self.generator_model or self.model} wrote no inputs of at most "
+                                       f"{self.max_input_chars} characters for {self.description!r}")
         return self._inputs
 
     async def episode(self, gateway: AsyncGateway, problem: int, group_id: str, group_size: int) -> Outcome:

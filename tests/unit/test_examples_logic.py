@@ -92,6 +92,7 @@ def test_answer_check_is_exact_but_forgiving_of_case() -> None:
 
 def test_generated_inputs_are_parsed() -> None:
     assert parse_inputs("1. red shoes\n- red shoes\n\n* a hat\n2) gloves", 2) == ["red shoes", "a hat"]
+    assert parse_inputs(f"{'x' * 501}\nshort", 2) == ["short"], "a runaway line is dropped"
 
 
 def test_an_agent_task_is_named_module_attr() -> None:
