@@ -12,6 +12,7 @@ from collections.abc import Callable
 from importlib import import_module
 from typing import NoReturn
 
+from streamrl.broker.kafka_logging import quiet_slow_network_steps
 from streamrl.usage import EXIT_UNREACHABLE, EXIT_USAGE, UsageError, unreachable_kafka
 
 DESCRIPTION = """\
@@ -68,7 +69,9 @@ def build_parser(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     parser.add_argument("--kafka-log-level", default="WARNING", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                        help="kafka-python's own loggers (at INFO they narrate every connection of every client)")
+                        help="kafka-python's own loggers (at INFO they narrate every connection of every client; "
+                             "above DEBUG its warnings of network-loop steps under 1 s, another thread's doing, are "
+                             "dropped: broker/kafka_logging.py)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = None if argv is None else chosen_command(argv)
     runners = {}
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("kafka").setLevel(args.kafka_log_level)
+    if logging.getLogger("kafka").getEffectiveLevel() > logging.DEBUG:  # at DEBUG every warning shows
+        quiet_slow_network_steps()
     try:
         return runners[args.command](args) or 0
     except UsageError as exc:
