@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sqlite3
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +23,7 @@ from mcp.types import TextContent, Tool
 from streamrl.producers.agent import AgentTask
 from streamrl.producers.client import AsyncTrajectory
 
-from ..shop import INSTRUCTIONS, Order, held_out_orders, sample_order, score
-from .server import write_database
+from ..shop import INSTRUCTIONS, PRICES, Order, held_out_orders, sample_order, score
 
 SYSTEM = INSTRUCTIONS.replace("price_of", "the shop's tools")
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +38,20 @@ def openai_tool(tool: Tool) -> dict[str, Any]:
 
 def tool_text(content: list[Any]) -> str:
     return "\n".join(c.text for c in content if isinstance(c, TextContent))
+
+
+def write_database(path: Path, prices: dict[str, int] = PRICES) -> Path:
+    """The shop's products table (name, price in cents, units in stock), written once; the server reads it."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)
+        with sqlite3.connect(tmp) as db:
+            db.execute("CREATE TABLE products (name TEXT PRIMARY KEY, price_cents INTEGER, stock INTEGER)")
+            db.executemany("INSERT INTO products VALUES (?, ?, ?)",
+                           [(name, price, (price * 7) % 50) for name, price in prices.items()])
+        tmp.replace(path)  # whole or absent: episodes start servers on it concurrently
+    return path
 
 
 def default_database() -> Path:

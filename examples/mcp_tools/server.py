@@ -1,5 +1,7 @@
 """An MCP server (the official ``mcp`` SDK's ``MCPServer``) over the shop's SQLite database, on stdio:
-``python -m examples.mcp_tools.server DB``. The agent (agent.py) starts it and discovers these tools."""
+``python -m examples.mcp_tools.server DB``. The agent (agent.py) writes the database, starts the server and
+discovers these tools. It imports nothing of streamrl, as a server of tools would not: started from the
+repository's root, that folder's ``streamrl/`` would stand in front of an installed (not editable) streamrl."""
 
 from __future__ import annotations
 
@@ -8,22 +10,6 @@ import sys
 from pathlib import Path
 
 from mcp.server.mcpserver import MCPServer
-
-from ..shop import PRICES
-
-
-def write_database(path: Path, prices: dict[str, int] = PRICES) -> Path:
-    """The shop's products table (name, price in cents, units in stock), written once; the server reads it."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.unlink(missing_ok=True)
-        with sqlite3.connect(tmp) as db:
-            db.execute("CREATE TABLE products (name TEXT PRIMARY KEY, price_cents INTEGER, stock INTEGER)")
-            db.executemany("INSERT INTO products VALUES (?, ?, ?)",
-                           [(name, price, (price * 7) % 50) for name, price in prices.items()])
-        tmp.replace(path)  # whole or absent: episodes start servers on it concurrently
-    return path
 
 
 def serve(db_path: str) -> MCPServer:
@@ -52,5 +38,5 @@ def serve(db_path: str) -> MCPServer:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not Path(sys.argv[1]).is_file():
-        sys.exit("usage: python -m examples.mcp_tools.server DB (an SQLite file write_database made)")
+        sys.exit("usage: python -m examples.mcp_tools.server DB (an SQLite file agent.write_database made)")
     serve(sys.argv[1]).run("stdio")

@@ -119,3 +119,17 @@ def test_an_agent_task_takes_its_own_options() -> None:
         load_task("examples.tictactoe.agent:TicTacToeTask", {"first_toool": "x"})
     with pytest.raises(ValueError, match="agent tasks"):
         DemoConfig(task="arithmetic", task_options={"max_tokens": 24})
+
+
+def test_the_mcp_server_imports_nothing_of_streamrl() -> None:
+    """The agent starts its MCP server with ``python -m examples.mcp_tools.server`` from the repository's root,
+    where the ``streamrl/`` folder stands in front of an installed (not editable) streamrl, as on the GPU
+    machines' layout: a server importing streamrl there would fail at its first import."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    code = ("import sys, examples.mcp_tools.server; "
+            "sys.exit(','.join(m for m in sys.modules if m == 'streamrl' or m.startswith('streamrl.')) or None)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"the server imported {done.stderr.strip() or done.stdout}"
