@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 
 from .batch import Batch
 from .tracking import Tracker, numbers
@@ -46,14 +47,14 @@ def batch_metrics(batch: Batch, version: int) -> dict[str, Any]:
     if not lags.size:  # nothing trained (every token left out): the sequences' oldest versions say how stale
         lags = version - batch.policy_version.astype(np.int64)
     rewards: dict[str, float] = {}
-    for tid, reward in zip(batch.trajectory_ids, batch.reward.tolist(), strict=True):
-        rewards.setdefault(tid, reward)
-    r = list(rewards.values())
-    calls: Counter[str] = Counter()
+    calls: Counter[str] = Counter()  # a trajectory's calls, over its sequences
     sequences: Counter[str] = Counter()
-    for tid, ids in zip(batch.trajectory_ids, batch.record.column("request_ids").to_pylist(), strict=True):
-        calls[tid] += len(ids)
+    per_row = pc.list_value_length(batch.record.column("request_ids")).to_numpy(zero_copy_only=False).tolist()
+    for tid, reward, n in zip(batch.trajectory_ids, batch.reward.tolist(), per_row, strict=True):
+        rewards.setdefault(tid, reward)
+        calls[tid] += n
         sequences[tid] += 1
+    r = list(rewards.values())
     multi = [tid for tid, n in calls.items() if n > 1]
     return {
         "reward_mean": float(np.mean(r)), "reward_std": float(np.std(r)),

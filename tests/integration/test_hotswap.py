@@ -55,6 +55,14 @@ def wait_routed(gw: GatewayServer, version: int, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def wait_retired(gw: GatewayServer, version: int, timeout: float = 30.0) -> None:
+    """Until the leader has retired ``version`` (a newer one routed)."""
+    deadline = time.monotonic() + timeout
+    while version not in gw.gateway.follower.plan.retiring:
+        assert time.monotonic() < deadline, f"v{version} was not retired once a newer version was routed"
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("update_mode", ["pinned", "in-flight"])
 def test_swap_under_concurrent_load(broker, engine, topics, adapters, base_model, update_mode):
     """Also with requests moving to each new version while they run (``in-flight``): nothing fails either, and
@@ -316,10 +324,7 @@ def test_a_pinned_episode_keeps_its_retired_version_until_it_ends(broker, engine
             assert relay.holding.wait(30), "the first move did not reach the engine"
             publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
             wait_routed(gw, 2)
-            deadline = time.monotonic() + 30
-            while 1 not in gw.gateway.follower.plan.retiring:
-                assert time.monotonic() < deadline, "v1 was not retired once v2 was routed"
-                time.sleep(0.01)
+            wait_retired(gw, 1)
         finally:
             relay.release()
             thread.join(120)
@@ -360,10 +365,7 @@ def test_a_pinned_version_is_let_go_when_its_episodes_end(broker, engine, topics
                 move(rewarded, 1)
                 publish_version(broker.bootstrap_servers, topics, name, 2, adapters[1], base_model)
                 wait_routed(gw, 2)
-                deadline = time.monotonic() + 30
-                while 1 not in gw.gateway.follower.plan.retiring:
-                    assert time.monotonic() < deadline, "v1 was not retired once v2 was routed"
-                    time.sleep(0.01)
+                wait_retired(gw, 1)
                 move(game, 2)  # retired, yet held for both episodes
                 move(rewarded, 2)
                 rewarded.reward(1.0)

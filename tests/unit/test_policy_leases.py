@@ -3,6 +3,9 @@ marked request's lease follows it to the version its engine moved it to, so that
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from streamrl.broker.schema import PolicyRecord
 from streamrl.gateway.policy import PolicyRouter, VersionState
 from streamrl.gateway.upstreams import UpstreamPool
@@ -10,8 +13,9 @@ from streamrl.gateway.upstreams import UpstreamPool
 A, B = "http://a:1", "http://b:1"
 
 
-def router_with(*versions: int) -> tuple[PolicyRouter, list[VersionState]]:
-    router = PolicyRouter("policy", UpstreamPool((A, B)))
+def router_with(*versions: int, pinned_hold_s: float = 0.0,
+                clock: Callable[[], float] = time.monotonic) -> tuple[PolicyRouter, list[VersionState]]:
+    router = PolicyRouter("policy", UpstreamPool((A, B)), pinned_hold_s=pinned_hold_s, clock=clock)
     states = []
     for v in versions:
         state = VersionState(PolicyRecord("policy", v, f"/a/v{v}", "base", v, "0" * 64), loaded_at=1.0)
@@ -98,10 +102,7 @@ def test_a_retired_version_serves_a_pinned_episode_while_held_then_lets_go() -> 
     """An episode pinned to v1 (a held-out game: several calls) keeps finding v1 after newer versions retired it,
     while its calls follow each other within ``pinned_hold_s``; then v1 closes to new pinned calls."""
     now = [100.0]
-    router = PolicyRouter("policy", UpstreamPool((A, B)), pinned_hold_s=5.0, clock=lambda: now[0])
-    for v in (1, 2):
-        router.versions[v] = VersionState(PolicyRecord("policy", v, f"/a/v{v}", "base", v, "0" * 64), loaded_at=1.0)
-    v1, v2 = router.versions[1], router.versions[2]
+    router, (v1, v2) = router_with(1, 2, pinned_hold_s=5.0, clock=lambda: now[0])
     router.route(v2)
     first = router.resolve("policy@v1")
     v1.retiring = True  # the leader retired it while the first call ran
@@ -123,11 +124,7 @@ def test_an_episode_that_ends_lets_its_pinned_version_go_at_once_and_only_its_ow
     """Two held-out games pinned to a retired v1: when one ends (its reward, or ``POST /v1/trajectories/end``)
     v1 stays held for the other, whose next move is on its way; when both ended v1 is idle at once, not
     ``pinned_hold_s`` later, so the next version does not wait for room behind an evaluation already over."""
-    now = [100.0]
-    router = PolicyRouter("policy", UpstreamPool((A, B)), pinned_hold_s=5.0, clock=lambda: now[0])
-    for v in (1, 2):
-        router.versions[v] = VersionState(PolicyRecord("policy", v, f"/a/v{v}", "base", v, "0" * 64), loaded_at=1.0)
-    v1, v2 = router.versions[1], router.versions[2]
+    router, (v1, v2) = router_with(1, 2, pinned_hold_s=5.0)
     router.route(v2)
     idle: list[int] = []
     router.idle_callbacks.append(lambda s: idle.append(s.record.version))
@@ -149,8 +146,7 @@ def test_an_episode_that_ends_lets_its_pinned_version_go_at_once_and_only_its_ow
 
 
 def test_a_pinned_request_still_running_holds_its_version_past_its_episodes_end() -> None:
-    router, (_, v2) = router_with(1, 2)
-    router.pinned_hold_s = 5.0
+    router, (_, v2) = router_with(1, 2, pinned_hold_s=5.0)
     router.route(v2)
     running = router.resolve("policy@v1", "game")
     assert router.end_episodes(["game"]) == 0 and router.held() == {1}, "a lease in flight is not a hold"
