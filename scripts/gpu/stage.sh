@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here (a machine that reaches the package registries): download vLLM 0.26.0 (the newest release pinned
 # to torch 2.11.0, which the H200 image has), the packages that image lacks, and what streamrl needs,
-# as Python 3.12 wheels, then cut them into pieces of at most 52 MiB (the device tool carries at most
+# as Python 3.12 wheels, then cut them into pieces of at most 46 MiB (the device tool carries at most
 # 64 MiB per command, the repository's own files included).
 #   usage: scripts/gpu/stage.sh [DIR]     (default .gpu-wheels, ignored by git) -> DIR/p00 DIR/p01 ...
 #          and DIR/gateway/g00, g01, ... (the gateway's packages alone, for its benches: install.sh takes either)
@@ -19,7 +19,7 @@ python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/all" vllm==0.26.0 \
   -r "$here/vllm-0.26.0-py312-requirements.txt" -r "$here/streamrl-py312-requirements.txt"
 cd "$out/all"
 cat ./*.whl | wc -c | awk '{printf "%.0f MB of wheels\n", $1/1e6}'
-tar cf - ./*.whl | split -b 52M -d - ../piece.
+tar cf - ./*.whl | split -b 46M -d - ../piece.
 # the gateway's benches need none of vLLM: its own packages and every small wheel (about 62 MB), in pieces of
 # at most 30 MB (gateway/g00, g01, ...: a carry each, beside the repository's own files)
 mkdir -p ../gateway
