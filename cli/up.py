@@ -690,35 +690,56 @@ class Stack:
 
     def stop(self) -> None:
         """Every part down within ``STOP_BUDGET_S``: the demo told first (it drops an evaluation in progress),
-        then every part's process group sent SIGTERM at once, each waited for until its own deadline and
-        killed after it, the broker last (the gateway delivers its records to it on the way down). Killing
-        the trainer mid-step loses nothing acknowledged: it commits offsets only after a version is
-        checkpointed, so it retrains those groups on restart (trainer/daemon.py)."""
+        then the judge's, the gateway's and the trainer's process groups sent SIGTERM at once, the engines'
+        once the judge and the gateway, their only clients, have exited; each waited for until its own
+        deadline and killed after it, the broker last (the gateway delivers its records to it on the way
+        down). Killing the trainer mid-step loses nothing acknowledged: it commits offsets only after a
+        version is checkpointed, so it retrains those groups on restart (trainer/daemon.py).
+
+        The engines wait for their clients because vLLM stops its engine core at once on SIGTERM, under
+        the gateway's calls in flight (its ``shutdown_grace_s`` would be for nothing), and its API server
+        then waits for an adapter load the gateway had begun until killed at its deadline (13 s of a stop
+        that otherwise takes 2)."""
         started = time.monotonic()
         self.demo_stop.set()
         for thread in self.demo_threads.values():
             thread.join(timeout=max(0.0, started + DEMO_STOP_S - time.monotonic()))
-        parts = [(part, proc) for kind in ("judge", "gateway", "trainer") for part, proc in self.children.items()
-                 if part.split("-")[0] == kind]
-        parts += [(f"engine {e.url}", e.proc) for e in self.engines if e.proc is not None]
+        clients = [(part, proc) for kind in ("judge", "gateway") for part, proc in self.children.items()
+                   if part.split("-")[0] == kind]
+        trainers = [(part, proc) for part, proc in self.children.items() if part.split("-")[0] == "trainer"]
+        engines = [(f"engine {e.url}", e.proc) for e in self.engines if e.proc is not None]
         self._following.set()  # vLLM's own shutdown messages stay in its log file, off the console
-        if parts:
-            self.log.line("up", f"stopping {', '.join(part for part, _ in parts)}")
-        for _, proc in parts:
+        if clients or trainers or engines:
+            self.log.line("up", f"stopping {', '.join(part for part, _ in clients + trainers + engines)}")
+        for _, proc in clients + trainers:
             signal_group(proc, signal.SIGTERM)
-        for part, proc in parts:
-            deadline = started + STOP_DEADLINES_S.get(part.split()[0].split("-")[0], STOP_BUDGET_S)
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.log.line("up", f"{part} still running {time.monotonic() - started:.0f} s after SIGTERM: killed")
-            signal_group(proc, signal.SIGKILL)  # the group's stragglers too
-            proc.wait()
+        for part, proc in clients:
+            self._reap(part, proc, started)
+        told = time.monotonic()
+        for _, proc in engines:
+            signal_group(proc, signal.SIGTERM)
+        for part, proc in trainers:
+            self._reap(part, proc, started)
+        for part, proc in engines:
+            self._reap(part, proc, started, told)
         if self.broker is not None:
             self.log.line("up", "stopping broker")
             self.broker.stop(timeout=max(1.0, started + STOP_BUDGET_S - time.monotonic()))
         for t in self.log.threads:
             t.join(timeout=1)
+
+    def _reap(self, part: str, proc: subprocess.Popen, started: float, told: float | None = None) -> None:
+        """``part`` (sent SIGTERM at ``told``, else when the stop began) waited for until its deadline
+        (``STOP_DEADLINES_S``, from ``started``), then its process group killed: the stragglers of a leader
+        that exited too."""
+        deadline = started + STOP_DEADLINES_S.get(part.split()[0].split("-")[0], STOP_BUDGET_S)
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            since = time.monotonic() - (started if told is None else told)
+            self.log.line("up", f"{part} still running {since:.0f} s after SIGTERM: killed")
+        signal_group(proc, signal.SIGKILL)
+        proc.wait()
 
     def kill(self) -> None:
         """A second Ctrl-C: every part's process group killed at once, nothing waited for."""
