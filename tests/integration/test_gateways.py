@@ -167,8 +167,12 @@ def start_all(configs: list[GatewayConfig]) -> list[GatewayServer]:
     return started
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_gateways_share_swaps_under_load(n, broker, engine, topics, adapters, base_model, name, tmp_path):
+def test_gateways_share_swaps_under_load(broker, engine, topics, adapters, base_model, name, tmp_path):
+    """Three gateways, a leader and two followers: every check runs across followers too (none asks for a load,
+    each routes every version, the late one joins them). It also ran with two, the same path with one follower
+    fewer; a leader with one follower is what ``test_unload_waits_for_a_follower_until_it_dies`` and
+    ``test_workers_share_one_port`` run."""
+    n = 3
     reader = TopicReader(broker.bootstrap_servers, topics.completions)
     gateways = start_all([gateway_config(broker, engine.url, name, tmp_path) for _ in range(n)])
     try:
@@ -411,12 +415,19 @@ def test_workers_share_one_port(broker, engine, topics, adapters, base_model, na
         stop_group(proc, 30)
 
 
+CATCH_UP_S = 0.5
+"""The catch-up wait of the gateway started with Kafka down: any wait runs out the same way (the coordination
+and policy topics unread, the gateway serves on). Kept short because kafka-python's reconnect backoff grows
+with each refused attempt (x4 a try, up to 30 s): after the 2 s this was, its next try came 7.5 s after the
+broker was up, and the test waited for it."""
+
+
 def test_a_gateway_started_with_kafka_down_serves_then_joins(engine, adapters, base_model, name, tmp_path):
     """Kafka unreachable at start: the gateway serves (the base model, records to its spool) after its
     catch-up wait instead of failing to start, and joins the coordination, leads and follows the policy
     topic once the broker is up."""
     own = EmbeddedBroker(topics=Topics("gateways-late"), partitions=2, log_file=LOG_DIR / "broker-gateways.log")
-    config = dataclasses.replace(gateway_config(own, engine.url, name, tmp_path), policy_catch_up_s=2.0,
+    config = dataclasses.replace(gateway_config(own, engine.url, name, tmp_path), policy_catch_up_s=CATCH_UP_S,
                                  kafka=GatewayKafka(bootstrap_servers=own.bootstrap_servers, topic_prefix=own.topics.prefix))
     try:
         with GatewayServer(config) as gw:

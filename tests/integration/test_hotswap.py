@@ -28,6 +28,10 @@ from streamrl.gateway.server import GatewayServer
 
 TOPICS = Topics("hotswap")
 CHAT = [{"role": "user", "content": "Count to ten."}]
+PINNED_HOLD_S = 2.0
+"""The hold of ``test_a_pinned_episode_keeps_its_retired_version_until_it_ends``: its moves follow each other within
+milliseconds (one client, no work between them), so 2 s still leaves them a wide margin, and the test waits out one
+hold at its end (the gateway's 5 s default made that wait 5 s)."""
 
 
 @pytest.fixture(autouse=True)
@@ -316,7 +320,7 @@ def test_a_pinned_episode_keeps_its_retired_version_until_it_ends(broker, engine
     first: dict[str, object] = {}
     relay.hold_marker = b"the first move"
     config = gateway_config(broker, engine, name, upstreams=(relay.url,), keep_previous_versions=0,
-                            pinned_hold_s=5.0)
+                            pinned_hold_s=PINNED_HOLD_S)
     with GatewayServer(config) as gw:
         wait_routed(gw, 1)
         thread = held_stream(gw.url, f"{name}@v1", "the first move", first)
