@@ -697,9 +697,10 @@ class Stack:
         version is checkpointed, so it retrains those groups on restart (trainer/daemon.py).
 
         The engines wait for their clients because vLLM stops its engine core at once on SIGTERM, under
-        the gateway's calls in flight (its ``shutdown_grace_s`` would be for nothing), and its API server
-        then waits for an adapter load the gateway had begun until killed at its deadline (13 s of a stop
-        that otherwise takes 2)."""
+        the gateway's calls in flight (its ``shutdown_grace_s`` would be for nothing). An engine then gets
+        ``ENGINE_STOP_S``: a SIGTERM that lands in an adapter load kills the load, and vLLM's API server
+        waits for that request's handler, which never returns, until it is killed; an engine keeps nothing
+        that a kill loses."""
         started = time.monotonic()
         self.demo_stop.set()
         for thread in self.demo_threads.values():
@@ -721,20 +722,22 @@ class Stack:
         for part, proc in trainers:
             self._reap(part, proc, started)
         for part, proc in engines:
-            self._reap(part, proc, started, told)
+            self._reap(part, proc, started, told, told + ENGINE_STOP_S)
         if self.broker is not None:
             self.log.line("up", "stopping broker")
             self.broker.stop(timeout=max(1.0, started + STOP_BUDGET_S - time.monotonic()))
         for t in self.log.threads:
             t.join(timeout=1)
 
-    def _reap(self, part: str, proc: subprocess.Popen, started: float, told: float | None = None) -> None:
-        """``part`` (sent SIGTERM at ``told``, else when the stop began) waited for until its deadline
-        (``STOP_DEADLINES_S``, from ``started``), then its process group killed: the stragglers of a leader
-        that exited too."""
-        deadline = started + STOP_DEADLINES_S.get(part.split()[0].split("-")[0], STOP_BUDGET_S)
+    def _reap(self, part: str, proc: subprocess.Popen, started: float, told: float | None = None,
+              deadline: float | None = None) -> None:
+        """``part`` (sent SIGTERM at ``told``, else when the stop began) waited for until its deadline (the
+        earlier of ``deadline`` and ``STOP_DEADLINES_S`` from ``started``), then its process group killed: the
+        stragglers of a leader that exited too."""
+        last = started + STOP_DEADLINES_S.get(part.split()[0].split("-")[0], STOP_BUDGET_S)
+        last = last if deadline is None else min(last, deadline)
         try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
+            proc.wait(max(0.0, last - time.monotonic()))
         except subprocess.TimeoutExpired:
             since = time.monotonic() - (started if told is None else told)
             self.log.line("up", f"{part} still running {since:.0f} s after SIGTERM: killed")
@@ -756,6 +759,8 @@ STOP_BUDGET_S = 15.0
 """Ctrl-C or SIGTERM to everything stopped, on a loaded 2-core machine."""
 DEMO_STOP_S = 3.0
 """The demo's share: its groups in flight get this long to post their rewards."""
+ENGINE_STOP_S = 5.0
+"""How long an engine gets from its SIGTERM: vLLM's API server is out within a second unless a load hangs it."""
 STOP_DEADLINES_S = {"judge": 8.0, "trainer": 10.0, "gateway": 13.0, "engine": 13.0}
 """Seconds after the stop began by which each part must have exited. The trainer's is short (a step on the
 CPU can take a minute, and abandoning it loses nothing); the gateway's covers its calls in flight
