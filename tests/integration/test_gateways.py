@@ -169,9 +169,8 @@ def start_all(configs: list[GatewayConfig]) -> list[GatewayServer]:
 
 def test_gateways_share_swaps_under_load(broker, engine, topics, adapters, base_model, name, tmp_path):
     """Three gateways, a leader and two followers: every check runs across followers too (none asks for a load,
-    each routes every version, the late one joins them). It also ran with two, the same path with one follower
-    fewer; a leader with one follower is what ``test_unload_waits_for_a_follower_until_it_dies`` and
-    ``test_workers_share_one_port`` run."""
+    each routes every version, the late one joins them). A leader with a single follower is what
+    ``test_unload_waits_for_a_follower_until_it_dies`` and ``test_workers_share_one_port`` run."""
     n = 3
     reader = TopicReader(broker.bootstrap_servers, topics.completions)
     gateways = start_all([gateway_config(broker, engine.url, name, tmp_path) for _ in range(n)])
