@@ -722,7 +722,7 @@ class Stack:
         for part, proc in trainers:
             self._reap(part, proc, started)
         for part, proc in engines:
-            self._reap(part, proc, started, told, told + ENGINE_STOP_S)
+            self._reap(part, proc, started, told, ENGINE_STOP_S)
         if self.broker is not None:
             self.log.line("up", "stopping broker")
             self.broker.stop(timeout=max(1.0, started + STOP_BUDGET_S - time.monotonic()))
@@ -730,17 +730,17 @@ class Stack:
             t.join(timeout=1)
 
     def _reap(self, part: str, proc: subprocess.Popen, started: float, told: float | None = None,
-              deadline: float | None = None) -> None:
-        """``part`` (sent SIGTERM at ``told``, else when the stop began) waited for until its deadline (the
-        earlier of ``deadline`` and ``STOP_DEADLINES_S`` from ``started``), then its process group killed: the
-        stragglers of a leader that exited too."""
+              grace_s: float | None = None) -> None:
+        """``part`` (sent SIGTERM at ``told``, else when the stop began) waited for until its deadline (its
+        ``STOP_DEADLINES_S`` from ``started``, or ``grace_s`` after ``told`` if sooner), then its process group
+        killed: the stragglers of a leader that exited too."""
+        told = started if told is None else told
         last = started + STOP_DEADLINES_S.get(part.split()[0].split("-")[0], STOP_BUDGET_S)
-        last = last if deadline is None else min(last, deadline)
+        last = last if grace_s is None else min(last, told + grace_s)
         try:
             proc.wait(max(0.0, last - time.monotonic()))
         except subprocess.TimeoutExpired:
-            since = time.monotonic() - (started if told is None else told)
-            self.log.line("up", f"{part} still running {since:.0f} s after SIGTERM: killed")
+            self.log.line("up", f"{part} still running {time.monotonic() - told:.0f} s after SIGTERM: killed")
         signal_group(proc, signal.SIGKILL)
         proc.wait()
 
