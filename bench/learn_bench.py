@@ -828,7 +828,7 @@ def run(args: argparse.Namespace, preset: Preset, modes: list[str], seeds: list[
     return 0 if all(r.get("complete") for r in result["runs"]) and result["runs"] else 1
 
 
-def serve(args: argparse.Namespace, preset: Preset) -> int:
+def serve(args: argparse.Namespace, preset: Preset, stop: threading.Event | None = None) -> int:
     """``serve``: the preset's shared engine(s), kept until SIGTERM or SIGINT, their URLs written one per line to
     ``--urls`` once every one answers. Later ``run`` commands pass them as ``--upstream`` and skip the engine's
     start (about two minutes of a device's ten-minute command on SmolLM2): a device machine keeps a process
@@ -836,9 +836,10 @@ def serve(args: argparse.Namespace, preset: Preset) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(preset, Path(args.model_cache), out)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    if stop is None:  # the command's own: stopped by a signal (a caller's event otherwise)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
     engines = start_shared_engines(preset, model, out)
     try:
         urls = Path(args.urls)

@@ -311,3 +311,47 @@ def test_field_defaults_are_what_a_preset_of_no_settings_writes() -> None:
     defaults = presets.field_defaults()
     assert defaults["task_options"] == {} and defaults["levels"] == [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
     assert defaults["name"] == presets.Preset().name
+
+
+def test_serve_writes_the_urls_whole_once_the_engines_answer_and_removes_them_when_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``learn_bench.py serve`` (the engine kept between a device's commands): the engines here are stand-ins (a
+    real engine's start and stop are the session engine's, tests/integration); what is checked is the URL file a
+    waiting script reads: absent until every engine answers, whole, and gone once the engines are stopped."""
+    import argparse
+    import threading
+
+    bench = load_bench("learn_bench")
+    started = threading.Event()
+    stopped: list[str] = []
+
+    class StandIn:
+        def __init__(self, url: str) -> None:
+            self.url = url
+
+        def stop(self) -> None:
+            stopped.append(self.url)
+
+    def start(preset: object, model: Path, out: Path) -> list[StandIn]:
+        assert not urls.exists(), "the URL file is written only once every engine answers"
+        started.set()
+        return [StandIn("http://127.0.0.1:1"), StandIn("http://127.0.0.1:2")]
+
+    monkeypatch.setattr(bench, "build_model", lambda preset, cache, out: tmp_path / "model")
+    monkeypatch.setattr(bench, "start_shared_engines", start)
+    urls = tmp_path / "engine.urls"
+    args = argparse.Namespace(out=str(tmp_path / "out"), model_cache=str(tmp_path / "cache"), urls=str(urls))
+    stop = threading.Event()
+    thread = threading.Thread(target=bench.serve, args=(args, presets.PRESETS["tiny"], stop))
+    thread.start()
+    try:
+        assert started.wait(10)
+        for _ in range(1000):
+            if urls.exists():
+                break
+            stop.wait(0.01)
+        assert urls.read_text() == "http://127.0.0.1:1\nhttp://127.0.0.1:2\n" and not stopped
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive() and stopped == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and not urls.exists()
