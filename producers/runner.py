@@ -77,6 +77,10 @@ class Board:
     printed: set[int] = field(default_factory=set)
     target_reached_s: float | None = None
     """Seconds from the start until the reward target was reached (None: it was not)."""
+    first_error: str | None = None
+    """The first failed trajectory's exception, as ``Type: message``."""
+    gave_up: bool = False
+    """The run stopped because its first ``RunLimits.give_up_failures`` trajectories all failed."""
     reply_tokens: list[int] = field(default_factory=list)
     """Each finished trajectory's sampled tokens (where its responses said): the summary's exact reply lengths,
     which the trainer's per-step means cannot give (their max understates the longest reply)."""
@@ -117,6 +121,8 @@ class Board:
             "started_at": self.started_at,
             "seconds": time.monotonic() - self.started,
             "target_reached_s": self.target_reached_s,
+            "first_error": self.first_error,
+            "gave_up": self.gave_up,
             "reply_tokens": reply_token_stats(self.reply_tokens),
         }
 
@@ -234,12 +240,15 @@ class Pacer:
 class RunLimits:
     """When to stop, whichever comes first: ``stop_groups`` whole groups served by version
     ``until_version`` or later; the last ``stop_groups`` groups, all served by trained versions (>= 1),
-    average ``until_reward`` or more; ``max_seconds``."""
+    average ``until_reward`` or more; ``max_seconds``; ``give_up_failures`` trajectories failed before any
+    finished (a task whose episodes cannot run, e.g. a tool server that cannot start, then ends the run at once
+    with its first error instead of failing every episode until the time limit; 0: never)."""
 
     until_version: int | None = None
     until_reward: float | None = None
     stop_groups: int = 4
     max_seconds: float | None = None
+    give_up_failures: int = 64
 
 
 async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: int = 4,
@@ -267,6 +276,7 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
         for r in results:
             if isinstance(r, BaseException):
                 board.failed += 1
+                board.first_error = board.first_error or f"{type(r).__name__}: {r}"
                 if board.failed <= 5:  # the count is in the summary; the first few say why
                     log.warning("trajectory failed: %s: %s", type(r).__name__, r)
             else:
@@ -275,6 +285,12 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
                 rewards.append(r.reward)
         for text in board.closed_lines():
             emit(text)
+        if limits.give_up_failures and board.failed >= limits.give_up_failures and not board.versions \
+                and not done.is_set():
+            emit(f"every one of the first {board.failed} trajectories failed, none finished: stopping "
+                 f"(the first error: {board.first_error})")
+            board.gave_up = True
+            done.set()
         if pacer is not None and not trainable(rewards, group_size):
             pacer.refund()
         if not versions or len(versions) < group_size:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mcp import Client, StdioServerParameters
+from mcp.client.stdio import get_default_environment
 from mcp.types import TextContent, Tool
 
 from streamrl.producers.agent import AgentTask
@@ -79,8 +80,12 @@ class McpShopTask(AgentTask):
         return sample_order(rng)
 
     def server(self) -> StdioServerParameters:
+        """The tool server: this interpreter with this process's import path. The MCP SDK hands a server only a
+        few safe variables of the environment (no PYTHONPATH), so where packages come from PYTHONPATH rather than
+        site-packages the server could not import ``mcp`` and every episode failed."""
+        env = {**get_default_environment(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         return StdioServerParameters(command=sys.executable, args=["-m", "examples.mcp_tools.server", str(self.database)],
-                                     cwd=str(REPO))
+                                     cwd=str(REPO), env=env)
 
     async def play(self, t: AsyncTrajectory, problem: Order, *, model: str, temperature: float) -> float:
         async with Client(self.server()) as mcp:

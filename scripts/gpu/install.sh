@@ -49,5 +49,5 @@ PY
 if [ "$gateway_only" = 1 ]; then
   cd / && PYTHONPATH=$site python3 -c "import kafka, confluent_kafka, streamrl.gateway.app, streamrl.broker.embedded; print('gateway only')"
 else
-  cd / && PYTHONPATH=$site python3 -c "import vllm, torch, kafka, confluent_kafka, streamrl.broker.schema, streamrl.engine.server, examples.tictactoe.agent; from streamrl.engine.vllm_hooks import plugin_installed; assert plugin_installed(), 'the vLLM plugin entry point'; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
+  cd / && PYTHONPATH=$site python3 -c "import vllm, torch, kafka, confluent_kafka, streamrl.broker.schema, streamrl.engine.server, examples.tictactoe.agent, agents, mcp, langchain_openai, langgraph.prebuilt; from streamrl.engine.vllm_hooks import plugin_installed; assert plugin_installed(), 'the vLLM plugin entry point'; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
 fi

@@ -133,3 +133,19 @@ def test_the_mcp_server_imports_nothing_of_streamrl() -> None:
             "sys.exit(','.join(m for m in sys.modules if m == 'streamrl' or m.startswith('streamrl.')) or None)")
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"the server imported {done.stderr.strip() or done.stdout}"
+
+
+def test_the_mcp_server_gets_this_processs_import_path(tmp_path: Path) -> None:
+    """The MCP SDK gives a stdio server only a few safe environment variables; where packages come from
+    PYTHONPATH (the GPU machines' layout: ``install.sh --target``) a server without this process's path could not
+    import ``mcp``, and every episode failed (seen on an H100: 31,984 of 31,984)."""
+    import os
+
+    import mcp
+
+    from examples.mcp_tools.agent import McpShopTask
+
+    params = McpShopTask(database=tmp_path / "shop.sqlite").server()
+    assert params.env is not None and "PATH" in params.env
+    assert str(Path(mcp.__file__).resolve().parents[1]) in {
+        str(Path(p).resolve()) for p in params.env["PYTHONPATH"].split(os.pathsep)}

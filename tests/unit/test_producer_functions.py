@@ -6,14 +6,15 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 
 from streamrl.producers.calculator import CalculatorTask, calculate, final_number, run_tool, score
 from streamrl.producers.client import reward_body
-from streamrl.producers.episode import newest, served_version
+from streamrl.producers.episode import Outcome, newest, served_version
 from streamrl.producers.numbers import digit_fraction
-from streamrl.producers.runner import Board, Pacer, reply_token_stats, trainable
+from streamrl.producers.runner import Board, Pacer, RunLimits, reply_token_stats, run_groups, trainable
 
 # ------------------------------------------------------------------------------ reward functions
 
@@ -164,3 +165,53 @@ def test_pacer_holds_generation_to_the_step_and_refunds_unusable_groups() -> Non
             assert await last is False  # the run ended while it waited
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------ a task whose episodes cannot run
+
+
+class _Broken:
+    """Episodes that fail before any call (as when an agent's tool server cannot start) where ``fails(n)`` holds
+    for the n-th episode started (from 1), and finish otherwise. No call reaches the gateway: the runner's
+    bookkeeping is what is checked."""
+
+    def __init__(self, fails: Callable[[int], bool] = lambda n: True) -> None:
+        self.calls, self.fails = 0, fails
+
+    def sample(self, rng: random.Random) -> int:
+        return rng.randint(0, 9)
+
+    async def episode(self, gateway: object, problem: int, group_id: str, group_size: int) -> Outcome:
+        self.calls += 1
+        call = self.calls
+        await asyncio.sleep(0)
+        if self.fails(call):
+            raise ModuleNotFoundError("No module named 'mcp'")
+        return Outcome(reward=1.0, version=0)
+
+
+def test_a_task_whose_first_episodes_all_fail_ends_the_run_with_its_first_error() -> None:
+    lines: list[str] = []
+    task = _Broken()
+    board = asyncio.run(run_groups("http://127.0.0.1:9", task, group_size=8, concurrency=4,  # type: ignore[arg-type]
+                                   limits=RunLimits(max_seconds=60, give_up_failures=16), emit=lines.append))
+    assert board.gave_up and board.first_error == "ModuleNotFoundError: No module named 'mcp'"
+    assert 16 <= board.failed <= 16 + 4 * 8 and task.calls == board.failed, "the groups in flight finish, no more"
+    assert any("first error: ModuleNotFoundError" in line for line in lines)
+    assert board.summary()["gave_up"] is True
+
+
+def test_failures_after_a_finished_episode_do_not_end_the_run() -> None:
+    task = _Broken(fails=lambda n: 8 < n <= 40)  # one good group, then four failed ones, then good again
+    board = asyncio.run(run_groups("http://127.0.0.1:9", task, group_size=8, concurrency=1,  # type: ignore[arg-type]
+                                   limits=RunLimits(until_version=0, stop_groups=2, give_up_failures=16),
+                                   emit=lambda _: None))
+    assert not board.gave_up and board.failed == 32 and board.versions[0].n == 16
+
+
+def test_give_up_failures_zero_never_gives_up() -> None:
+    task = _Broken(fails=lambda n: n <= 40)
+    board = asyncio.run(run_groups("http://127.0.0.1:9", task, group_size=8, concurrency=1,  # type: ignore[arg-type]
+                                   limits=RunLimits(until_version=0, stop_groups=1, give_up_failures=0),
+                                   emit=lambda _: None))
+    assert not board.gave_up and board.failed == 40
