@@ -140,8 +140,8 @@ def test_a_publish_moves_a_running_stream_with_no_other_request(broker: Embedded
     stream, the only request there is, moves to the version published while it runs.
 
     The stream's lease can follow it only while the gateway still relays it, and the client cannot hold that relay
-    up: the gateway takes the whole stream (250 KB; 890 KB with 20 logprobs a token) into its buffers while the client
-    reads nothing, and ends it at the engine's pace, about 3 s on 2 cores. A publish whose load and route took longer
+    up: the buffers between the gateway and a client that reads nothing take the whole stream (250 KB; 890 KB with 20
+    logprobs a token, a small receive buffer or not), so the relay ends at the engine's pace, about 3 s on 2 cores. A publish whose load and route took longer
     (seen once in a whole suite's run) finds no stream left to move: such an attempt, told apart by the lease let
     go with none moved, runs again under a policy of its own (at most :data:`ATTEMPTS`); a gateway that never moves
     the lease fails every attempt so."""
