@@ -957,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
                 make_task(preset)  # writes demonstrations, or the error now
             setup = preset, modes, parse_seeds(args.seeds), choose_baseline(args.baseline, modes)
         elif args.command == "serve":
-            setup_serve = choose_preset(args)
+            serve_preset = choose_preset(args)
         elif args.command == "merge":
             return merge(args)
         elif args.command == "histories":
@@ -968,7 +968,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"learn_bench: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        return serve(args, setup_serve)
+        return serve(args, serve_preset)
     return run(args, *setup)
 
 
