@@ -17,6 +17,10 @@ from .security import KafkaSecurity
 
 DEFAULT_COMPRESSION = "zstd"
 PLAINTEXT = KafkaSecurity()
+RECONNECT_BACKOFF_MAX_MS = 1_000
+"""The longest wait between a client's tries to reach a broker that went away (Kafka's Java clients' default).
+kafka-python's is 30 s: after an outage a part could wait up to half a minute past the broker's return before it
+produced or fetched again."""
 
 
 def producer_kwargs(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTEXT,
@@ -25,7 +29,8 @@ def producer_kwargs(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTE
     """What ``make_producer`` hands kafka-python (tests read it: no SASL broker runs here)."""
     return dict(bootstrap_servers=bootstrap_servers, client_id=client_id, compression_type=compression,
                 linger_ms=linger_ms, batch_size=1 << 20, max_request_size=16 << 20, acks=acks,
-                max_block_ms=max_block_ms, retries=5, **security.client_kwargs(), **extra)
+                max_block_ms=max_block_ms, retries=5, **security.client_kwargs(),
+                **{"reconnect_backoff_max_ms": RECONNECT_BACKOFF_MAX_MS, **extra})
 
 
 def make_producer(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTEXT,
@@ -58,6 +63,7 @@ def consumer_kwargs(bootstrap_servers: str, *, group_id: str | None, security: K
     extra.setdefault("fetch_max_wait_ms", FETCH_MAX_WAIT_MS)
     extra.setdefault("max_partition_fetch_bytes", 16 << 20)
     extra.setdefault("fetch_max_bytes", 64 << 20)
+    extra.setdefault("reconnect_backoff_max_ms", RECONNECT_BACKOFF_MAX_MS)
     return dict(bootstrap_servers=bootstrap_servers, group_id=group_id, client_id=client_id,
                 enable_auto_commit=False, auto_offset_reset=auto_offset_reset, **security.client_kwargs(), **extra)
 
@@ -73,6 +79,7 @@ def make_consumer(bootstrap_servers: str, *, group_id: str | None, security: Kaf
 def admin_kwargs(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTEXT,
                  client_id: str = "streamrl-admin", **extra: Any) -> dict[str, Any]:
     """What ``make_admin`` hands kafka-python."""
+    extra.setdefault("reconnect_backoff_max_ms", RECONNECT_BACKOFF_MAX_MS)
     return dict(bootstrap_servers=bootstrap_servers, client_id=client_id, **security.client_kwargs(), **extra)
 
 

@@ -72,7 +72,7 @@ def connect(client: ProducerClient, bootstrap_servers: str, *, security: KafkaSe
 
 class KafkaPythonProducer(RecordProducer):
     """kafka-python's ``KafkaProducer``; a broker that is down is found out within 2 s (kafka-python waits 30 s
-    by default), one back up within 1 s."""
+    by default), one back up within 1 s (``clients.RECONNECT_BACKOFF_MAX_MS``)."""
 
     def __init__(self, bootstrap_servers: str, *, security: KafkaSecurity, compression: str | None, linger_ms: int,
                  send_timeout_ms: int, client_id: str) -> None:
@@ -84,7 +84,7 @@ class KafkaPythonProducer(RecordProducer):
                                           max_block_ms=t, request_timeout_ms=t, delivery_timeout_ms=t + 5_000,
                                           client_id=client_id, linger_ms=linger_ms,
                                           max_in_flight_requests_per_connection=1, bootstrap_timeout_ms=2_000,
-                                          reconnect_backoff_max_ms=1_000, enable_idempotence=False)
+                                          enable_idempotence=False)
         except (KafkaConnectionError, KafkaTimeoutError) as exc:
             raise KafkaUnreachable(f"no Kafka broker answered at {bootstrap_servers}: {exc}") from exc
 

@@ -416,9 +416,10 @@ def test_workers_share_one_port(broker, engine, topics, adapters, base_model, na
 
 CATCH_UP_S = 0.5
 """The catch-up wait of the gateway started with Kafka down: any wait runs out the same way (the coordination
-and policy topics unread, the gateway serves on). Kept short because kafka-python's reconnect backoff grows
-with each refused attempt (x4 a try, up to 30 s): after the 2 s this was, its next try came 7.5 s after the
-broker was up, and the test waited for it."""
+and policy topics unread, the gateway serves on), so it is kept short. kafka-python's reconnect backoff grows with
+each refused attempt (x4 a try); streamrl's clients cap it at 1 s (``broker/clients.py``), so the gateway is back
+within about a second of the broker's start (with kafka-python's own cap, 30 s, a 2 s wait here once had its next
+try come 7.5 s after the broker was up)."""
 
 
 def test_a_gateway_started_with_kafka_down_serves_then_joins(engine, adapters, base_model, name, tmp_path):

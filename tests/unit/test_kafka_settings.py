@@ -148,3 +148,20 @@ def test_a_one_shot_command_that_reaches_no_broker_says_so_in_one_line() -> None
     assert message is not None and "127.0.0.1:9" in message and "--bootstrap-servers" in message
     assert unreachable_kafka(KafkaTimeoutError("Timeout after 60000 ms waiting to send")) is None  # not this
     assert unreachable_kafka(ValueError("bootstrap")) is None
+
+
+def test_every_kafka_client_retries_a_lost_broker_within_a_second_unless_told_otherwise() -> None:
+    """kafka-python backs off up to 30 s between tries to reach a broker that went away; every client streamrl
+    makes tries at least once a second, so that a part is back within a second of the broker's return."""
+    from streamrl.broker.clients import (
+        RECONNECT_BACKOFF_MAX_MS,
+        admin_kwargs,
+        consumer_kwargs,
+        producer_kwargs,
+    )
+
+    assert RECONNECT_BACKOFF_MAX_MS == 1_000
+    for kw in (producer_kwargs("b:9092"), consumer_kwargs("b:9092", group_id=None), admin_kwargs("b:9092")):
+        assert kw["reconnect_backoff_max_ms"] == RECONNECT_BACKOFF_MAX_MS
+    assert producer_kwargs("b:9092", reconnect_backoff_max_ms=5)["reconnect_backoff_max_ms"] == 5
+    assert consumer_kwargs("b:9092", group_id=None, reconnect_backoff_max_ms=5)["reconnect_backoff_max_ms"] == 5
