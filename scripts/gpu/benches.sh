@@ -15,7 +15,8 @@
 #   engine: start PRESET's shared engine (ENGINE_PRESET overrides it, e.g. autotask's longer context for every agent
 #          preset) in a session of its own, so that it outlives this command on the device machine, and wait until
 #          it answers; every later learn command on that machine then runs against it (--upstream) instead of
-#          starting its own: one engine start per machine instead of one per command
+#          starting its own: one engine start per machine instead of one per command (an engine bench naming
+#          another preset stops the one running first)
 #   hotswap: bench/hotswap_bench.py on SmolLM2 (after model), streamed answers of MAX_TOKENS (default 512) from
 #          CLIENTS (default 64) clients while VERSIONS (default 12) versions are published 2 s apart, in MODES
 #          (default pipeline,inflight,inflight-recompute): publish -> served, and the chunk gaps (decode steps as
@@ -161,10 +162,19 @@ for bench in "$@"; do
       streamrl model smollm2-135m "$stash/models/smollm2-135m" --cache "$stash/wheels" > "$out/model.log" 2>&1
       tail -1 "$out/model.log" ;;
     engine)  # one shared engine for this machine's later learn commands (it outlives this command: setsid)
-      if [ -s "$shared_urls" ]; then echo "engine already up: $(tr '\n' ' ' < "$shared_urls")"; continue; fi
-      setsid nohup python3 "$repo/bench/learn_bench.py" serve --preset "${ENGINE_PRESET:-${PRESET:-short}}" \
+      engine_preset=${ENGINE_PRESET:-${PRESET:-short}}
+      if [ -s "$shared_urls" ] && [ "$(cat /root/shared-engine.preset)" = "$engine_preset" ]; then
+        echo "engine of $engine_preset already up: $(tr '\n' ' ' < "$shared_urls")"; continue
+      fi
+      if [ -s /root/shared-engine.pid ]; then  # another preset's engine: stopped, and waited for (its GPU memory)
+        old_pid=$(cat /root/shared-engine.pid); kill -TERM "$old_pid" 2>/dev/null
+        while kill -0 "$old_pid" 2>/dev/null; do sleep 1; done
+        echo "stopped the engine of $(cat /root/shared-engine.preset)"
+      fi
+      setsid nohup python3 "$repo/bench/learn_bench.py" serve --preset "$engine_preset" \
           --model-cache "$stash" --out /root/shared-engine --urls "$shared_urls" > /root/shared-engine.log 2>&1 < /dev/null &
       engine_pid=$!
+      echo "$engine_pid" > /root/shared-engine.pid; echo "$engine_preset" > /root/shared-engine.preset
       until [ -s "$shared_urls" ] || ! kill -0 "$engine_pid" 2>/dev/null; do sleep 1; done
       cp /root/shared-engine.log "$out/engine.log"
       if [ -s "$shared_urls" ]; then echo "engine up after ${SECONDS} s: $(tr '\n' ' ' < "$shared_urls")"
