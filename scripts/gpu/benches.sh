@@ -71,6 +71,13 @@ site=/root/site
 bash "$repo/scripts/gpu/install.sh" "$stash" "$site" > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
 export PYTHONPATH=$site PATH=$site/bin:$PATH PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 shared_urls=/root/shared-engine.urls  # written by the engine bench's engine while it serves
+shared_engine_pid() {  # the engine bench's engine process, when it still runs (up or starting)
+  local pid; pid=$(cat /root/shared-engine.pid 2>/dev/null)
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && echo "$pid"
+}
+wait_shared_engine() {  # wait_shared_engine PID: until it serves, exits, or the device's limit comes near
+  until [ -s "$shared_urls" ] || ! kill -0 "$1" 2>/dev/null || (( SECONDS > ${DEVICE_LIMIT_S:-570} )); do sleep 1; done
+}
 cd /root  # outside the checkout: its streamrl/ folder would shadow the laid-out package
 
 run_logs() {  # run_logs DIR NAME: each run's log tail (no engine lines, no 200s), its hot-swap lines, trainer history into OUT
@@ -163,21 +170,21 @@ for bench in "$@"; do
       tail -1 "$out/model.log" ;;
     engine)  # one shared engine for this machine's later learn commands (it outlives this command: setsid)
       engine_preset=${ENGINE_PRESET:-${PRESET:-short}}
-      if [ -s "$shared_urls" ] && [ "$(cat /root/shared-engine.preset)" = "$engine_preset" ]; then
-        echo "engine of $engine_preset already up: $(tr '\n' ' ' < "$shared_urls")"; continue
+      engine_pid=$(shared_engine_pid)
+      if [ -n "$engine_pid" ] && [ "$(cat /root/shared-engine.preset)" != "$engine_preset" ]; then
+        kill -TERM "$engine_pid"; while kill -0 "$engine_pid" 2>/dev/null; do sleep 1; done  # its GPU memory back
+        echo "stopped the engine of $(cat /root/shared-engine.preset)"; engine_pid=
       fi
-      if [ -s /root/shared-engine.pid ]; then  # another preset's engine: stopped, and waited for (its GPU memory)
-        old_pid=$(cat /root/shared-engine.pid); kill -TERM "$old_pid" 2>/dev/null
-        while kill -0 "$old_pid" 2>/dev/null; do sleep 1; done
-        echo "stopped the engine of $(cat /root/shared-engine.preset)"
-      fi
-      setsid nohup python3 "$repo/bench/learn_bench.py" serve --preset "$engine_preset" \
-          --model-cache "$stash" --out /root/shared-engine --urls "$shared_urls" > /root/shared-engine.log 2>&1 < /dev/null &
-      engine_pid=$!
-      echo "$engine_pid" > /root/shared-engine.pid; echo "$engine_preset" > /root/shared-engine.preset
-      until [ -s "$shared_urls" ] || ! kill -0 "$engine_pid" 2>/dev/null; do sleep 1; done
+      if [ -z "$engine_pid" ]; then
+        setsid nohup python3 "$repo/bench/learn_bench.py" serve --preset "$engine_preset" --model-cache "$stash" \
+            --out /root/shared-engine --urls "$shared_urls" > /root/shared-engine.log 2>&1 < /dev/null &
+        engine_pid=$!
+        echo "$engine_pid" > /root/shared-engine.pid; echo "$engine_preset" > /root/shared-engine.preset
+      fi  # else the same preset's engine, up or still starting: waited for as a new one
+      wait_shared_engine "$engine_pid"
       cp /root/shared-engine.log "$out/engine.log"
-      if [ -s "$shared_urls" ]; then echo "engine up after ${SECONDS} s: $(tr '\n' ' ' < "$shared_urls")"
+      if [ -s "$shared_urls" ]; then echo "engine of $engine_preset up after ${SECONDS} s: $(tr '\n' ' ' < "$shared_urls")"
+      elif kill -0 "$engine_pid" 2>/dev/null; then echo "the engine is still starting after ${SECONDS} s"
       else echo "the engine did not start:"; tail -20 /root/shared-engine.log; fi ;;
     learn)  # pipeline against sync over seeds: one preset, runs interleaved on one engine, statistics over seeds
       preset=${PRESET:-short} seeds=${SEEDS:-0}
@@ -185,6 +192,7 @@ for bench in "$@"; do
       budget=$(( ${DEVICE_LIMIT_S:-570} - SECONDS )); (( budget < 120 )) && budget=120
       rm -rf "/root/$name"
       upstreams=()  # the engine bench's engine when one runs on this machine, else the bench starts its own
+      engine_pid=$(shared_engine_pid); [ -n "$engine_pid" ] && wait_shared_engine "$engine_pid"
       if [ -s "$shared_urls" ]; then while read -r u; do upstreams+=(--upstream "$u"); done < "$shared_urls"; fi
       python3 "$repo/bench/learn_bench.py" run --preset "$preset" --seeds "$seeds" --modes "${MODES:-pipeline,sync,inflight}" \
           --model-cache "$stash" ${LEARN_SECONDS:+--max-seconds "$LEARN_SECONDS"} --budget-s "$budget" "${upstreams[@]}" \
