@@ -11,6 +11,7 @@ the tic-tac-toe agent samples only legal cells. Guided JSON still lets the model
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import uuid
@@ -195,7 +196,25 @@ def test_agents_sdk_tool_loop(gateway: GatewayServer, completions: TopicReader, 
     # two sequences: the template renders the call again, not as sampled (vLLM's Jinja ``tojson`` sorts its keys:
     # {"arguments": ..., "name": ...}), so the second prompt does not start with the first call's tokens
     assert merged(calls) == 2
-    train_on(rewards, {forced.trajectory_id: calls, free.trajectory_id: calls_of(completions, free)}, learner)
+    # the ladder (tool_steps): each call made to use the next tool, the last tool's answer the episode's answer
+    (steps,) = play(gateway.url, ShopAgentTask(tool_steps=["price_of", "multiply"], max_tokens=96, seed=2), [order])
+    ladder = calls_of(completions, steps)
+    assert steps.turns == 2 and len(ladder) == 2
+    for call, tool in zip(ladder, ("price_of", "multiply"), strict=True):
+        assert_token_exact(call, tokenize)
+        assert call.request["tool_choice"] == {"type": "function", "function": {"name": tool}}
+    assert ladder[0].tool_calls and ladder[0].tool_calls[0]["function"]["name"] == "price_of"
+    looked_up = ladder[1].request["messages"][-1]
+    assert looked_up["role"] == "tool"
+    price_rung = 0.3 if looked_up["content"] == price_answer(order.item) else 0.1
+    if ladder[1].tool_calls:  # multiply ran: its answer is the episode's
+        args = json.loads(ladder[1].tool_calls[0]["function"]["arguments"])
+        assert ladder[1].tool_calls[0]["function"]["name"] == "multiply"
+        assert steps.reward == (1.0 if args["a"] * args["b"] == order.total() else price_rung), (args, steps.reward)
+    else:  # the tiny model's digits ran past max_tokens inside the arguments: no call, the lookup's rung
+        assert ladder[1].finish_reason == "length" and steps.reward == price_rung
+    train_on(rewards, {forced.trajectory_id: calls, free.trajectory_id: calls_of(completions, free),
+                       steps.trajectory_id: ladder}, learner)
 
 
 # ------------------------------------------------------------------------------------------- LangGraph

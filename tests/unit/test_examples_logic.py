@@ -149,3 +149,15 @@ def test_the_mcp_server_gets_this_processs_import_path(tmp_path: Path) -> None:
     assert params.env is not None and "PATH" in params.env
     assert str(Path(mcp.__file__).resolve().parents[1]) in {
         str(Path(p).resolve()) for p in params.env["PYTHONPATH"].split(os.pathsep)}
+
+
+def test_the_shop_agents_tool_steps_name_its_tools_and_exclude_first_tool() -> None:
+    from examples.agents_sdk.agent import ShopAgentTask
+
+    assert ShopAgentTask(tool_steps=["price_of", "multiply"]).tool_steps == ["price_of", "multiply"]
+    with pytest.raises(ValueError, match="tools among"):
+        ShopAgentTask(tool_steps=["price_of", "divide"])
+    with pytest.raises(ValueError, match="tools among"):
+        ShopAgentTask(tool_steps=[])
+    with pytest.raises(ValueError, match="not both"):
+        ShopAgentTask(tool_steps=["price_of", "multiply"], first_tool="price_of")
