@@ -171,7 +171,7 @@ SHOP_AGENT_STEPS = replace(
     SHOP_AGENT, name="shop-agent-steps",
     description="shop-agent with its ladder (task_options tool_steps): the first call made a price look-up, the "
                 "second a multiply, whose answer is the episode's; SmolLM2-135M fills both calls' arguments itself "
-                "and gets the total in 5-7% of its episodes (a CPU probe of 96), so a group of 16 mostly holds one.",
+                "and sometimes gets the total (examples/agents_sdk/README.md), which first_tool alone never did.",
     task_options={"tool_steps": ["price_of", "multiply"]},
 )
 SHOP_LANGGRAPH = replace(

@@ -140,18 +140,21 @@ def test_a_publish_moves_a_running_stream_with_no_other_request(broker: Embedded
     stream, the only request there is, moves to the version published while it runs.
 
     The stream's lease can follow it only while the gateway still relays it, and the client cannot hold that relay
-    up: the buffers between the gateway and a client that reads nothing take the whole stream (250 KB; 890 KB with 20
-    logprobs a token, a small receive buffer or not), so the relay ends at the engine's pace, about 3 s on 2 cores. A publish whose load and route took longer
-    (seen once in a whole suite's run) finds no stream left to move: such an attempt, told apart by the lease let
-    go with none moved, runs again under a policy of its own (at most :data:`ATTEMPTS`); a gateway that never moves
-    the lease fails every attempt so."""
+    up: the buffers between the gateway and a client that reads nothing take the whole stream (250 KB; 890 KB with
+    20 logprobs a token, a small receive buffer or not), so the relay ends at the engine's pace, about 3 s on 2
+    cores. A publish whose load and route took longer (seen once in a whole suite's run) finds no stream left to
+    move: such an attempt, told apart by the lease let go with none moved, runs again under a policy of its own (at
+    most :data:`ATTEMPTS`); a gateway that never moves the lease fails every attempt so."""
     for attempt in range(ATTEMPTS):
-        outcome = publish_during_stream(broker, engine, topics, adapters, base_model, f"{NAME}-quiet{attempt}")
+        name = f"{NAME}-quiet{attempt}"
+        outcome = publish_during_stream(broker, engine, topics, adapters, base_model, name)
         if outcome is not None:
             break
+        print(f"attempt {attempt}: the stream's relay ended before v2 was routed")
+        unload(engine, name)  # its versions out of the engine's LoRA slots before the next attempt
     else:
         pytest.fail(f"in {ATTEMPTS} attempts the stream's relay ended before its lease moved to v2")
-    rec, routed, name = outcome
+    rec, routed = outcome
     assert len(rec.completion_token_ids) == LONG and rec.policy_version == 1
     assert rec.version_spans is not None and [v for _, v in rec.version_spans] == [1, 2], rec.version_spans
     assert 0 < rec.version_spans[1][0] < LONG
@@ -162,9 +165,9 @@ def test_a_publish_moves_a_running_stream_with_no_other_request(broker: Embedded
 
 
 def publish_during_stream(broker: EmbeddedBroker, engine: Engine, topics: Topics, adapters: list[Path],
-                          base_model: str, name: str) -> tuple[CompletionRecord, str, str] | None:
-    """A long stream on v1 of policy ``name``, v2 published once it runs; the stream's record, the gateway's
-    metrics and the name once its lease moved to v2, or None when its relay ended first (nothing left to move)."""
+                          base_model: str, name: str) -> tuple[CompletionRecord, str] | None:
+    """A long stream on v1 of policy ``name``, v2 published once it runs; the stream's record and the gateway's
+    metrics once its lease moved to v2, or None when its relay ended first (nothing left to move)."""
     reader = TopicReader(broker.bootstrap_servers, topics.completions)
     publish_version(broker.bootstrap_servers, topics, name, 1, adapters[0], base_model)
     config = GatewayConfig(kafka=GatewayKafka(bootstrap_servers=broker.bootstrap_servers, topic_prefix=topics.prefix),
@@ -198,7 +201,7 @@ def publish_during_stream(broker: EmbeddedBroker, engine: Engine, topics: Topics
                 assert r.status_code == 200 and rest[-1] == "data: [DONE]"
             routed = httpx.get(f"{gw.url}/metrics").text
         (rec,) = reader.wait_for(lambda x: isinstance(x, CompletionRecord) and x.request_id == request_id)
-        return rec, routed, name
+        return rec, routed
     finally:
         reader.close()
 
