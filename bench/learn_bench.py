@@ -444,6 +444,10 @@ def summarise(spec: RunSpec, preset: Preset, run_dir: Path, t_ready: float | Non
     result["evaluation"] = [(round(e["time"] - t0, 2), e["version"], e["score"]) for e in evaluations
                             if 2 * e.get("answered", 1) >= e.get("problems", 1)]
     result["evaluations_failed"] = sum(e.get("failed", 0) for e in evaluations)
+    # the held-out success rate: the share given full marks (a won game), or the score where it is all-or-nothing
+    result["success_curve"] = [(round(e["time"] - t0, 2), e["version"],
+                                e["score"] if e.get("full_marks") is None else e["full_marks"] / e["answered"])
+                               for e in evaluations if 2 * e.get("answered", 1) >= e.get("problems", 1)]
     if evaluations:
         result["score_source"] = "held-out"
         result["curve"] = [p for p in result["evaluation"] if isinstance(p[2], int | float) and math.isfinite(p[2])]
@@ -674,6 +678,13 @@ def print_stats(stats: dict[str, Any]) -> None:
     for row in stats["at_times"]:
         cells = [f"{_with_interval(row['score'][m], 3)} ({_with_interval(row['gain'][m], 3)})" for m in modes]
         print(f"| {row['t_s']:.0f} | " + " | ".join(cells) + " |")
+    if any(row["success"][m]["n"] for row in stats["at_times"] for m in modes):
+        print("\n| t (s) | " + " | ".join(f"{m}: held-out success (gain over first)" for m in modes) + " |")
+        print("| ---: |" + " ---: |" * len(modes))
+        for row in stats["at_times"]:
+            cells = [f"{_with_interval(row['success'][m], 3)} ({_with_interval(row['success_gain'][m], 3)})"
+                     for m in modes]
+            print(f"| {row['t_s']:.0f} | " + " | ".join(cells) + " |")
     print("\n| mode | seeds | versions/s | staleness per token mean / p90 / max | reply tokens p50 / p90 / max "
           "| engine idle share | publish->served p50 / p99 / max ms (versions) | failed requests / trajectories |")
     print("| --- | --- | ---: | --- | --- | ---: | --- | ---: |")

@@ -231,13 +231,16 @@ def compute(runs: Sequence[dict[str, Any]], levels: Sequence[float], times_s: Se
     stats["levels"] = level_rows
     time_rows = []
     for t in times_s:
-        row = {"t_s": t, "score": {}, "gain": {}}
+        row = {"t_s": t, "score": {}, "gain": {}, "success": {}, "success_gain": {}}
         for m in modes:
-            scores = {s: score_at(r["curve"], t, r.get("end_s")) for s, r in by_mode[m].items()}
-            gains = {s: v - float(by_mode[m][s]["curve"][0][2]) for s, v in scores.items() if v is not None}
-            row["score"][m] = {**spread({s: v for s, v in scores.items() if v is not None}, **boot),
-                               "missing": sum(v is None for v in scores.values())}
-            row["gain"][m] = spread(gains, **boot)
+            for key, gain_key, curve in (("score", "gain", "curve"), ("success", "success_gain", "success_curve")):
+                # every run has a score curve (empty: missing); the success curve, runs scored on a held-out set
+                runs_with = {s: r for s, r in by_mode[m].items() if curve == "curve" or r.get(curve)}
+                values = {s: score_at(r.get(curve) or [], t, r.get("end_s")) for s, r in runs_with.items()}
+                gains = {s: v - float(runs_with[s][curve][0][2]) for s, v in values.items() if v is not None}
+                row[key][m] = {**spread({s: v for s, v in values.items() if v is not None}, **boot),
+                               "missing": sum(v is None for v in values.values())}
+                row[gain_key][m] = spread(gains, **boot)
         time_rows.append(row)
     stats["at_times"] = time_rows
     stats["modes"] = {m: mode_figures(list(by_mode[m].values()), boot) for m in modes}

@@ -51,6 +51,10 @@ class EvalResult:
     """Episodes that ended in an error (their version retired mid-way, a framework's exception): not answered."""
     error: str = ""
     """The first such error, for the log."""
+    full_marks: int | None = None
+    """Problems scored 1.0 or more, a task's full reward (a won game, an exact answer), where some score was
+    neither 0 nor 1 (a draw, a rung of partial credit): the success rate, which such a mean cannot tell. None
+    where every score was 0 or 1: the score is then the success rate."""
 
 
 async def evaluate_version(client: httpx.AsyncClient, task: HeldOutTask, model: str, version: int,
@@ -73,7 +77,7 @@ async def evaluate_version(client: httpx.AsyncClient, task: HeldOutTask, model: 
         scores = [o for o in outcomes if isinstance(o, int | float)]
         return EvalResult(version, sum(scores) / len(scores) if scores else float("nan"), len(scores),
                           len(task.held_out), time.monotonic() - started, time.time(), len(errors),
-                          f"{type(errors[0]).__name__}: {errors[0]}"[:300] if errors else "")
+                          f"{type(errors[0]).__name__}: {errors[0]}"[:300] if errors else "", _full_marks(scores))
 
     async def one(i: int, problem: Any) -> float | None:
         r = await client.post("/v1/chat/completions", json={
@@ -88,7 +92,11 @@ async def evaluate_version(client: httpx.AsyncClient, task: HeldOutTask, model: 
     with contextlib.suppress(httpx.HTTPError):  # the pinned version is let go now, not pinned_hold_s later
         await client.post("/v1/trajectories/end", json={"trajectory_ids": ended})  # a refusal changes nothing else
     return EvalResult(version, sum(scores) / len(scores) if scores else float("nan"), len(scores),
-                      len(task.held_out), time.monotonic() - started, time.time())
+                      len(task.held_out), time.monotonic() - started, time.time(), full_marks=_full_marks(scores))
+
+
+def _full_marks(scores: Sequence[float]) -> int | None:
+    return None if all(s in (0, 1) for s in scores) else sum(s >= 1.0 for s in scores)
 
 
 class Evaluator:
@@ -136,8 +144,9 @@ class Evaluator:
                                                        "answered": result.answered, "problems": result.problems,
                                                        "policy": self.policy_name})
         failed = f"; {result.failed} failed, first: {result.error}" if result.failed else ""
+        full = f"; full marks {result.full_marks}/{result.answered}" if result.full_marks is not None else ""
         self.emit(f"eval v{version}: held-out score {result.score:.3f} ({result.answered}/{result.problems} "
-                  f"answered by v{version}) in {result.seconds:.1f} s{failed}")
+                  f"answered by v{version}{full}) in {result.seconds:.1f} s{failed}")
         return result
 
 

@@ -48,3 +48,25 @@ def test_an_episode_that_failed_is_counted_and_the_rest_scored() -> None:
 def test_an_evaluation_where_every_episode_failed_has_no_score() -> None:
     result = evaluate(Broken())
     assert math.isnan(result.score) and result.answered == 0 and result.failed == 4
+
+
+class Graded(Episodes):
+    """A game's scores: won, drawn, an illegal move, won."""
+
+    async def evaluate_problem(self, gateway, problem: int, model: str, version: int) -> float | None:
+        return (1.0, 0.5, -1.0, 1.0)[problem]
+
+
+class AllOrNothing(Episodes):
+    async def evaluate_problem(self, gateway, problem: int, model: str, version: int) -> float | None:
+        return (1.0, 0.0, 0.0, 1.0)[problem]
+
+
+def test_full_marks_are_counted_where_a_score_gives_partial_credit() -> None:
+    """Two wins, a draw and a loss by an illegal move: mean 0.375, full marks 2 of 4; with scores of 0 or 1 alone
+    the mean is the success rate and no count is added."""
+    graded = evaluate(Graded())
+    assert (graded.score, graded.answered, graded.full_marks) == (0.375, 4, 2)
+    binary = evaluate(AllOrNothing())
+    assert (binary.score, binary.full_marks) == (0.5, None)
+    assert evaluate(Episodes()).full_marks == 1  # scores 0.0 and 2.0: not all-or-nothing, and 2.0 is full marks

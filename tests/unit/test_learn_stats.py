@@ -169,6 +169,19 @@ def test_compute_levels_censoring_and_paired_speedup() -> None:
     assert figures["versions_per_s"]["median"] == 0.5 and figures["staleness_per_token"]["max"] == 3.0
 
 
+def test_held_out_success_at_each_time_where_runs_have_it() -> None:
+    """A game's runs: the mean score rises, and the share of games won (``success_curve``) with it; runs without a
+    success curve (a task with no held-out set) are not counted as missing."""
+    won = [run("pipeline", 0, rising(40.0), success_curve=[(5.0, 0, 0.0), (40.0, 2, 0.25)]),
+           run("pipeline", 1, rising(30.0), success_curve=[(5.0, 0, 0.0), (15.0, 1, 0.5)]),
+           run("sync", 0, rising(80.0))]
+    at60 = stats.compute(won, levels=[0.5], times_s=[60.0], resamples=FAST)["at_times"][0]
+    assert at60["success"]["pipeline"]["per_seed"] == {"0": 0.25, "1": 0.5}
+    assert at60["success_gain"]["pipeline"]["median"] == pytest.approx(0.375)
+    assert at60["success"]["sync"] == {**at60["success"]["sync"], "n": 0, "missing": 0}
+    assert at60["score"]["sync"]["per_seed"] == {"0": 0.3}
+
+
 def test_compute_without_the_baseline_has_no_speedup() -> None:
     s = stats.compute([r for r in RUNS if r["mode"] == "pipeline"], levels=[0.5], times_s=[60.0], resamples=FAST)
     assert s["levels"][0]["speedup"] == {}
