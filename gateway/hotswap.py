@@ -61,6 +61,10 @@ _CAUGHT_UP = object()
 """Put on the queue once the policy topic has been read to its end."""
 _WAKE = object()
 """Put on the queue when this gateway has become the leader: look for a version to load."""
+LOAD_SETTLE_S = 3.0
+"""How long a stopping gateway lets its adapter loads in flight end (they take milliseconds to a second): vLLM
+stopped in the middle of a load hangs on it (its API server waits for the load's handler, whose engine core is
+gone) until killed, and ``streamrl up`` stops the engines right after the gateway."""
 
 
 class PolicyFollower:
@@ -85,6 +89,10 @@ class PolicyFollower:
         """Set when something is queued: a load waiting for room gives way to a newer version."""
         self._reconcile_now = asyncio.Event()
         self._loading: set[tuple[str, str]] = set()
+        self._no_loads = asyncio.Event()
+        """Set while no adapter load is in flight."""
+        self._no_loads.set()
+        self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
         router.idle_callbacks.append(self._on_idle)
         pool.on_recovered.append(lambda _up: self._reconcile_now.set())
@@ -118,8 +126,18 @@ class PolicyFollower:
         self._on_coordination()
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Cancel the loops and wait for them, bounded: a loop that failed to end must not keep the gateway
-        (and the records its producer holds) from stopping."""
+        """Let the adapter loads in flight end (``LOAD_SETTLE_S`` at most; no new one starts), then cancel the
+        loops and wait for them, bounded: a loop that failed to end must not keep the gateway (and the records its
+        producer holds) from stopping."""
+        self._stopping = True
+        if not self._no_loads.is_set():
+            loads = ", ".join(f"{name} into {url}" for url, name in sorted(self._loading))
+            log.info("stopping: letting the adapter loads in flight end first (%s)", loads)
+            try:
+                async with asyncio.timeout(LOAD_SETTLE_S):
+                    await self._no_loads.wait()
+            except TimeoutError:
+                log.warning("adapter loads still in flight %.0f s into the stop: left (%s)", LOAD_SETTLE_S, loads)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -400,9 +418,10 @@ class PolicyFollower:
         if name in up.adapters:
             return True
         key = (up.url, name)
-        if key in self._loading:
+        if key in self._loading or self._stopping:
             return False
         self._loading.add(key)
+        self._no_loads.clear()
         try:
             body = {"lora_name": name, "lora_path": state.record.path}
             async with self.session.post(f"{up.url}/v1/load_lora_adapter", json=body,
@@ -422,6 +441,8 @@ class PolicyFollower:
             log.warning("loading %s into %s failed (%s); will retry", name, up.url, exc)
         finally:
             self._loading.discard(key)
+            if not self._loading:
+                self._no_loads.set()
         return False
 
     async def _reconcile(self) -> None:

@@ -23,6 +23,7 @@ from streamrl.broker.policy_log import publish_version
 from streamrl.broker.schema import CompletionRecord, PolicyRecord, encode, token_versions
 from streamrl.broker.topics import Topics
 from streamrl.engine.server import Engine
+from streamrl.gateway import hotswap
 from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.server import GatewayServer
 
@@ -42,7 +43,7 @@ def unload_afterwards(engine: Engine, caplog: pytest.LogCaptureFixture) -> Itera
     yield
     for card in httpx.get(f"{engine.url}/v1/models").json()["data"]:
         if card.get("parent") and card["id"].split("@")[0].startswith(("loadtest", "loadmove", "inflight", "catchup",
-                                                                         "roommove", "pinhold")):
+                                                                         "roommove", "pinhold", "settle")):
             httpx.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": card["id"]})
 
 
@@ -385,3 +386,40 @@ def test_a_pinned_version_is_let_go_when_its_episodes_end(broker, engine, topics
         assert bad.status_code == 400 and "trajectory_ids" in bad.text
         assert httpx.post(f"{gw.url}/v1/trajectories/end", json={"trajectory_ids": [game.trajectory_id]}).json() \
             == {"ended": 0}, "an episode ends once"
+
+
+def test_a_stopping_gateway_lets_an_adapter_load_in_flight_end(broker, engine, topics, adapters, base_model,
+                                                               relay: Relay, caplog: pytest.LogCaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The answer to a load is held in the relay while the gateway stops: the stop waits for it (an engine stopped
+    in the middle of a load hangs until killed, and ``streamrl up`` stops the engines next), starts no other load,
+    and ends anyway once ``LOAD_SETTLE_S`` has passed."""
+    monkeypatch.setattr(hotswap, "LOAD_SETTLE_S", 1.0)
+    name = f"settle{uuid.uuid4().hex[:8]}"  # the engine's log, where its loads are counted, outlives the session
+    config = gateway_config(broker, engine, name, upstreams=(relay.url,))
+    for version, released_after_s in ((1, 0.5), (2, None)):  # the load's answer let through, then never
+        relay.hold_again()
+        relay.hold_marker = f'"{name}@v{version}"'.encode()
+        gw = GatewayServer(config).start()
+        try:
+            publish_version(broker.bootstrap_servers, topics, name, version, adapters[version - 1], base_model)
+            assert relay.holding.wait(30), "the load did not reach the engine"
+        finally:
+            if released_after_s is not None:
+                threading.Timer(released_after_s, relay.release).start()
+            started = time.monotonic()
+            gw.stop()
+            took = time.monotonic() - started
+        if released_after_s is not None:
+            assert took >= released_after_s, f"the stop did not wait for the load in flight ({took:.2f} s)"
+            assert f"letting the adapter loads in flight end first ({name}@v1 into" in caplog.text
+            assert "adapter loads still in flight" not in caplog.text
+        else:
+            assert hotswap.LOAD_SETTLE_S <= took < hotswap.LOAD_SETTLE_S + 10, f"stopped in {took:.1f} s"
+            assert f"adapter loads still in flight 1 s into the stop: left ({name}@v2 into" in caplog.text
+            relay.release()
+        deadline = time.monotonic() + 30  # the load itself goes through in the engine, once
+        while f"{name}@v{version}" not in engine_adapters(engine):
+            assert time.monotonic() < deadline, f"{name}@v{version} was not loaded"
+            time.sleep(0.05)
+        assert engine_loads(engine, f"{name}@v{version}") == 1

@@ -124,6 +124,13 @@ class Relay:
         """Let the held answers through (and any later one)."""
         self.loop.call_soon_threadsafe(self._released.set)
 
+    def hold_again(self) -> None:
+        """After ``release``: hold the next answers again, as before the first."""
+        async def clear() -> None:
+            self._released.clear()
+        asyncio.run_coroutine_threadsafe(clear(), self.loop).result(10)
+        self.holding.clear()
+
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
