@@ -251,7 +251,28 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     return DemoConfig(**given(args, DemoConfig))
 
 
+def gateway_unreachable(url: str, timeout_s: float = 10.0) -> str | None:
+    """Why nothing answers HTTP at ``url`` (a refused connection, a timeout, a malformed URL), or None when
+    something does: any answer passes, a 401 of a gateway with API keys included."""
+    import httpx
+
+    from .runner import describe
+
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s)
+    except (httpx.TransportError, httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+        return describe(exc)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    from streamrl.usage import EXIT_UNREACHABLE
+
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    board = run_demo(args.gateway, config_from_args(args), emit=lambda s: print(s, flush=True))
+    config = config_from_args(args)
+    if (why := gateway_unreachable(args.gateway)) is not None:  # one line, not 64 failed trajectories
+        print(f"streamrl demo: no gateway answers at {args.gateway} ({why}): start one (`streamrl up`, "
+              "`streamrl gateway`) or point --gateway at it", file=sys.stderr, flush=True)
+        return EXIT_UNREACHABLE
+    board = run_demo(args.gateway, config, emit=lambda s: print(s, flush=True))
     return 1 if board.failed else 0

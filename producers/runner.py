@@ -155,6 +155,19 @@ async def gateway_version(http: httpx.AsyncClient, url: str, policy_name: str | 
         return None
 
 
+def describe(exc: BaseException) -> str:
+    """``Type: message``, with the innermost cause's message where it says more: the OpenAI client reports a
+    refused connection as "Request timed out." (httpx-aiohttp maps aiohttp's connector errors to a connect
+    timeout), and only the cause names the host it could not reach."""
+    text = f"{type(exc).__name__}: {exc}"
+    inner, seen = exc, {id(exc)}
+    while (nxt := inner.__cause__ or inner.__context__) is not None and id(nxt) not in seen:
+        inner = nxt
+        seen.add(id(inner))
+    said = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+    return f"{text} ({said})" if inner is not exc and said and said not in text else text
+
+
 def trainable(rewards: list[float], group_size: int) -> bool:
     """Whether the trainer can learn from a finished group: every trajectory rewarded, and not all
     rewards equal (GRPO advantages would all be zero; the trainer skips such groups)."""
@@ -276,9 +289,9 @@ async def run_groups(url: str, task: Task, *, group_size: int = 8, concurrency: 
         for r in results:
             if isinstance(r, BaseException):
                 board.failed += 1
-                board.first_error = board.first_error or f"{type(r).__name__}: {r}"
+                board.first_error = board.first_error or describe(r)
                 if board.failed <= 5:  # the count is in the summary; the first few say why
-                    log.warning("trajectory failed: %s: %s", type(r).__name__, r)
+                    log.warning("trajectory failed: %s", describe(r))
             else:
                 board.add(r)
                 versions.append(-1 if r.version is None else r.version)

@@ -1,7 +1,7 @@
 """First contact: every mistake a new user can make with the installed ``streamrl`` command gets one clear
-line on stderr, ``streamrl <command>: ...``, exit code 2, no traceback, within seconds, and leaves no
-process of ours running. Each case runs the real console script in a subprocess against real files and a
-real port held open by this test."""
+line on stderr, ``streamrl <command>: ...``, exit code 2 (1 where a service it names does not answer), no
+traceback, within seconds, and leaves no process of ours running. Each case runs the real console script in a
+subprocess against real files and a real port held open by this test."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ class Mistake:
     """A fragment the one line must hold (what is wrong)."""
     command: str = ""
     """The line's prefix after ``streamrl``: the subcommand (default: the first argument)."""
+    code: int = 2
+    """The exit code: 2 for a mistake in what was given, 1 for a service it was pointed at that does not answer."""
 
 
 def write(path: Path, text: str | bytes) -> str:
@@ -116,6 +118,8 @@ MISTAKES = [
     Mistake("broker-port-taken", lambda d, p: ["broker", "--port", str(p)], "already in use"),
     Mistake("judge-no-model", lambda d, p: ["judge"], "--model"),
     Mistake("export-unknown-format", lambda d, p: ["export", str(d / "o.csv")], "cannot tell the format"),
+    Mistake("demo-no-gateway", lambda d, p: ["demo", "--gateway", "http://127.0.0.1:1"], "no gateway answers at",
+            code=1),  # port 1: nothing listens, the connection is refused
     Mistake("model-unknown-name", lambda d, p: ["model", "gpt-5", str(d / "m")], "invalid choice"),
     Mistake("unknown-command", lambda d, p: ["serve"], "invalid choice", command="-"),
 ]
@@ -187,7 +191,7 @@ def test_mistake_is_one_line(mistake: Mistake, outcomes: dict[str, Outcome]) -> 
     lines = done.stderr.strip().splitlines()
     report = json.dumps({"argv": argv, "rc": done.returncode, "stderr": done.stderr[-2000:],
                          "stdout": done.stdout[-500:]}, indent=1)
-    assert done.returncode == 2, report
+    assert done.returncode == mistake.code, report
     assert len(lines) == 1 and lines[0].startswith(f"{command}: "), report
     assert mistake.says in lines[0], report
     assert "Traceback" not in done.stderr + done.stdout, report

@@ -14,7 +14,15 @@ from streamrl.producers.calculator import CalculatorTask, calculate, final_numbe
 from streamrl.producers.client import reward_body
 from streamrl.producers.episode import Outcome, newest, served_version
 from streamrl.producers.numbers import digit_fraction
-from streamrl.producers.runner import Board, Pacer, RunLimits, reply_token_stats, run_groups, trainable
+from streamrl.producers.runner import (
+    Board,
+    Pacer,
+    RunLimits,
+    describe,
+    reply_token_stats,
+    run_groups,
+    trainable,
+)
 
 # ------------------------------------------------------------------------------ reward functions
 
@@ -124,6 +132,26 @@ def test_board_summary_has_exact_reply_lengths() -> None:
     board.add(Outcome(0.5, 1, reply_tokens=700))
     assert board.summary()["reply_tokens"] == {"p50": 6, "p90": 10, "max": 700, "n": 11}
     assert reply_token_stats([5]) == {"p50": 5, "p90": 5, "max": 5, "n": 1}
+
+
+def test_an_error_is_described_with_the_cause_that_names_what_failed() -> None:
+    """The OpenAI client over httpx-aiohttp says "Request timed out." for a refused connection: the innermost cause
+    (its first line) says which; a cause that says nothing more is left out."""
+    def raised(outer: Exception, cause: Exception | None) -> Exception:
+        try:
+            try:
+                if cause is not None:
+                    raise cause
+            finally:
+                raise outer from cause
+        except Exception as exc:
+            return exc
+
+    refused = raised(TimeoutError("Request timed out."), ConnectionRefusedError("Connect call failed ('127.0.0.1', 1)"))
+    assert describe(refused) == "TimeoutError: Request timed out. (Connect call failed ('127.0.0.1', 1))"
+    assert describe(raised(ValueError("no route to host a"), OSError("host a"))) == "ValueError: no route to host a"
+    assert describe(raised(LookupError("gone"), OSError("first line\nmore"))) == "LookupError: gone (first line)"
+    assert describe(RuntimeError("alone")) == "RuntimeError: alone"
 
 
 def test_trainable_groups() -> None:
