@@ -18,7 +18,9 @@ import httpx
 import pytest
 
 from streamrl.broker.embedded import EmbeddedBroker, free_port
-from streamrl.cli.up import DemoTrainer, Shutdown, SignalGate, Stack, console_worthy, load_config
+from streamrl.cli.up import Stack
+from streamrl.cli.up_config import DemoTrainer, load_config
+from streamrl.cli.up_console import Shutdown, SignalGate, console_worthy
 from streamrl.engine.server import Engine
 
 CONFIG = """

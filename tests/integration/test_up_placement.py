@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from support.up_run import run_up
 
-from streamrl.cli.up import load_config
+from streamrl.cli.up_config import load_config
 from streamrl.producers.demo_model import build_demo_model
 
 CONFIG = """

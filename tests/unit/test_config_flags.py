@@ -10,7 +10,8 @@ from typing import Any, Literal
 import pytest
 
 from streamrl.cli import build_parser
-from streamrl.cli.up import ENGINE_FLAG_NAMES, ENGINE_OWNED, TRAINER_OWNED, UP_TABLES, UpConfig
+from streamrl.cli.up import ENGINE_FLAG_NAMES, UP_TABLES
+from streamrl.cli.up_config import ENGINE_OWNED, TRAINER_OWNED, UpConfig
 from streamrl.config_file import flat_names
 from streamrl.config_flags import _strip_none, add_config_flags, field_docs, given
 from streamrl.engine.server import EngineConfig

@@ -21,7 +21,7 @@ from streamrl.broker.clients import admin_kwargs, consumer_kwargs, make_consumer
 from streamrl.broker.embedded import free_port
 from streamrl.broker.security import KafkaSecurity, KafkaSettings
 from streamrl.cli import build_parser
-from streamrl.cli.up import load_config as load_up_config
+from streamrl.cli.up_config import load_config as load_up_config
 from streamrl.gateway.cli import config_from_args
 from streamrl.gateway.config import GatewayConfig, GatewayKafka
 from streamrl.gateway.recording.kafka_producers import KafkaUnreachable, connect

@@ -15,8 +15,9 @@ from streamrl.broker.export_cli import options_from_args
 from streamrl.broker.publish_cli import kafka_from_args as publish_kafka
 from streamrl.broker.security import KafkaSettings
 from streamrl.cli import build_parser
-from streamrl.cli.up import UpConfig, UpKafka, flags_from_args
-from streamrl.cli.up import load_config as load_up_config
+from streamrl.cli.up import flags_from_args
+from streamrl.cli.up_config import UpConfig, UpKafka
+from streamrl.cli.up_config import load_config as load_up_config
 from streamrl.config_file import ConfigError
 from streamrl.config_flags import add_config_flags, given
 from streamrl.gateway.cli import config_from_args as gateway_from_args

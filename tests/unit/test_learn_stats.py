@@ -297,7 +297,7 @@ def test_publish_to_served_reads_each_version_and_names_those_that_waited_for_ro
 def test_a_modes_gateway_settings_reach_streamrl_up(tmp_path: Path) -> None:
     """``pipeline-room`` gives the gateway room for one more version; the file it writes is one ``streamrl up``
     takes (its own checker reads every table), and other modes leave the gateway's default."""
-    from streamrl.cli.up import load_config
+    from streamrl.cli.up_config import load_config
 
     bench = load_bench("learn_bench")
     for mode, room, cache in (("pipeline-room", 4, "keep"), ("pipeline", 3, "keep"), ("inflight-recompute", 3, "recompute")):

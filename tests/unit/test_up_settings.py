@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.cli.up import DemoTrainer, Stack, check_lora_slots, load_config
+from streamrl.cli.up import Stack
+from streamrl.cli.up_config import DemoTrainer, check_lora_slots, load_config
 from streamrl.engine.lora_slots import lora_slots
 from streamrl.packaged_models import (
     MODELS,

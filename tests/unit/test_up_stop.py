@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from streamrl.cli import up
-from streamrl.cli.up import Stack, load_config
+from streamrl.cli.up import Stack
+from streamrl.cli.up_config import load_config
 
 CHILD = """
 import pathlib, signal, sys, time
