@@ -220,10 +220,19 @@ class LateCaptureEngine:
         self.thread.start()
         self.release = asyncio.Event()
         self.port = free_port()
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(text="")
+
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"data": [{"id": self.MODEL, "parent": None}]})
+
+        async def probe(_: web.Request) -> web.Response:
+            return web.json_response({"format": FORMAT_VERSION})
+
         app = web.Application()
-        app.router.add_get("/health", lambda _: web.Response(text=""))
-        app.router.add_get("/v1/models", lambda _: web.json_response({"data": [{"id": self.MODEL, "parent": None}]}))
-        app.router.add_get(PROBE_PATH, lambda _: web.json_response({"format": FORMAT_VERSION}))
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", models)
+        app.router.add_get(PROBE_PATH, probe)
         app.router.add_post("/v1/completions", self._completions)
         self.runner = web.AppRunner(app)
         asyncio.run_coroutine_threadsafe(self._start(web), self.loop).result(10)
