@@ -441,13 +441,13 @@ def summarise(spec: RunSpec, preset: Preset, run_dir: Path, t_ready: float | Non
     # held-out evaluation (tasks with a held-out set): score per version against the demo's clock
     # (one that fewer than half its episodes answered, e.g. their version retired mid-way, scores no point)
     evaluations = demo.get("evaluation", [])
-    result["evaluation"] = [(round(e["time"] - t0, 2), e["version"], e["score"]) for e in evaluations
-                            if 2 * e.get("answered", 1) >= e.get("problems", 1)]
+    scored = [e for e in evaluations if 2 * e.get("answered", 1) >= e.get("problems", 1)]
+    result["evaluation"] = [(round(e["time"] - t0, 2), e["version"], e["score"]) for e in scored]
     result["evaluations_failed"] = sum(e.get("failed", 0) for e in evaluations)
     # the held-out success rate: the share given full marks (a won game), or the score where it is all-or-nothing
     result["success_curve"] = [(round(e["time"] - t0, 2), e["version"],
                                 e["score"] if e.get("full_marks") is None else e["full_marks"] / e["answered"])
-                               for e in evaluations if 2 * e.get("answered", 1) >= e.get("problems", 1)]
+                               for e in scored]
     if evaluations:
         result["score_source"] = "held-out"
         result["curve"] = [p for p in result["evaluation"] if isinstance(p[2], int | float) and math.isfinite(p[2])]

@@ -27,10 +27,10 @@ def producer_kwargs(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTE
                     compression: str | None = DEFAULT_COMPRESSION, linger_ms: int = 5, max_block_ms: int = 60_000,
                     acks: int | str = 1, client_id: str = "streamrl", **extra: Any) -> dict[str, Any]:
     """What ``make_producer`` hands kafka-python (tests read it: no SASL broker runs here)."""
+    extra.setdefault("reconnect_backoff_max_ms", RECONNECT_BACKOFF_MAX_MS)
     return dict(bootstrap_servers=bootstrap_servers, client_id=client_id, compression_type=compression,
                 linger_ms=linger_ms, batch_size=1 << 20, max_request_size=16 << 20, acks=acks,
-                max_block_ms=max_block_ms, retries=5, **security.client_kwargs(),
-                **{"reconnect_backoff_max_ms": RECONNECT_BACKOFF_MAX_MS, **extra})
+                max_block_ms=max_block_ms, retries=5, **security.client_kwargs(), **extra)
 
 
 def make_producer(bootstrap_servers: str, *, security: KafkaSecurity = PLAINTEXT,

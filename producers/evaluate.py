@@ -25,7 +25,7 @@ from httpx_aiohttp import HttpxAiohttpClient
 from streamrl.broker.schema import served_name
 
 from .client import PURPOSE_HEADER, VERSION_HEADER, AsyncGateway
-from .runner import gateway_version
+from .runner import describe, gateway_version
 
 
 class HeldOutTask(Protocol):
@@ -77,7 +77,7 @@ async def evaluate_version(client: httpx.AsyncClient, task: HeldOutTask, model: 
         scores = [o for o in outcomes if isinstance(o, int | float)]
         return EvalResult(version, sum(scores) / len(scores) if scores else float("nan"), len(scores),
                           len(task.held_out), time.monotonic() - started, time.time(), len(errors),
-                          f"{type(errors[0]).__name__}: {errors[0]}"[:300] if errors else "", _full_marks(scores))
+                          describe(errors[0])[:300] if errors else "", _full_marks(scores))
 
     async def one(i: int, problem: Any) -> float | None:
         r = await client.post("/v1/chat/completions", json={
