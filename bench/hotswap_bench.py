@@ -3,6 +3,9 @@
   pipeline  the streamrl way: serving never stops; every ``--train-s`` seconds a new version is published
             (training runs elsewhere meanwhile) and the gateway swaps it in under load; a running request
             finishes on the version it started with (the gateway's ``update_mode = "pinned"``).
+  pipeline-room  ``pipeline`` with room for one more loaded version (``max_loaded_versions`` 4 against 3): a
+            version published while two older ones still run requests loads at once instead of waiting for one of
+            them to drain.
   inflight  ``pipeline`` with ``update_mode = "in-flight"``: running requests move to the new version at the
             engine's next step, keeping the KV cache of their tokens so far.
   inflight-recompute  ``inflight`` with ``in_flight_cache = "recompute"``: a moved request is prefilled again
@@ -21,7 +24,8 @@ parts otherwise: the embedded broker, a vLLM server on the tiny model (started h
 ``--upstream`` is given), the gateway (``streamrl gateway``, its own process) and real peft adapters.
 Reported per mode: failed requests, requests that waited for a swap, latency p50/p99 in steady state
 and around swaps, delay from publish to the first request served by the new version (p50/p99), and
-serving time lost per training step.
+serving time lost per training step; from the gateway's log, each version's publish -> served and the versions
+that waited for room (``gateway_publish_to_served``).
 
     .venv/bin/python bench/hotswap_bench.py [--versions 10] [--train-s 2] [--clients 4] [--max-tokens 16]
         [--logs DIR]  (keep the gateway's and the engine's logs: the swap lines give received / verified / loaded)
@@ -36,13 +40,13 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,14 +54,20 @@ import aiohttp
 import httpx
 import numpy as np
 from harness import stamp
+from swap_log import publish_to_served
 
 NAME = "policy"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
-MODES = {"pipeline": (), "inflight": ("--update-mode", "in-flight"),
-         "inflight-recompute": ("--update-mode", "in-flight", "--in-flight-cache", "recompute"), "blocking": ()}
-"""Each mode's gateway flags."""
+PINNED_ROOM = ("--max-loaded-versions", "3")
+"""The gateway's default room: the routed version, the one kept before it, the next one."""
+MODES = {"pipeline": PINNED_ROOM, "pipeline-room": ("--max-loaded-versions", "4"),
+         "inflight": (*PINNED_ROOM, "--update-mode", "in-flight"),
+         "inflight-recompute": (*PINNED_ROOM, "--update-mode", "in-flight", "--in-flight-cache", "recompute"),
+         "blocking": PINNED_ROOM}
+"""Each mode's gateway flags. ``pipeline-room`` is the pinned mode's own remedy for a version that waits for an
+older one to drain (requests still running on it): room for one more loaded version."""
 AROUND_MOVE_S = 1.0
 """With --stream: chunk gaps ending this long after a version is routed count as around its swap."""
 
@@ -72,6 +82,13 @@ class Sample:
     """Seconds the request was held before it could be sent (blocking mode's pause)."""
     chunks: list[float] | None = None
     """With --stream: when each chunk of the answer arrived."""
+    error: str | None = None
+    """Why the request failed: its status and body, the client's exception, or a stream's error event or missing
+    end (a streamed answer's status is sent before its first token, so 200 alone does not say it ended well)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
 
 
 async def client_loop(session: aiohttp.ClientSession, url: str, gate: asyncio.Event, stop: asyncio.Event,
@@ -91,20 +108,28 @@ async def client_loop(session: aiohttp.ClientSession, url: str, gate: asyncio.Ev
         start = time.perf_counter()
         in_flight[0] += 1
         chunks: list[float] | None = [] if stream else None
+        error = None
         try:
             async with session.post(url, json=body) as r:
-                if chunks is None:
-                    await r.read()
-                else:
-                    async for line in r.content:
-                        if line.startswith(b"data: {"):
-                            chunks.append(time.perf_counter())
                 status, version = r.status, int(r.headers.get("x-policy-version", -1))
-        except aiohttp.ClientError:
-            status, version = 0, -1
+                if chunks is None or status != 200:
+                    text = await r.read()
+                    error = None if status == 200 else f"HTTP {status}: {text[:200].decode(errors='replace')}"
+                else:
+                    ended = False
+                    async for line in r.content:
+                        if line.startswith((b'data: {"error"', b'data: {"object":"error"', b'data: {"object": "error"')):
+                            error = f"error event: {line[6:206].decode(errors='replace').strip()}"
+                        elif line.startswith(b"data: {"):
+                            chunks.append(time.perf_counter())
+                        ended |= line.startswith(b"data: [DONE]")
+                    if not ended and error is None:
+                        error = "stream ended without [DONE]"
+        except aiohttp.ClientError as e:
+            status, version, error = 0, -1, f"{type(e).__name__}: {e}"[:200]
         finally:
             in_flight[0] -= 1
-        samples.append(Sample(start, time.perf_counter(), status, version, start - ready, chunks))
+        samples.append(Sample(start, time.perf_counter(), status, version, start - ready, chunks, error))
 
 
 def gateway_version(gw: str) -> int:
@@ -112,11 +137,16 @@ def gateway_version(gw: str) -> int:
 
 
 async def wait_version(gw: str, version: int, timeout: float = 60) -> float:
+    """When the gateway first said it routes ``version``. A poll that gets no answer in time is tried again: on a
+    host whose CPUs the engine fills (vLLM's CPU build), the gateway can be slow to accept one."""
     deadline = time.perf_counter() + timeout
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(timeout=10) as http:
         while time.perf_counter() < deadline:
-            if (await http.get(f"{gw}/health")).json()["policy"]["version"] >= version:
-                return time.perf_counter()
+            try:
+                if (await http.get(f"{gw}/health")).json()["policy"]["version"] >= version:
+                    return time.perf_counter()
+            except httpx.TransportError:
+                continue
             await asyncio.sleep(0.005)
     raise TimeoutError(f"version {version} not routed")
 
@@ -133,7 +163,7 @@ def chunk_gaps(samples: list, routed_at: list[float]) -> dict[str, float | int |
     set, in ms, and their counts."""
     steady, around = [], []
     for s in samples:
-        if s.status != 200 or not s.chunks or len(s.chunks) < 2:
+        if not s.ok or not s.chunks or len(s.chunks) < 2:
             continue
         ends = np.asarray(s.chunks[1:])
         gaps = np.diff(np.asarray(s.chunks)) * 1000
@@ -191,11 +221,11 @@ async def run_mode(mode: str, gw: str, publish, first_version: int, args: argpar
         await asyncio.gather(*clients)
 
     samples = [s for s in samples if s.start >= t_begin - args.warmup_s / 2]
-    failed = sum(s.status != 200 for s in samples)
+    failures = Counter(s.error for s in samples if not s.ok)
     waited = [s for s in samples if s.waited > 0.001]
     first_served = {}
     for v, t_pub in published.items():
-        starts = [s.start for s in samples if s.version == v and s.status == 200]
+        starts = [s.start for s in samples if s.version == v and s.ok]
         if starts:
             first_served[v] = min(starts) - t_pub
     windows = [(published[v], published[v] + first_served.get(v, 0) + 0.5) for v in published]
@@ -204,11 +234,11 @@ async def run_mode(mode: str, gw: str, publish, first_version: int, args: argpar
         return any(s.start < b and s.end > a for a, b in windows)
 
     lat = lambda xs: np.asarray([(s.end - s.start) * 1000 for s in xs])  # noqa: E731
-    steady = lat([s for s in samples if not in_window(s) and s.status == 200])
-    around = lat([s for s in samples if in_window(s) and s.status == 200])
+    steady = lat([s for s in samples if not in_window(s) and s.ok])
+    around = lat([s for s in samples if in_window(s) and s.ok])
     delays = np.asarray(list(first_served.values())) * 1000
     span = t_end - t_begin
-    ok = [s for s in samples if s.status == 200 and t_begin <= s.start <= t_end]
+    ok = [s for s in samples if s.ok and t_begin <= s.start <= t_end]
 
     def pct(a: np.ndarray, q: float) -> float | None:
         return float(np.percentile(a, q)) if a.size else None
@@ -216,7 +246,8 @@ async def run_mode(mode: str, gw: str, publish, first_version: int, args: argpar
     print("per version (publish->routed, publish->first served) ms:",
           {v: (round(routed[v] * 1000), round(first_served[v] * 1000) if v in first_served else None) for v in published})
     return {
-        "mode": mode, "versions": len(published), "requests": len(samples), "failed": failed,
+        "mode": mode, "versions": len(published), "requests": len(samples), "failed": sum(failures.values()),
+        "failure_kinds": dict(failures.most_common(5)),
         "waited_for_swap": len(waited), "mean_wait_ms": float(np.mean([s.waited for s in waited]) * 1000) if waited else 0.0,
         "versions_seen": sorted({s.version for s in samples}),
         "latency_steady_p50_ms": pct(steady, 50), "latency_steady_p99_ms": pct(steady, 99),
@@ -228,22 +259,6 @@ async def run_mode(mode: str, gw: str, publish, first_version: int, args: argpar
         "throughput_rps": len(ok) / span,
         **(chunk_gaps(samples, [published[v] + routed[v] for v in published]) if args.stream else {}),
     }
-
-
-ROUTED_LINE = re.compile(r"now served by \S+@v(\d+) \(was [^)]*\), (\d+) ms after publication")
-LOADED_LINE = re.compile(r"\S+@v(\d+) loaded on .*?: received (\d+) ms after publication, verified in (\d+) ms, "
-                         r"loaded in (\d+) ms")
-
-
-def gateway_swap_timings(log_file: Path, versions: range) -> dict[str, float | None]:
-    """The gateway's own account of each swap (gateway/hotswap.py's log lines): publication -> routed, and
-    the load alone (on every replica)."""
-    text = log_file.read_text(errors="replace")
-    totals = [int(m.group(2)) for m in ROUTED_LINE.finditer(text) if int(m.group(1)) in versions]
-    loads = [int(m.group(4)) for m in LOADED_LINE.finditer(text) if int(m.group(1)) in versions]
-    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
-    return {"gateway_publish_to_routed_p50_ms": pct(totals, 50), "gateway_publish_to_routed_p99_ms": pct(totals, 99),
-            "gateway_adapter_load_p50_ms": pct(loads, 50), "gateway_adapter_load_p99_ms": pct(loads, 99)}
 
 
 def unload_all(upstream: str, name: str) -> None:
@@ -318,7 +333,7 @@ def main() -> None:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "streamrl.cli", "--log-level", "INFO", "gateway", "--upstream", upstream,
                  "--bootstrap-servers", broker.bootstrap_servers, "--port", str(port), "--topic-prefix", "hsbench",
-                 "--policy-name", NAME, "--max-loaded-versions", "3", *MODES[mode]], start_new_session=True,
+                 "--policy-name", NAME, *MODES[mode]], start_new_session=True,
                 stdout=log, stderr=subprocess.STDOUT)
             url = f"http://127.0.0.1:{port}"
             wait_http(url, 60, what="gateway", interval=0.1)
@@ -341,8 +356,8 @@ def main() -> None:
             stop_gateway(gateway)
             gateway = None
             unload_all(upstream, NAME)  # the next mode's gateway starts from the engine's base alone
-            r.update(gateway_swap_timings(work / f"gateway-{mode}.log",
-                                          range(next_version, next_version + args.versions)))
+            r["gateway_publish_to_served"] = publish_to_served(work / f"gateway-{mode}.log",
+                                                               range(next_version, next_version + args.versions))
             next_version += args.versions
             results[mode] = r
             print(json.dumps(r), flush=True)

@@ -63,6 +63,7 @@ import httpx
 import learn_stats
 from harness import stamp
 from learn_presets import LAYOUTS, PRESETS, Preset, field_defaults, load_preset_file, preset_toml
+from swap_log import publish_to_served
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
 METRIC_LINE = re.compile(r'^([a-zA-Z_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN|\+Inf)$')
@@ -491,32 +492,6 @@ def summarise(spec: RunSpec, preset: Preset, run_dir: Path, t_ready: float | Non
     result["publish_to_served"] = publish_to_served(run_dir / "up.log")
     result["gpus"] = gpus.summary()
     return result
-
-
-SERVED = re.compile(rb"now served by (\S+) \(was .*\), (\d+) ms after publication")
-WAITED = re.compile(rb"(\S+) waits for an older version to drain")
-
-
-def publish_to_served(up_log: Path) -> dict[str, Any]:
-    """Each version's publish -> served time as the gateway logged it (exact; the metric's histogram gives
-    only bucket bounds), its p50 / p99 / max (ms), and which versions waited for room under the gateway's
-    ``max_loaded_versions`` (an older version still running requests) with their times: the swap tail's
-    one cause the log names."""
-    try:
-        text = up_log.read_bytes()
-    except OSError:
-        text = b""
-    served = [(m.group(1).decode(), int(m.group(2))) for m in SERVED.finditer(text)]
-    if not served:
-        return {"versions": 0, "ms": []}
-    waited = {m.group(1).decode() for m in WAITED.finditer(text)}
-    ms = [x for _, x in served]
-    waited_ms = [x for name, x in served if name in waited]
-    return {"versions": len(ms), "p50_ms": learn_stats.nearest_rank(ms, 0.5),
-            "p99_ms": learn_stats.nearest_rank(ms, 0.99), "max_ms": max(ms),
-            "over_500_ms": sum(x > 500 for x in ms), "ms": ms,
-            "waited_for_room": len(waited_ms), "waited_ms": waited_ms,
-            "over_500_ms_waited": sum(x > 500 for x in waited_ms)}
 
 
 def step_anatomy(versions: dict) -> dict:

@@ -19,8 +19,9 @@
 #          another preset stops the one running first)
 #   hotswap: bench/hotswap_bench.py on SmolLM2 (after model), streamed answers of MAX_TOKENS (default 512) from
 #          CLIENTS (default 64) clients while VERSIONS (default 12) versions are published 2 s apart, in MODES
-#          (default pipeline,inflight,inflight-recompute): publish -> served, and the chunk gaps (decode steps as
-#          the clients see them) in the second after each swap against the others, requests moved
+#          (default pipeline,inflight,inflight-recompute; pipeline-room: pinned with room for a fourth version):
+#          publish -> served (with the versions that waited for room, from the gateway's log), and the chunk gaps
+#          (decode steps as the clients see them) in the second after each swap against the others, requests moved
 #   sft:   bench/sft_bench.py (after model): streamrl sft against a plain transformers + peft loop, tokens/s, with
 #          the trainer's default packing and with rows of 1,024 tokens
 #   model: install, and convert SmolLM2-135M-Instruct into STASH/models/smollm2-135m (where learn and loop-real

@@ -275,25 +275,6 @@ def test_runs_are_interleaved_and_the_first_mode_turns_with_the_seed() -> None:
         bench.parse_modes("pipeline,async")
 
 
-def test_publish_to_served_reads_each_version_and_names_those_that_waited_for_room(tmp_path: Path) -> None:
-    bench = load_bench("learn_bench")
-    log = tmp_path / "up.log"
-    h = "gateway | 2026-12-06 05:08:59,471 INFO streamrl.gateway.hotswap:"
-    log.write_text("\n".join([
-        f"{h} policy 'p' now served by p@v1 (was the base model), 80 ms after publication",
-        f"{h} p@v2 waits for an older version to drain (3 loaded)",
-        f"{h} p@v2 waits for an older version to drain (3 loaded)",  # woken, still no room: one version
-        f"{h} policy 'p' now served by p@v2 (was p@v1), 1398 ms after publication",
-        f"{h} p@v3 waits for an older version to drain (3 loaded)",
-        f"{h} policy 'p' now served by p@v3 (was p@v2), 301 ms after publication",
-        f"{h} policy 'p' now served by p@v4 (was p@v3), 90 ms after publication",
-    ]) + "\n")
-    got = bench.publish_to_served(log)
-    assert got["ms"] == [80, 1398, 301, 90] and got["max_ms"] == 1398 and got["over_500_ms"] == 1
-    assert got["waited_for_room"] == 2 and got["waited_ms"] == [1398, 301] and got["over_500_ms_waited"] == 1
-    assert bench.publish_to_served(tmp_path / "absent.log") == {"versions": 0, "ms": []}
-
-
 def test_a_modes_gateway_settings_reach_streamrl_up(tmp_path: Path) -> None:
     """``pipeline-room`` gives the gateway room for one more version; the file it writes is one ``streamrl up``
     takes (its own checker reads every table), and other modes leave the gateway's default."""
