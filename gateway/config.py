@@ -60,6 +60,8 @@ class GatewayConfig:
     """On stop (SIGTERM, Ctrl-C), how long calls in flight may run on before they are cut; then what was logged
     is delivered. Without a bound one stuck call would keep the gateway, and its records, from ever stopping."""
     connect_timeout_s: float = 2.0
+    """Seconds for an upstream to take a connection. Nothing was sent when it does not: the request is tried
+    again, and a second timeout excludes that upstream for the request."""
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
     health_failures_to_eject: int = 2

@@ -349,7 +349,11 @@ class Proxy:
         model = call.lease.engine_model
         excluded: tuple[Upstream, ...] = ()
         hung_up = False
-        for _ in range(len(self.pool.upstreams) + 1):
+        slow: set[str] = set()
+        """Upstreams that took no connection within ``connect_timeout_s`` once already."""
+        timed_out = False
+        """The last try's failure was such a timeout."""
+        for _ in range(2 * len(self.pool.upstreams) + 1):  # an upstream is excluded after two failures at most
             up = self.pool.pick(model, excluded)
             if up is None:
                 break
@@ -367,15 +371,27 @@ class Proxy:
                 resp = await session.post(up.url + call.endpoint.route, data=data, timeout=self._timeout,
                                           headers=headers)
             except aiohttp.ClientConnectorError as exc:
+                timed_out = False
                 up.in_flight -= 1
                 self.pool.mark_failed(up, f"connect: {exc}")
                 excluded += (up,)
             except _RETRYABLE as exc:
+                timed_out = False
                 up.in_flight -= 1
                 if hung_up:  # it hung up on a new connection too: it is the upstream, not a stale connection
                     excluded += (up,)
                 hung_up = True
                 log.info("upstream %s dropped the request before answering (%s); retrying", up.url, exc)
+            except aiohttp.ConnectionTimeoutError:
+                # nothing was sent: a busy host (an engine filling the CPUs, a pause) or a lost SYN; once more,
+                # then elsewhere
+                up.in_flight -= 1
+                if up.url in slow:
+                    excluded += (up,)
+                slow.add(up.url)
+                timed_out = True
+                log.info("upstream %s took no connection within %.1f s; retrying", up.url,
+                         self.config.connect_timeout_s)
             except TimeoutError:
                 up.in_flight -= 1
                 return error_response(504, "upstream timed out", headers=call.headers)
@@ -384,6 +400,9 @@ class Proxy:
                 call.ctx.upstream = up.url
                 return resp
             self.metrics.retries.inc()
+        if timed_out:
+            return error_response(504, f"upstream took no connection within {self.config.connect_timeout_s:g} s "
+                                       "(tried twice)", headers=call.headers)
         if call.lease.policy_name is not None and call.lease.version > 0:
             message = f"no healthy upstream has policy version {call.lease.version} loaded"
         else:

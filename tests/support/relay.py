@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 
 from streamrl.broker.embedded import free_port
@@ -47,6 +48,8 @@ class Relay:
         """Set once the relay holds something back: a request with ``hold_marker`` went upstream (its
         answer is now held), or an answer reached ``hold_after``."""
         self._released = asyncio.Event()
+        self._shut: tuple[socket.socket, socket.socket] | None = None
+        """While shut: the listening socket nobody accepts on, and the relay's own connection in its queue."""
 
     @property
     def url(self) -> str:
@@ -104,6 +107,13 @@ class Relay:
                              self._answers(up_reader, writer, marked))
 
     async def _open(self) -> None:
+        if self._shut is not None:  # the shut socket goes on listening: connections waiting on it get through
+            listening, filler = self._shut
+            self._shut = None
+            listening.accept()[0].close()
+            filler.close()
+            self.server = await asyncio.start_server(self._handle, sock=listening)
+            return
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
 
     async def _close(self) -> None:
@@ -120,6 +130,18 @@ class Relay:
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(10)
 
+    def shut(self) -> None:
+        """Take no connection, without refusing any, until ``open()``: the relayed connections are dropped and the
+        port listens with a queue of one place, which a connection of the relay's own takes, so that a new
+        connection's SYN is dropped and its connect hangs, as on a host too busy to accept or when a SYN is
+        lost. (Linux drops a SYN while the listen queue is full.)"""
+        self.close()
+        listening = socket.socket()
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(("127.0.0.1", self.port))
+        listening.listen(0)
+        self._shut = listening, socket.create_connection(("127.0.0.1", self.port), timeout=5)
+
     def release(self) -> None:
         """Let the held answers through (and any later one)."""
         self.loop.call_soon_threadsafe(self._released.set)
@@ -132,5 +154,7 @@ class Relay:
         self.holding.clear()
 
     def stop(self) -> None:
+        for sock in self._shut or ():
+            sock.close()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
