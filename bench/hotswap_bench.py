@@ -285,7 +285,7 @@ def main() -> None:
     p.add_argument("--model", help="its model directory (default: build the tiny model)")
     p.add_argument("--modes", default="pipeline,blocking", help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--stream", action="store_true",
-                   help="clients stream (answers of exactly --max-tokens): report chunk gaps around each swap")
+                   help="clients stream (answers of half --max-tokens to all of it): report chunk gaps around each swap")
     p.add_argument("--json", type=Path)
     p.add_argument("--logs", type=Path, help="keep the gateway's and the engine's logs here")
     args = p.parse_args()
