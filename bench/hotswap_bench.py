@@ -60,12 +60,12 @@ NAME = "policy"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
-PINNED_ROOM = ("--max-loaded-versions", "3")
+DEFAULT_ROOM = ("--max-loaded-versions", "3")
 """The gateway's default room: the routed version, the one kept before it, the next one."""
-MODES = {"pipeline": PINNED_ROOM, "pipeline-room": ("--max-loaded-versions", "4"),
-         "inflight": (*PINNED_ROOM, "--update-mode", "in-flight"),
-         "inflight-recompute": (*PINNED_ROOM, "--update-mode", "in-flight", "--in-flight-cache", "recompute"),
-         "blocking": PINNED_ROOM}
+MODES = {"pipeline": DEFAULT_ROOM, "pipeline-room": ("--max-loaded-versions", "4"),
+         "inflight": (*DEFAULT_ROOM, "--update-mode", "in-flight"),
+         "inflight-recompute": (*DEFAULT_ROOM, "--update-mode", "in-flight", "--in-flight-cache", "recompute"),
+         "blocking": DEFAULT_ROOM}
 """Each mode's gateway flags. ``pipeline-room`` is the pinned mode's own remedy for a version that waits for an
 older one to drain (requests still running on it): room for one more loaded version."""
 AROUND_MOVE_S = 1.0
@@ -118,7 +118,7 @@ async def client_loop(session: aiohttp.ClientSession, url: str, gate: asyncio.Ev
                 else:
                     ended = False
                     async for line in r.content:
-                        if line.startswith((b'data: {"error"', b'data: {"object":"error"', b'data: {"object": "error"')):
+                        if line.startswith(b'data: {"error"'):  # vLLM's ErrorResponse, as a stream sends it
                             error = f"error event: {line[6:206].decode(errors='replace').strip()}"
                         elif line.startswith(b"data: {"):
                             chunks.append(time.perf_counter())

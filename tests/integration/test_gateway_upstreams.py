@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 import openai
 import orjson
+import pytest
 from support.kafka_reader import TopicReader
 from support.relay import Relay
 
@@ -158,52 +159,34 @@ def test_a_request_the_upstream_hangs_up_on_is_retried_on_a_new_connection(engin
         assert gw.gateway.pool.upstreams[0].healthy
 
 
-class _Seen(logging.Handler):
-    """Sets ``event`` when a log message containing ``text`` is emitted: a wait for a moment the code logs."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text, self.event = text, threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.text in record.getMessage():
-            self.event.set()
-
-
-def test_an_upstream_slow_to_take_a_connection_is_tried_again(engine: Engine, relay: Relay) -> None:
+def test_an_upstream_slow_to_take_a_connection_is_tried_again(engine: Engine, relay: Relay,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
     """An upstream that takes no new connection for longer than ``connect_timeout_s`` (its listen queue full:
     the SYN is dropped, as on a host whose CPUs the engine fills): nothing was sent, so the request is tried
     again and served once the upstream takes it; one never taken ends in 504 after two tries."""
     base_model = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["id"]
     body = {"model": base_model, "prompt": "x", "max_tokens": 2}
-    seen = _Seen("took no connection")
-    proxy_log = logging.getLogger("streamrl.gateway.proxy")
-    level = proxy_log.level
-    proxy_log.addHandler(seen)
-    proxy_log.setLevel(logging.INFO)  # the retry's line is at INFO
-    try:
-        # 2.5 s: the first try's SYN and its resend 1 s later are dropped; the retry's resend, 1 s after the
-        # door opens, gets in well before its own 2.5 s are up
-        with GatewayServer(GatewayConfig(upstreams=(relay.url,), port=free_port(), health_interval_s=60,
-                                         connect_timeout_s=2.5)) as gw:
-            relay.shut()
-            answer: dict[str, httpx.Response] = {}
-            sender = threading.Thread(target=lambda: answer.update(r=httpx.post(f"{gw.url}/v1/completions",
-                                                                                json=body, timeout=60)))
-            sender.start()
-            assert seen.event.wait(30), "the first try's connect must time out while the relay takes nothing"
-            relay.open()
-            sender.join(60)
-            assert answer["r"].status_code == 200, answer["r"].text
-            assert gw.gateway.pool.upstreams[0].healthy
-        with GatewayServer(GatewayConfig(upstreams=(relay.url,), port=free_port(), health_interval_s=60,
-                                         connect_timeout_s=0.3)) as gw:
-            relay.shut()
-            r = httpx.post(f"{gw.url}/v1/completions", json=body, timeout=60)
-            assert r.status_code == 504 and "took no connection within 0.3 s" in r.json()["error"]["message"], r.text
-    finally:
-        proxy_log.removeHandler(seen)
-        proxy_log.setLevel(level)
+    caplog.set_level(logging.INFO, "streamrl.gateway.proxy")  # the retry's line is at INFO
+    # 2.5 s: the first try's SYN and its resend 1 s later are dropped; the retry's resend, 1 s after the
+    # relay opens, gets in well before its own 2.5 s are up
+    with GatewayServer(GatewayConfig(upstreams=(relay.url,), port=free_port(), health_interval_s=60,
+                                     connect_timeout_s=2.5)) as gw:
+        relay.shut()
+        answer: dict[str, httpx.Response] = {}
+        sender = threading.Thread(target=lambda: answer.update(r=httpx.post(f"{gw.url}/v1/completions",
+                                                                            json=body, timeout=60)))
+        sender.start()
+        wait_until(lambda: "took no connection" in caplog.text,
+                   "the first try's connect must time out while the relay takes nothing")
+        relay.open()
+        sender.join(60)
+        assert answer["r"].status_code == 200, answer["r"].text
+        assert gw.gateway.pool.upstreams[0].healthy
+    with GatewayServer(GatewayConfig(upstreams=(relay.url,), port=free_port(), health_interval_s=60,
+                                     connect_timeout_s=0.3)) as gw:
+        relay.shut()
+        r = httpx.post(f"{gw.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 504 and "took no connection within 0.3 s" in r.json()["error"]["message"], r.text
 
 
 def test_upstream_timeout_is_504(broker: EmbeddedBroker, engine: Engine, relay: Relay) -> None:
