@@ -856,7 +856,8 @@ def merge(args: argparse.Namespace) -> int:
     """``merge``: several result files' runs pooled, the statistics over every seed."""
     inputs = [Path(p) for p in args.inputs]
     result = learn_stats.merge([json.loads(p.read_text()) for p in inputs], [str(p) for p in inputs],
-                               allow_other_presets=args.allow_other_presets, defaults=field_defaults())
+                               allow_other_presets=args.allow_other_presets, defaults=field_defaults(),
+                               baseline=args.baseline)
     out = Path(args.output)
     write_result(result, out)
     report(result, Path(args.plot) if args.plot else out.with_suffix(".png"))
@@ -930,6 +931,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--plot", help="the plot (default: OUTPUT with .png)")
     m.add_argument("--allow-other-presets", action="store_true",
                    help="pool files whose presets differ (the first file's levels and times are used)")
+    m.add_argument("--baseline", help="the mode speedups are measured against (default: the first file's)")
     hs = sub.add_parser("histories", help="staleness per sampled token (shares at 0, 1, 2+), the trainer's waiting "
                                           "share and multi-call merging of runs' trainer histories (*-history.jsonl)")
     hs.add_argument("histories", nargs="+", type=Path)

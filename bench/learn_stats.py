@@ -288,12 +288,14 @@ class MergeError(ValueError):
 
 def merge(results: Sequence[dict[str, Any]], names: Sequence[str] | None = None, *,
           allow_other_presets: bool = False, defaults: Mapping[str, Any] | None = None,
-          resamples: int = RESAMPLES) -> dict[str, Any]:
+          baseline: str | None = None, resamples: int = RESAMPLES) -> dict[str, Any]:
     """Several result files as one: their runs pooled (each keeps the file it came from and its place in that
     file's order), the statistics recomputed over every seed. Refuses files of different presets (unless allowed:
     the first file's levels and times are used) and a mode and seed completed twice (which one would pair?); a run
     cut short in one file gives way to the same mode and seed completed in another. A preset field a file lacks
-    reads as its value in ``defaults`` (fields added to presets after the file was written)."""
+    reads as its value in ``defaults`` (fields added to presets after the file was written). Speedups are over
+    ``baseline`` (default: the first file's), which must be a mode of the pooled runs: files of one mode each
+    (in-flight runs beside earlier pipeline runs of the same seeds) are compared so."""
     if not results:
         raise MergeError("nothing to merge")
     names = list(names or [f"#{i}" for i in range(len(results))])
@@ -319,9 +321,12 @@ def merge(results: Sequence[dict[str, Any]], names: Sequence[str] | None = None,
     done = {(r["mode"], r["seed"]) for r in runs if _counted(r)}
     skipped = [{**s, "source": n} for n, r in zip(names, results, strict=True) for s in r.get("skipped", [])
                if (s["mode"], s["seed"]) not in done]
-    baseline = results[0].get("baseline", "sync")
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
+    baseline = baseline or results[0].get("baseline", "sync")
+    if baseline not in modes:
+        raise MergeError(f"baseline {baseline} is not among the pooled modes ({', '.join(modes)})")
     return {"bench": "learn_bench", "preset": first, "baseline": baseline, "sources": names,
-            "modes": list(dict.fromkeys(r["mode"] for r in runs)), "seeds": sorted({r["seed"] for r in runs}),
+            "modes": modes, "seeds": sorted({r["seed"] for r in runs}),
             "runs": runs, "skipped": skipped,
             "stats": compute(runs, first["levels"], first["times_s"], baseline=baseline, resamples=resamples)}
 

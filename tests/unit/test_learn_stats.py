@@ -219,6 +219,14 @@ def test_merge_refuses_other_presets_and_runs_twice_but_replaces_a_cut_run() -> 
     assert merged["skipped"] == [{"mode": "pipeline", "seed": 3, "why": "time budget", "source": "#0"}]
 
 
+def test_merge_measures_speedups_against_the_baseline_asked_for() -> None:
+    merged = stats.merge([result(RUNS[:2]), result(RUNS[2:])], baseline="pipeline", resamples=FAST)
+    assert merged["baseline"] == "pipeline"
+    assert list(merged["stats"]["levels"][0]["speedup"]) == ["sync/pipeline"]
+    with pytest.raises(stats.MergeError, match="baseline inflight is not among the pooled modes"):
+        stats.merge([result(RUNS)], baseline="inflight", resamples=FAST)
+
+
 def test_jsonable_is_strict_json() -> None:
     assert stats.jsonable({"a": (1.0, math.inf, -math.inf, math.nan), 2: [None]}) == \
         {"a": [1.0, "inf", "-inf", None], "2": [None]}
