@@ -279,7 +279,8 @@ def load_config(path: str | Path | None = None, **flags: Any) -> UpConfig:
 def check_lora_slots(engine: EngineConfig, policies: int, max_loaded_versions: int) -> None:
     """The engine's LoRA slots against what ``policies`` policies keep loaded (``lora_slots``): a CPU cache
     smaller than their loaded versions, or fewer GPU slots than policies, is a ``UsageError`` naming the
-    setting to change."""
+    setting to change (between those and ``lora_slots``' GPU count the engine serves, with waits that its
+    gateway's warning names: an ``[engine]`` table may trade them for GPU memory)."""
     gpu, cpu = lora_slots(policies, max_loaded_versions)
     what = f"{policies} polic{'ies' if policies > 1 else 'y'} x max_loaded_versions {max_loaded_versions}"
     if engine.max_cpu_loras < cpu:
@@ -287,5 +288,6 @@ def check_lora_slots(engine: EngineConfig, policies: int, max_loaded_versions: i
                          f"{what} keep loaded: set it to {cpu} or more, or lower [gateway] max_loaded_versions")
     if engine.max_loras < policies:
         raise UsageError(f"[engine] max_loras = {engine.max_loras} is fewer GPU LoRA slots than the {policies} "
-                         f"policies served at once: set it to {gpu} (two per policy: a swap runs two versions)")
+                         f"policies served at once: set it to {gpu} (one per loaded version: pinned requests keep "
+                         f"every loaded version running)")
 

@@ -11,8 +11,12 @@ FLAGS = {"max_loras": "--max-loras", "max_cpu_loras": "--max-cpu-loras"}
 
 def lora_slots(policies: int, max_loaded_versions: int) -> tuple[int, int]:
     """(``max_loras``, ``max_cpu_loras``) an engine needs for ``policies`` policies that each keep up to
-    ``max_loaded_versions`` adapter versions loaded. The CPU cache holds every loaded version (beyond it vLLM
-    reads an evicted adapter from disk again at its next request); the GPU slots, which bound the adapters of
-    one batch and are preallocated at the largest rank, hold two per policy: the routed version and the one a
-    swap is moving to (or from) run side by side without a request waiting for a slot."""
-    return 2 * policies, policies * max_loaded_versions
+    ``max_loaded_versions`` adapter versions loaded: one of each per loaded version. The CPU cache holds every loaded
+    version (beyond it vLLM reads an evicted adapter from disk again at its next request). The GPU slots bound the
+    adapters of one batch: vLLM's scheduler admits a waiting request whose adapter no running request uses only
+    while the running ones use fewer than ``max_loras``, and pinned requests (long replies, episodes pinned to
+    ``<name>@v<N>``) keep every loaded version of a policy running at once, so with fewer slots the first requests
+    of a newly routed version would wait in the engine until an older version's last reply ends. Each slot is
+    preallocated at the largest rank (docs/gateway.md, "LoRA slots", says what one costs)."""
+    slots = policies * max_loaded_versions
+    return slots, slots

@@ -64,8 +64,9 @@ def lora_warning(url: str, state: dict[str, Any], policies: int, max_loaded_vers
     has = ", ".join(f"{FLAGS[k]} {state[k]}" + (f" (needs {n})" if state[k] < n else "") for k, n in need.items())
     return (f"upstream {url} has too few LoRA slots for {served}: {has}. It serves on, but the versions loaded "
             f"into it evict each other (each eviction reloads an adapter from disk between two engine steps, and "
-            f"a version kept for pinned requests may be the one evicted; with too few GPU slots a swap's new "
-            f"version waits for a slot). Restart it with {flags}, or lower max_loaded_versions")
+            f"a version kept for pinned requests may be the one evicted; with too few GPU slots the first requests "
+            f"of a new version wait in the engine until an older version's last reply ends). Restart it with "
+            f"{flags}, or lower max_loaded_versions")
 
 
 class Upstream:

@@ -91,9 +91,9 @@ def test_two_policies_route_and_swap_independently(broker: EmbeddedBroker, engin
         assert r.headers["x-policy-version"] == "3" and r.json()["model"] == "support@v3"
         assert chat(gw, "sql@v2").headers["x-policy-version"] == "2"  # a pinned version of the other policy
         assert health["policy"]["name"] == "support"  # the default policy's view stays where it was
-        # the engine's LoRA slots (4 GPU, 8 CPU: tests/support/services.py) hold 2 policies x 3 loaded versions
-        assert health["upstreams"][0]["lora"] == {"status": "ok", "max_loras": 4, "max_cpu_loras": 8,
-                                                  "max_lora_rank": 16, "needs": {"max_loras": 4, "max_cpu_loras": 6}}
+        # the engine's LoRA slots (6 GPU, 8 CPU: tests/support/services.py) hold 2 policies x 3 loaded versions
+        assert health["upstreams"][0]["lora"] == {"status": "ok", "max_loras": 6, "max_cpu_loras": 8,
+                                                  "max_lora_rank": 16, "needs": {"max_loras": 6, "max_cpu_loras": 6}}
         # the dashboard: every policy listed, each one's versions on its own view
         board = httpx.get(f"{gw.url}/dashboard/data", params={"policy": "sql"}).json()
         assert board["policy"] == {"name": "sql", "version": 2, "served_name": "sql@v2"}
@@ -114,7 +114,7 @@ def test_two_policies_route_and_swap_independently(broker: EmbeddedBroker, engin
 
 def test_an_engine_with_too_few_lora_slots_is_named_in_health_and_the_log(engine: Engine,
                                                                            caplog: pytest.LogCaptureFixture) -> None:
-    """Three policies need 6 GPU and 9 CPU slots of the engine started by the test session (4 and 8): a warning
+    """Three policies need 9 GPU and 9 CPU slots of the engine started by the test session (6 and 8): a warning
     naming them and the flags, ``too_few`` in ``/health``, and it serves on (logging off: nothing else to start)."""
     caplog.set_level(logging.WARNING, "streamrl.gateway.upstreams")
     config = GatewayConfig(upstreams=(engine.url,), port=free_port(), policy_name="a", policies=("b", "c"),
@@ -122,8 +122,8 @@ def test_an_engine_with_too_few_lora_slots_is_named_in_health_and_the_log(engine
     with GatewayServer(config) as gw:
         health = httpx.get(f"{gw.url}/health").json()
         assert health["status"] == "ok" and health["upstreams"][0]["healthy"]
-        assert health["upstreams"][0]["lora"] == {"status": "too_few", "max_loras": 4, "max_cpu_loras": 8,
-                                                  "max_lora_rank": 16, "needs": {"max_loras": 6, "max_cpu_loras": 9}}
+        assert health["upstreams"][0]["lora"] == {"status": "too_few", "max_loras": 6, "max_cpu_loras": 8,
+                                                  "max_lora_rank": 16, "needs": {"max_loras": 9, "max_cpu_loras": 9}}
         assert f'streamrl_gateway_upstream_lora_slots_short{{upstream="{engine.url}"}} 1.0' in \
             httpx.get(f"{gw.url}/metrics").text
         r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=60,
@@ -131,8 +131,8 @@ def test_an_engine_with_too_few_lora_slots_is_named_in_health_and_the_log(engine
         assert r.status_code == 200 and r.headers["x-policy-version"] == "0"
     [warning] = [r.getMessage() for r in caplog.records if "LoRA slots" in r.getMessage()]
     assert f"upstream {engine.url} has too few LoRA slots for this gateway's 3 policies" in warning
-    assert "--max-loras 4 (needs 6), --max-cpu-loras 8 (needs 9)" in warning
-    assert "Restart it with --max-loras 6 --max-cpu-loras 9" in warning
+    assert "--max-loras 6 (needs 9), --max-cpu-loras 8 (needs 9)" in warning
+    assert "Restart it with --max-loras 9 --max-cpu-loras 9" in warning
 
 
 SUPPORT_KEY, BOTH_KEY, ADMIN_KEY = "sk-support-" + "a" * 16, "sk-both-" + "b" * 16, "sk-admin-" + "c" * 16

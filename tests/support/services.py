@@ -25,7 +25,7 @@ def start_engine(model: Path, name: str, *, token_capture: bool = True, wait: bo
     """``token_capture=False``: a plain vLLM server, without streamrl's capture middleware. ``wait=False``: only
     launched (it starts while other work goes on); ``engine.wait_healthy(ENGINE_START_S)`` before using it."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    engine = Engine(EngineConfig(model=str(model), max_loras=4, max_model_len=1024, token_capture=token_capture),
+    engine = Engine(EngineConfig(model=str(model), max_loras=6, max_model_len=1024, token_capture=token_capture),
                     log_file=LOG_DIR / f"{name}.log")
     return engine.start(timeout=ENGINE_START_S) if wait else engine.launch()
 

@@ -88,7 +88,7 @@ def test_several_policies_get_a_trainer_each_and_lora_slots_for_all(tmp_path: Pa
     assert len({t.history for t in trainers}) == len({t.group_id for t in trainers}) == 3
     assert len({t.metrics_port for t in trainers}) == 3
     engine = c.engine_config("/m", gateway.max_loaded_versions)
-    assert (engine.max_loras, engine.max_cpu_loras) == lora_slots(3, 3) == (6, 9)
+    assert (engine.max_loras, engine.max_cpu_loras) == lora_slots(3, 3) == (9, 9)
     check_lora_slots(engine, 3, 3)
     one = load_config(None, work_dir=str(tmp_path))  # one policy: the layout and slots it always had
     assert one.trainer_config("/m", "b:1").adapters == str(tmp_path / "adapters")
@@ -98,7 +98,7 @@ def test_several_policies_get_a_trainer_each_and_lora_slots_for_all(tmp_path: Pa
 def test_lora_slots_too_few_for_the_policies_are_a_usage_error(tmp_path: Path) -> None:
     c = load_config(None, policies=["a", "b", "c", "d"], work_dir=str(tmp_path), engine_max_cpu_loras=8)
     engine = c.engine_config("/m", 3)
-    assert engine.max_cpu_loras == 8 and engine.max_loras == 10  # the table's CPU cache; GPU slots sized
+    assert engine.max_cpu_loras == 8 and engine.max_loras == 15  # the table's CPU cache; GPU slots sized
     with pytest.raises(UsageError, match="max_cpu_loras = 8 holds fewer adapters than the 15 versions"):
         check_lora_slots(engine, 5, 3)
     with pytest.raises(UsageError, match="max_loras = 2 is fewer GPU LoRA slots than the 5 policies"):

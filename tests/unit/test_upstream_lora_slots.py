@@ -18,17 +18,17 @@ from streamrl.engine.wire import FORMAT_VERSION, PROBE_PATH
 from streamrl.gateway.metrics import GatewayMetrics
 from streamrl.gateway.upstreams import NOT_REPORTED, UpstreamPool, lora_check, lora_warning
 
-SLOTS = {"max_loras": 4, "max_cpu_loras": 8, "max_lora_rank": 16}
+SLOTS = {"max_loras": 6, "max_cpu_loras": 8, "max_lora_rank": 16}
 """What the test engine (``tests/support/services.py``) reports."""
 
 
 def test_enough_slots_are_ok_and_either_count_short_is_too_few() -> None:
-    assert lora_slots(2, 3) == (4, 6) and lora_slots(3, 3) == (6, 9)
-    assert lora_check(SLOTS, lora_slots(2, 3)) == {"status": "ok", **SLOTS, "needs": {"max_loras": 4,
+    assert lora_slots(1, 3) == (3, 3) and lora_slots(2, 3) == (6, 6) and lora_slots(3, 3) == (9, 9)
+    assert lora_check(SLOTS, lora_slots(2, 3)) == {"status": "ok", **SLOTS, "needs": {"max_loras": 6,
                                                                                        "max_cpu_loras": 6}}
-    assert lora_check(SLOTS, lora_slots(1, 8))["status"] == "ok"  # exactly what is needed: (2, 8)
-    assert lora_check(SLOTS, lora_slots(1, 9))["status"] == "too_few"  # CPU short only
-    assert lora_check({**SLOTS, "max_loras": 3}, lora_slots(2, 3))["status"] == "too_few"  # GPU short only
+    assert lora_check({**SLOTS, "max_cpu_loras": 6}, lora_slots(1, 6))["status"] == "ok"  # exactly: (6, 6)
+    assert lora_check({**SLOTS, "max_loras": 9}, lora_slots(1, 9))["status"] == "too_few"  # CPU short only
+    assert lora_check({**SLOTS, "max_loras": 5}, lora_slots(2, 3))["status"] == "too_few"  # GPU short only
     assert lora_check(None, (2, 3)) == {"status": "off", "needs": {"max_loras": 2, "max_cpu_loras": 3}}
     for unreported in (NOT_REPORTED, {"max_loras": 4}, {**SLOTS, "max_loras": "4"}, {**SLOTS, "max_loras": True},
                        "yes"):
@@ -40,11 +40,11 @@ def test_the_warning_names_what_it_has_what_it_needs_and_the_flags() -> None:
     text = lora_warning("http://gpu-7:8000", state, 3, 3)
     assert text is not None
     assert text.startswith("upstream http://gpu-7:8000 has too few LoRA slots for this gateway's 3 policies x "
-                           "max_loaded_versions 3: --max-loras 4 (needs 6), --max-cpu-loras 4 (needs 9).")
-    assert "evict each other" in text and text.endswith("Restart it with --max-loras 6 --max-cpu-loras 9, or lower "
-                                                        "max_loaded_versions")
-    only_cpu = lora_warning("http://u", lora_check(SLOTS, lora_slots(1, 9)), 1, 9)
-    assert only_cpu is not None and "--max-loras 4, --max-cpu-loras 8 (needs 9)" in only_cpu  # 4 GPU slots: enough
+                           "max_loaded_versions 3: --max-loras 6 (needs 9), --max-cpu-loras 4 (needs 9).")
+    assert "evict each other" in text and "wait in the engine until an older version's last reply ends" in text
+    assert text.endswith("Restart it with --max-loras 9 --max-cpu-loras 9, or lower max_loaded_versions")
+    only_cpu = lora_warning("http://u", lora_check({**SLOTS, "max_loras": 9}, lora_slots(1, 9)), 1, 9)
+    assert only_cpu is not None and "--max-loras 9, --max-cpu-loras 8 (needs 9)" in only_cpu  # 9 GPU slots: enough
     assert "1 policy x" in only_cpu
     off = lora_warning("http://u", lora_check(None, (2, 3)), 1, 3)
     assert off is not None and "LoRA off" in off and "--enable-lora --max-loras 2 --max-cpu-loras 3" in off
@@ -102,11 +102,11 @@ def test_an_upstream_with_too_few_slots_serves_on_with_one_warning(caplog: pytes
     pool, gauges = asyncio.run(probe_rounds(probe, policies=3, rounds=3))
     up = pool.upstreams[0]
     assert up.healthy and up.token_capture, "too few slots is no reason to leave it out of rotation"
-    assert up.state()["lora"] == {"status": "too_few", **SLOTS, "needs": {"max_loras": 6, "max_cpu_loras": 9}}
+    assert up.state()["lora"] == {"status": "too_few", **SLOTS, "needs": {"max_loras": 9, "max_cpu_loras": 9}}
     [warning] = warnings(caplog)  # joined three times with the same slots: said once
-    assert f"upstream {up.url} has too few LoRA slots" in warning and "--max-loras 4 (needs 6)" in warning
+    assert f"upstream {up.url} has too few LoRA slots" in warning and "--max-loras 6 (needs 9)" in warning
     assert gauges == [f'streamrl_gateway_upstream_lora_slots_short{{upstream="{up.url}"}} 1.0']
-    assert any("LoRA slots 4 GPU, 8 CPU, rank 16, too_few" in r.getMessage() for r in caplog.records)
+    assert any("LoRA slots 6 GPU, 8 CPU, rank 16, too_few" in r.getMessage() for r in caplog.records)
 
 
 def test_enough_slots_are_quiet_and_exported_as_zero(caplog: pytest.LogCaptureFixture) -> None:
@@ -124,7 +124,7 @@ def test_an_engine_that_does_not_say_is_unknown_without_a_warning(probe: dict[st
     pool, gauges = asyncio.run(probe_rounds(probe, policies=8, rounds=2))
     up = pool.upstreams[0]
     assert up.healthy and up.token_capture == (probe is not None)
-    assert up.state()["lora"] == {"status": "unknown", "needs": {"max_loras": 16, "max_cpu_loras": 24}}
+    assert up.state()["lora"] == {"status": "unknown", "needs": {"max_loras": 24, "max_cpu_loras": 24}}
     assert warnings(caplog) == [] and gauges == []
 
 
@@ -140,4 +140,4 @@ def test_lora_off_is_a_warning_and_the_probe_is_read_with_token_capture_off(capl
 
 def test_before_its_probe_an_upstream_says_unknown_with_what_it_needs() -> None:
     pool = UpstreamPool(("http://127.0.0.1:9",), policies=2, max_loaded_versions=4)
-    assert pool.upstreams[0].state()["lora"] == {"status": "unknown", "needs": {"max_loras": 4, "max_cpu_loras": 8}}
+    assert pool.upstreams[0].state()["lora"] == {"status": "unknown", "needs": {"max_loras": 8, "max_cpu_loras": 8}}
