@@ -182,6 +182,10 @@ class GatewayConfig:
             raise ValueError("spool_after_ms must be >= 1")
         if self.update_mode not in UPDATE_MODES:
             raise ValueError(f"update_mode must be one of {', '.join(UPDATE_MODES)}, not {self.update_mode!r}")
+        if self.update_mode == "in-flight" and not self.token_capture:
+            raise ValueError("update_mode 'in-flight' needs token_capture: an engine says which tokens moved to which "
+                             "version in its capture frames, which a gateway without token capture does not ask for "
+                             "(docs/gateway.md, \"In-flight updates\")")
         if self.in_flight_cache not in IN_FLIGHT_CACHES:
             raise ValueError(f"in_flight_cache must be one of {', '.join(IN_FLIGHT_CACHES)}, "
                              f"not {self.in_flight_cache!r}")

@@ -73,8 +73,8 @@ class Upstream:
     """One vLLM server as the gateway sees it."""
 
     __slots__ = ("adapters", "base_models", "deferred_capture", "failed_checks", "healthy", "in_flight", "last_check",
-                 "last_error", "lora", "lora_warned", "model_cards", "models", "moved", "moves_requests", "token_capture",
-                 "url")
+                 "last_error", "lora", "lora_warned", "model_cards", "models", "moved", "moves_requests", "pinned_warned",
+                 "token_capture", "url")
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -106,6 +106,8 @@ class Upstream:
         each time it comes into rotation."""
         self.lora_warned: tuple[Any, ...] | None = None
         """The slots last warned about: the same ones again (a restart, a flap) are not logged again."""
+        self.pinned_warned = False
+        """In the ``in-flight`` update mode: warned that it cannot move requests (said again only once it could)."""
 
     def serves(self, model: str) -> bool:
         return model in self.adapters or model in self.models
@@ -115,6 +117,7 @@ class Upstream:
                 "models": self.base_models, "adapters": sorted(self.adapters), "last_error": self.last_error,
                 "token_capture": None if self.token_capture is None else "json" if not self.token_capture
                 else "engine, deferred" if self.deferred_capture else "engine", "lora": self.lora,
+                "moves_requests": self.moves_requests,
                 **({"in_flight_moves": self.moved} if self.moves_requests else {})}
 
 
@@ -198,6 +201,24 @@ class UpstreamPool:
             log.warning("%s", warning)
         up.lora_warned = seen
 
+    def _warn_pinned(self, up: Upstream, probe: dict[str, Any]) -> None:
+        """In the ``in-flight`` update mode, one WARNING for an upstream that cannot move running requests (a plain
+        vLLM, an engine whose capture predates version spans): its requests run pinned, silently otherwise."""
+        if not self.in_flight or up.moves_requests:
+            up.pinned_warned = False
+            return
+        if up.pinned_warned:
+            return
+        why = ("no capture probe: a plain vLLM" if not probe else
+               f"its capture is format {probe.get('format')}, not this gateway's {FORMAT_VERSION}"
+               if not up.token_capture else
+               f"its capture lists formats {probe.get('formats') or [probe.get('format')]}, without "
+               f"{SPANS_FORMAT_VERSION}, which says which version sampled which token")
+        log.warning("upstream %s cannot move running requests to a newer version (%s): in the in-flight update mode "
+                    "its requests run pinned, to the end on the version they started on. Serve it with this "
+                    "release's `streamrl engine` (docs/gateway.md, \"In-flight updates\")", up.url, why)
+        up.pinned_warned = True
+
     def mark_failed(self, up: Upstream, error: str) -> None:
         if up.healthy:
             log.warning("upstream %s out of rotation: %s", up.url, error)
@@ -275,6 +296,7 @@ class UpstreamPool:
                      f"{lora['max_loras']} GPU, {lora['max_cpu_loras']} CPU, rank {lora['max_lora_rank']}, "
                      f"{lora['status']}" if "max_loras" in lora else lora["status"])
             self._warn_lora(up)
+            self._warn_pinned(up, probe)
             up.healthy = True
             for callback in self.on_recovered:
                 callback(up)

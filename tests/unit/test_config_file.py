@@ -41,6 +41,9 @@ def test_the_gateway_refuses_an_incomplete_or_unknown_configuration(tmp_path: Pa
     assert config_from_args(gateway_args("--upstream", "http://b", "--no-logging")).kafka.bootstrap_servers is None
     with pytest.raises(UsageError, match=r"give --upstream URL"):
         config_from_args(gateway_args("--bootstrap-servers", "k:1"))
+    with pytest.raises(UsageError, match=r"\[gateway\]: update_mode 'in-flight' needs token_capture"):
+        config_from_args(gateway_args("--upstream", "http://b", "--no-logging", "--update-mode", "in-flight",
+                                      "--no-token-capture"))
     path = tmp_path / "bad.toml"
     path.write_text('[gateway]\nupstreams = ["http://a"]\nhealth_intervall_s = 1\n')
     with pytest.raises(UsageError, match=r"bad.toml:3:1: unknown option 'health_intervall_s' in \[gateway\] \(did you mean health_interval_s\?\)"):

@@ -1,7 +1,10 @@
-"""An upstream's LoRA slots, as its capture probe reports them, against what the gateway's policies need
-(``gateway/upstreams.py``: ``lora_check``, ``lora_warning``, the pool's probe; ``engine/lora_slots.py``): too few is
-one warning naming the upstream, its slots, those needed and the flags to set, a ``/health`` field and a metric;
-the upstream stays in rotation. An engine whose probe does not say is ``unknown``, without a warning."""
+"""What an upstream's capture probe says against what the gateway needs (``gateway/upstreams.py``).
+
+Its LoRA slots against the policies' (``lora_check``, ``lora_warning``; ``engine/lora_slots.py``): too few is one
+warning naming the upstream, its slots, those needed and the flags to set, a ``/health`` field and a metric; the
+upstream stays in rotation. An engine whose probe does not say is ``unknown``, without a warning. In the
+``in-flight`` update mode, an upstream that cannot move running requests is one warning saying why (its requests
+run pinned) and ``moves_requests: false`` in ``/health``."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from streamrl.engine.lora_slots import lora_slots
-from streamrl.engine.wire import FORMAT_VERSION, PROBE_PATH
+from streamrl.engine.wire import FORMAT_VERSION, PROBE_PATH, SPANS_FORMAT_VERSION
 from streamrl.gateway.metrics import GatewayMetrics
 from streamrl.gateway.upstreams import NOT_REPORTED, UpstreamPool, lora_check, lora_warning
 
@@ -53,7 +56,7 @@ def test_the_warning_names_what_it_has_what_it_needs_and_the_flags() -> None:
 
 
 async def probe_rounds(probe: dict[str, Any] | None, *, policies: int, rounds: int = 1,
-                       token_capture: bool = True) -> tuple[UpstreamPool, list[str]]:
+                       token_capture: bool = True, in_flight: bool = False) -> tuple[UpstreamPool, list[str]]:
     """A pool of ``policies`` policies in front of a fake upstream whose capture probe answers ``probe`` (None: a
     404, as a plain vLLM): it joins, then leaves and joins again ``rounds - 1`` times; the pool and what
     ``/metrics`` says of the upstream's slots."""
@@ -76,7 +79,7 @@ async def probe_rounds(probe: dict[str, Any] | None, *, policies: int, rounds: i
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     pool = UpstreamPool((f"http://127.0.0.1:{port}",), interval_s=3600, policies=policies, max_loaded_versions=3,
-                        token_capture=token_capture)
+                        token_capture=token_capture, in_flight=in_flight)
     try:
         async with aiohttp.ClientSession() as session:
             await pool.start(session)
@@ -141,3 +144,37 @@ def test_lora_off_is_a_warning_and_the_probe_is_read_with_token_capture_off(capl
 def test_before_its_probe_an_upstream_says_unknown_with_what_it_needs() -> None:
     pool = UpstreamPool(("http://127.0.0.1:9",), policies=2, max_loaded_versions=4)
     assert pool.upstreams[0].state()["lora"] == {"status": "unknown", "needs": {"max_loras": 8, "max_cpu_loras": 8}}
+
+
+def pinned_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+            and "cannot move running requests" in r.getMessage()]
+
+
+MOVES = {"format": FORMAT_VERSION, "formats": [FORMAT_VERSION, SPANS_FORMAT_VERSION], "lora": SLOTS}
+"""The probe of this release's ``streamrl engine``: capture frames with version spans."""
+
+
+@pytest.mark.parametrize(("probe", "why"), [
+    (None, "(no capture probe: a plain vLLM)"),
+    ({"format": FORMAT_VERSION - 1, "lora": SLOTS}, f"(its capture is format {FORMAT_VERSION - 1}, not this gateway's"),
+    ({"format": FORMAT_VERSION, "formats": [FORMAT_VERSION], "lora": SLOTS},
+     f"(its capture lists formats [{FORMAT_VERSION}], without {SPANS_FORMAT_VERSION}, which says which version"),
+], ids=["plain vLLM", "older capture", "capture without spans"])
+def test_in_flight_an_upstream_that_cannot_move_requests_is_one_warning(probe: dict[str, Any] | None, why: str,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "streamrl.gateway.upstreams")
+    pool, _ = asyncio.run(probe_rounds(probe, policies=1, rounds=3, in_flight=True))
+    up = pool.upstreams[0]
+    assert up.healthy and up.state()["moves_requests"] is False
+    [warning] = pinned_warnings(caplog)  # joined three times: said once
+    assert warning.startswith(f"upstream {up.url} cannot move running requests to a newer version {why}")
+    assert "its requests run pinned" in warning
+
+
+def test_an_engine_that_moves_requests_and_the_pinned_mode_are_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "streamrl.gateway.upstreams")
+    pool, _ = asyncio.run(probe_rounds(MOVES, policies=1, in_flight=True))
+    assert pool.upstreams[0].state()["moves_requests"] is True and "in_flight_moves" in pool.upstreams[0].state()
+    pinned, _ = asyncio.run(probe_rounds(None, policies=1))  # pinned: a plain vLLM loses nothing by not moving
+    assert pinned.upstreams[0].state()["moves_requests"] is False and pinned_warnings(caplog) == []
