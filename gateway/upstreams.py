@@ -107,7 +107,7 @@ class Upstream:
         self.lora_warned: tuple[Any, ...] | None = None
         """The slots last warned about: the same ones again (a restart, a flap) are not logged again."""
         self.pinned_warned = False
-        """In the ``in-flight`` update mode: warned that it cannot move requests (said again only once it could)."""
+        """In the ``in-flight`` update mode: warned that it cannot move requests (not again until it once could)."""
 
     def serves(self, model: str) -> bool:
         return model in self.adapters or model in self.models

@@ -107,3 +107,7 @@ def test_lora_slots_too_few_for_the_policies_are_a_usage_error(tmp_path: Path) -
         (tmp_path / "up.toml").write_text('[gateway]\npolicies = ["x"]\n')
         Stack(load_config(tmp_path / "up.toml", work_dir=str(tmp_path))).preflight()
 
+
+def test_in_flight_updates_without_token_capture_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"\[gateway\]: update_mode 'in-flight' needs token_capture"):
+        Stack(load_config(None, work_dir=str(tmp_path), update_mode="in-flight", token_capture=False)).preflight()
