@@ -64,6 +64,12 @@ class Delivery:
         """Records given to the producer and not acknowledged yet, in the order given."""
         self.spooling = spool is not None
         """Records go to the spool (start-up included: what a previous run left is delivered first)."""
+        self.outage = spool is not None and not spool.empty
+        """The spool holds records Kafka did not take (an outage, or a run that ended before delivering them):
+        its drain is worth a warning; the start-up's own first records passing through it are not."""
+        if self.outage:
+            log.warning("spool %s holds %d records an earlier run did not deliver: they go to Kafka first",
+                        spool.dir, spool.records)
         self.trouble = threading.Event()
         self.closing = threading.Event()
         self._warned_full = 0.0
@@ -232,7 +238,7 @@ class Delivery:
             old, self.producer = self.producer, None
             self.trouble.clear()
             if self.spool is not None:
-                self.spooling = True
+                self.spooling = self.outage = True
                 if entries:
                     self._to_spool(entries)
                 log.warning("Kafka is not taking records: spooling to %s (%d records moved there)", self.spool.dir,
@@ -255,9 +261,11 @@ class Delivery:
         if not recs:
             with self.lock:
                 if self.spool.empty:  # (puts append under this lock: nothing can slip in between)
-                    if self.spooling:
+                    if self.spooling and self.outage:
                         log.warning("spool %s drained: records go straight to Kafka again", self.spool.dir)
-                    self.spooling = False
+                    elif self.spooling:
+                        log.info("Kafka takes records: they go straight to it (spool %s empty)", self.spool.dir)
+                    self.spooling = self.outage = False
                     self.trouble.clear()
             return True
         answers = _Answers(len(recs))

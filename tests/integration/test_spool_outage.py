@@ -3,6 +3,7 @@ with the spool at its bound)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,14 @@ from support.services import LOG_DIR
 from streamrl.broker.embedded import EmbeddedBroker, free_port
 from streamrl.broker.topics import Topics
 from streamrl.gateway.recording.delivery import (
+    DELIVERED,
     NCOUNTS,
     REPLAYED,
     SPOOL_DROPPED,
     SPOOL_FULL,
     SPOOL_RECORDS,
     SPOOLED,
+    SPOOLING,
     NotDurable,
 )
 from streamrl.gateway.recording.kafka_producers import PRODUCER_CLIENTS
@@ -79,9 +82,12 @@ def test_records_given_during_a_broker_outage_arrive_in_order_once_it_is_back(tm
 
 
 @pytest.mark.parametrize("client", PRODUCER_CLIENTS)
-def test_durable_records_are_answered_from_the_spool_while_kafka_is_down(tmp_path: Path, client: str) -> None:
+def test_durable_records_are_answered_from_the_spool_while_kafka_is_down(tmp_path: Path, client: str,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """``put_many(durable=True)``: with the broker down, futures resolve once the records are fsynced in
-    the spool; a new process on the same spool delivers them when the broker is up."""
+    the spool; a new process on the same spool delivers them when the broker is up, and says so: what it found
+    left, then the drain. A start on an empty spool with Kafka up says nothing above INFO."""
+    caplog.set_level(logging.INFO, "streamrl.gateway.recording.delivery")
     topics = Topics("spool-durable")
     broker = EmbeddedBroker(topics=topics, partitions=2, log_file=LOG_DIR / "broker-spool.log")
     config = SenderConfig(broker.bootstrap_servers, None, 2_000, "test", str(tmp_path), spool_after_ms=300,
@@ -100,8 +106,19 @@ def test_durable_records_are_answered_from_the_spool_while_kafka_is_down(tmp_pat
         reader = LogReader(broker.bootstrap_servers, [topics.rewards])
         got = reader.read_until(30)
         reader.close()
-        wait_until(lambda: counts2[SPOOL_RECORDS] == 0, "spool drained")
+        wait_until(lambda: counts2[SPOOL_RECORDS] == 0 and not counts2[SPOOLING], "spool drained")
         again.close(5.0)
+        found = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert any("holds 30 records an earlier run did not deliver" in m for m in found), found
+        assert any("drained: records go straight to Kafka again" in m for m in found), found
+        caplog.clear()
+        counts3 = [0] * NCOUNTS
+        fresh = SenderConfig(broker.bootstrap_servers, None, 2_000, "test", str(tmp_path / "fresh"),
+                             spool_after_ms=300, client=client).delivery(counts3, "rewards", linger_ms=0)
+        fresh.put(topics.rewards, b"t", b"r")
+        wait_until(lambda: counts3[DELIVERED] == 1 and not counts3[SPOOLING], "record delivered")
+        fresh.close(5.0)
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     finally:
         broker.stop()
     assert sorted(v for *_, v in got) == sorted(f"r{i}".encode() for i in range(30))
