@@ -67,6 +67,8 @@ from swap_log import publish_to_served
 
 PEAK_FLOPS = 989e12  # H200 dense bf16
 METRIC_LINE = re.compile(r'^([a-zA-Z_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN|\+Inf)$')
+LORA_INFO = "vllm:lora_requests_info"
+LABEL = re.compile(r'(\w+)="([^"]*)"')
 RESULT_FILE = "learn_bench.json"
 
 
@@ -353,6 +355,7 @@ def run_one(spec: RunSpec, preset: Preset, model: Path, out: Path, upstreams: li
         result["engine"] = engine_timeline(engine_samples, result["t0"])
         span = engine_samples[-1][0] - engine_samples[0][0]
         result["engine_idle_s"] = result["engine"]["idle_s"]
+        result["engine_lora_slot_wait_s"] = result["engine"]["lora_slot_wait_s"]
         result["engine_idle_frac"] = result["engine"]["idle_s"] / span if span > 0 else None
     if warm is not None:
         shift_clock(result, warm["seconds"])
@@ -394,11 +397,27 @@ def _total(samples: dict[str, float], name: str) -> float:
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
 
 
+def lora_slot_waits(sample: dict[str, float]) -> list[str]:
+    """Adapters whose requests wait in the engine for a GPU LoRA slot at this sample: those vLLM's
+    ``lora_requests_info`` names waiting and not running while ``max_lora`` others run (a gauge per label set, set
+    to the time of its last update: the latest set is the engine's state now; ``engine/lora_slots.py`` sizes the
+    slots so that no version's requests wait so)."""
+    latest = max((k for k in sample if k.startswith(LORA_INFO + "{")), key=sample.__getitem__, default=None)
+    labels = dict(LABEL.findall(latest or ""))
+    if not labels.get("max_lora", "").isdigit():
+        return []
+    running = {a for a in labels.get("running_lora_adapters", "").split(",") if a}
+    waiting = {a for a in labels.get("waiting_lora_adapters", "").split(",") if a}
+    return sorted(waiting - running) if len(running) >= int(labels["max_lora"]) else []
+
+
 def engine_timeline(samples: list[tuple[float, dict[str, float]]], t0: float) -> dict:
     """vLLM's own view, once a second: requests running and waiting, tokens generated since the last
     sample. ``stalled_s`` counts seconds in which requests were running but no token came out (e.g.
-    the engine busy loading an adapter), ``idle_s`` seconds with nothing to run."""
-    rows, stalled, idle = [], 0.0, 0.0
+    the engine busy loading an adapter), ``idle_s`` seconds with nothing to run, ``lora_slot_wait_s`` seconds in
+    which an adapter's requests waited for a GPU LoRA slot (``lora_slot_waits``; those adapters in
+    ``lora_slot_waited``)."""
+    rows, stalled, idle, slot_wait, slot_waited = [], 0.0, 0.0, 0.0, set()
     for (ta, a), (tb, b) in itertools.pairwise(samples):
         if not a or not b:
             continue
@@ -410,7 +429,11 @@ def engine_timeline(samples: list[tuple[float, dict[str, float]]], t0: float) ->
             stalled += tb - ta
         if not running:
             idle += tb - ta
-    return {"timeline": rows, "stalled_s": round(stalled, 2), "idle_s": round(idle, 2)}
+        if waits := lora_slot_waits(b):
+            slot_wait += tb - ta
+            slot_waited.update(waits)
+    return {"timeline": rows, "stalled_s": round(stalled, 2), "idle_s": round(idle, 2),
+            "lora_slot_wait_s": round(slot_wait, 2), "lora_slot_waited": sorted(slot_waited)}
 
 
 def read_history(path: Path) -> list[dict[str, Any]]:
@@ -670,8 +693,16 @@ def print_stats(stats: dict[str, Any]) -> None:
         print(f"| {m} | {','.join(map(str, stats['seeds'][m]))} | {_with_interval(f['versions_per_s'], 3)} "
               f"| {_with_interval(st['mean'])} / {_with_interval(st['p90'])} / {_fmt(st['max'], 0)} "
               f"| {_with_interval(rp['p50'], 0)} / {_with_interval(rp['p90'], 0)} / {_fmt(rp['max'], 0)} "
-              f"| {_with_interval(idle, 2)} | {ps['p50']} / {ps['p99']} / {ps['max']} ({ps['versions']}) "
+              f"| {_with_interval(idle, 2)} | {ps['p50']} / {ps['p99']} / {ps['max']} ({ps['versions']}"
+              f"{_slot_waits(f)}) "
               f"| {f['failed_requests']['total']} / {f['failed_trajectories']['total']} |")
+
+
+def _slot_waits(mode_stats: dict[str, Any]) -> str:
+    """The publish -> served cell's note of seconds in which a version's requests waited in the engine for a LoRA
+    slot (none expected: ``engine/lora_slots.py``)."""
+    waits = mode_stats.get("engine_lora_slot_wait_s") or {}
+    return f"; {waits['total']:.0f} s waiting in the engine for a LoRA slot" if waits.get("total") else ""
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:

@@ -272,6 +272,8 @@ def mode_figures(runs: Sequence[dict[str, Any]], boot: dict[str, Any]) -> dict[s
                          "source": sorted({(r.get("reply_tokens") or {}).get("source", "?") for r in runs})},
         "engine_idle_s": spread(per_seed("engine_idle_s"), **boot),
         "engine_idle_frac": spread(per_seed("engine_idle_frac"), **boot),
+        "engine_lora_slot_wait_s": {"total": round(sum(per_seed("engine_lora_slot_wait_s").values()), 2),
+                                    "runs": len(per_seed("engine_lora_slot_wait_s"))},
         "publish_to_served_ms": {"versions": len(served_ms), "p50": nearest_rank(served_ms, 0.5),
                                  "p99": nearest_rank(served_ms, 0.99), "max": max(served_ms, default=None),
                                  "over_500": sum(ms > 500 for ms in served_ms)},

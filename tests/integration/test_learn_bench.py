@@ -70,6 +70,8 @@ def test_tiny_preset_interleaves_every_mode_and_seed_and_merges(engine: Engine, 
         assert r["reply_tokens"]["source"] == "demo summary, per reply" and r["reply_tokens"]["n"] >= 1
         assert r["publish_to_served"]["versions"] >= 1 and r["requests_failed"] == 0
         assert "idle_s" in r["engine"], "the shared engine's metrics are polled"
+        assert (r["engine"]["lora_slot_wait_s"], r["engine"]["lora_slot_waited"]) == (0, []), \
+            "the engine's GPU LoRA slots hold every version the gateway keeps loaded: none waits for one"
 
     # the warm start: SFT on the task's demonstrations, published as v1 before the first step (v2), and its
     # seconds on the run's clock

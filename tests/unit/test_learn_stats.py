@@ -357,3 +357,27 @@ def test_serve_writes_the_urls_whole_once_the_engines_answer_and_removes_them_wh
         stop.set()
         thread.join(10)
     assert not thread.is_alive() and stopped == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and not urls.exists()
+
+
+def test_the_engine_timeline_names_versions_whose_requests_waited_for_a_lora_slot() -> None:
+    """vLLM's ``lora_requests_info`` keeps every label set it was ever set with, each at the time of its last
+    update: the latest is the engine's state. A version waiting while ``max_lora`` others run waits for a slot;
+    one waiting beside a free slot (a full KV cache, say) does not count."""
+    bench = load_bench("learn_bench")
+
+    def info(t: float, running: str, waiting: str, max_lora: int = 2) -> dict[str, float]:
+        return {f'vllm:lora_requests_info{{max_lora="{max_lora}",running_lora_adapters="{running}",'
+                f'waiting_lora_adapters="{waiting}"}}': t}
+
+    full = {**info(100.0, "p@v1", ""), **info(101.0, "p@v1,p@v2", "p@v3")}
+    assert bench.lora_slot_waits(full) == ["p@v3"]
+    assert bench.lora_slot_waits({**full, **info(102.0, "p@v2,p@v3", "")}) == []  # later: v3 runs
+    assert bench.lora_slot_waits(info(101.0, "p@v1", "p@v3")) == []  # a slot free: not a slot wait
+    assert bench.lora_slot_waits(info(101.0, "p@v1,p@v2", "p@v2,p@v3", max_lora=3)) == []
+    assert bench.lora_slot_waits({"vllm:num_requests_running": 3.0}) == []  # LoRA off, or an older vLLM
+    base = {"vllm:num_requests_running": 4.0, "vllm:generation_tokens_total": 0.0}
+    samples = [(10.0, {**base, **info(100.0, "p@v1", "")}),
+               (11.0, {**base, "vllm:generation_tokens_total": 50.0, **full}),
+               (12.5, {**base, "vllm:generation_tokens_total": 90.0, **full, **info(102.0, "p@v2,p@v3", "")})]
+    timeline = bench.engine_timeline(samples, t0=10.0)
+    assert (timeline["lora_slot_wait_s"], timeline["lora_slot_waited"]) == (1.0, ["p@v3"])
