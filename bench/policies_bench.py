@@ -21,6 +21,9 @@ Each P is measured from the moment every policy serves a trained version (warm-u
 * failed requests (any status but 200), request latency p50 / p99;
 * each trainer's step time (``step_s``, the optimizer step, from its history) and its whole cycle per
   version (step + adapter + checkpoint + announce), p50, beside the others;
+* the seconds in which a version's requests waited in the engine for a GPU LoRA slot (vLLM's own
+  ``lora_requests_info``, polled twice a second: an adapter waiting while ``max_lora`` others run), which the
+  clients' publish -> served includes and the gateway's log cannot see;
 * GPU memory (``nvidia-smi``, sampled during the window: the whole GPU, and per process the engine's and
   each trainer's where the process ids can be told apart); ``n/a`` without nvidia-smi.
 
@@ -66,7 +69,7 @@ import httpx
 import numpy as np
 from gateway_bench import children
 from harness import stamp
-from learn_bench import read_history, unload_adapters, warm_engine
+from learn_bench import lora_slot_waits, read_history, scrape, unload_adapters, warm_engine
 
 from streamrl.config_file import nest
 from streamrl.trainer.config import TrainerConfig
@@ -246,6 +249,34 @@ class GpuMemory(threading.Thread):
                 "engine_mib": by_role.get("engine"), "trainers_mib": sum(trainers) if trainers else None}
 
 
+class EngineSlotWaits(threading.Thread):
+    """The engine's ``/metrics`` every ``interval`` seconds: the seconds in which a version's requests waited there
+    for a GPU LoRA slot (``learn_bench.lora_slot_waits``; ``engine/lora_slots.py`` sizes the slots so that none
+    do), and which versions: a wait in the clients' publish -> served that the gateway's log cannot see."""
+
+    def __init__(self, url: str, interval: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.url, self.interval = url, interval
+        self.halt = threading.Event()
+        self.seconds, self.samples, self.waited = 0.0, 0, set()
+
+    def run(self) -> None:
+        last = None
+        with httpx.Client() as client:
+            while not self.halt.is_set():
+                sample, now = scrape(client, f"{self.url}/metrics"), time.monotonic()
+                self.samples += bool(sample)
+                if (waits := lora_slot_waits(sample)) and last is not None:
+                    self.seconds += now - last
+                    self.waited.update(waits)
+                last = now
+                self.halt.wait(self.interval)
+
+    def summary(self) -> dict[str, Any]:
+        return {"engine_lora_slot_wait_s": round(self.seconds, 2), "engine_lora_slot_waited": sorted(self.waited),
+                "engine_metric_samples": self.samples}
+
+
 def gpu_used_mib() -> float | None:
     """The GPU's used memory now (every GPU summed), None without nvidia-smi."""
     with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
@@ -394,7 +425,7 @@ def run_p(p: int, model: str, upstream: str, engine_pid: int | None, out: Path, 
         proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "up", "--config", str(cfg)],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     load = publisher = None
-    gpu = GpuMemory()
+    gpu, slots = GpuMemory(), EngineSlotWaits(upstream)
     result: dict[str, Any] = {"policies": p, "names": names}
     try:
         wait_http(gw, 300, proc, what="gateway")
@@ -422,9 +453,11 @@ def run_p(p: int, model: str, upstream: str, engine_pid: int | None, out: Path, 
         time.sleep(args.warmup_s)
         result["warmup_s"] = round(time.monotonic() - t_start - result["start_s"], 1)
         gpu.start()
+        slots.start()
         t0 = time.time()
         time.sleep(args.seconds)
         t1 = time.time()
+        slots.halt.set()
         records = policy_records(f"127.0.0.1:{broker_port}", f"pb{p}")
         roles = process_roles(engine_pid, proc.pid)
         gpu.halt.set()
@@ -435,7 +468,8 @@ def run_p(p: int, model: str, upstream: str, engine_pid: int | None, out: Path, 
         load.stop()
         samples, load = load.samples, None
         gpu.join(15)
-        result.update(gpu.summary(roles))
+        slots.join(15)
+        result.update(gpu.summary(roles), **slots.summary())
         if before is not None and result.get("gpu_used_mib_max") is not None:
             result["gpu_used_mib_before"] = before
             result["gpu_mib_added_by_stack"] = result["gpu_used_mib_max"] - before  # trainers, adapters
@@ -446,6 +480,7 @@ def run_p(p: int, model: str, upstream: str, engine_pid: int | None, out: Path, 
         if load is not None:
             load.stop()
         gpu.halt.set()
+        slots.halt.set()
         stop_up(proc)
         for name in names:  # the next P starts from the same engine state, no adapter outliving its files
             with contextlib.suppress(httpx.HTTPError):
@@ -547,11 +582,12 @@ def print_table(runs: list[dict[str, Any]]) -> None:
     print("\n| policies | rollout tok/s total | vs 1 policy | per policy mean (min-max) | publish->served p50 / p99 ms "
           "| publish->routed p50 / p99 ms | versions (unserved) | failed / requests | latency p50 / p99 ms "
           "| older version after routing (requests / versions) | request gap p99 ms "
-          "| trainer step_s p50, each | version cycle s p50, each | GPU MiB used (engine / trainers) |")
-    print("| ---: | ---: | ---: | --- | --- | --- | ---: | ---: | --- | --- | ---: | --- | --- | --- |")
+          "| trainer step_s p50, each | version cycle s p50, each | GPU MiB used (engine / trainers) "
+          "| waited for a LoRA slot in the engine s (versions) |")
+    print("| ---: | ---: | ---: | --- | --- | --- | ---: | ---: | --- | --- | ---: | --- | --- | --- | --- |")
     for r in sorted(runs, key=lambda r: r["policies"]):
         if "error" in r:
-            print(f"| {r['policies']} | failed: {r['error']} |" + " |" * 12)
+            print(f"| {r['policies']} | failed: {r['error']} |" + " |" * 13)
             continue
         per = list(r["rollout_tokens_per_s_per_policy"].values())
         trainers = r.get("trainers", {})
@@ -567,7 +603,8 @@ def print_table(runs: list[dict[str, Any]]) -> None:
               f"| {_f(r['latency_p50_ms'])} / {_f(r['latency_p99_ms'])} "
               f"| {older.get('requests', '')} / {older.get('versions', '')} | {_f(r.get('request_gap_p99_ms'))} "
               f"| {', '.join(_f(t['step_s_p50'], 2) for t in trainers.values())} "
-              f"| {', '.join(_f(t['cycle_s_p50'], 2) for t in trainers.values())} | {gpu} |")
+              f"| {', '.join(_f(t['cycle_s_p50'], 2) for t in trainers.values())} | {gpu} "
+              f"| {_f(r.get('engine_lora_slot_wait_s'), 1)} ({len(r.get('engine_lora_slot_waited', []))}) |")
 
 
 def parse_policies(text: str) -> list[int]:
