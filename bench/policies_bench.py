@@ -69,7 +69,7 @@ import httpx
 import numpy as np
 from gateway_bench import children
 from harness import stamp
-from learn_bench import lora_slot_waits, read_history, scrape, unload_adapters, warm_engine
+from learn_bench import engine_timeline, read_history, scrape, unload_adapters, warm_engine
 
 from streamrl.config_file import nest
 from streamrl.trainer.config import TrainerConfig
@@ -250,31 +250,28 @@ class GpuMemory(threading.Thread):
 
 
 class EngineSlotWaits(threading.Thread):
-    """The engine's ``/metrics`` every ``interval`` seconds: the seconds in which a version's requests waited there
-    for a GPU LoRA slot (``learn_bench.lora_slot_waits``; ``engine/lora_slots.py`` sizes the slots so that none
-    do), and which versions: a wait in the clients' publish -> served that the gateway's log cannot see."""
+    """The engine's ``/metrics`` every ``interval`` seconds, read as ``learn_bench.engine_timeline`` reads them: the
+    seconds in which a version's requests waited there for a GPU LoRA slot (``engine/lora_slots.py`` sizes the slots
+    so that none do), and which versions: a wait in the clients' publish -> served that the gateway's log cannot
+    see."""
 
     def __init__(self, url: str, interval: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.url, self.interval = url, interval
         self.halt = threading.Event()
-        self.seconds, self.samples, self.waited = 0.0, 0, set()
+        self.samples: list[tuple[float, dict[str, float]]] = []
 
     def run(self) -> None:
-        last = None
         with httpx.Client() as client:
             while not self.halt.is_set():
-                sample, now = scrape(client, f"{self.url}/metrics"), time.monotonic()
-                self.samples += bool(sample)
-                if (waits := lora_slot_waits(sample)) and last is not None:
-                    self.seconds += now - last
-                    self.waited.update(waits)
-                last = now
+                self.samples.append((time.time(), scrape(client, f"{self.url}/metrics")))
                 self.halt.wait(self.interval)
 
     def summary(self) -> dict[str, Any]:
-        return {"engine_lora_slot_wait_s": round(self.seconds, 2), "engine_lora_slot_waited": sorted(self.waited),
-                "engine_metric_samples": self.samples}
+        timeline = engine_timeline(self.samples, self.samples[0][0] if self.samples else 0.0)
+        return {"engine_lora_slot_wait_s": timeline["lora_slot_wait_s"],
+                "engine_lora_slot_waited": timeline["lora_slot_waited"],
+                "engine_metric_samples": sum(1 for _, sample in self.samples if sample)}
 
 
 def gpu_used_mib() -> float | None:

@@ -209,11 +209,13 @@ class UpstreamPool:
             return
         if up.pinned_warned:
             return
-        why = ("no capture probe: a plain vLLM" if not probe else
-               f"its capture is format {probe.get('format')}, not this gateway's {FORMAT_VERSION}"
-               if not up.token_capture else
-               f"its capture lists formats {probe.get('formats') or [probe.get('format')]}, without "
-               f"{SPANS_FORMAT_VERSION}, which says which version sampled which token")
+        if not probe:
+            why = "no capture probe: a plain vLLM"
+        elif not up.token_capture:
+            why = f"its capture is format {probe.get('format')}, not this gateway's {FORMAT_VERSION}"
+        else:
+            why = (f"its capture lists formats {probe.get('formats') or [probe.get('format')]}, without "
+                   f"{SPANS_FORMAT_VERSION}, which says which version sampled which token")
         log.warning("upstream %s cannot move running requests to a newer version (%s): in the in-flight update mode "
                     "its requests run pinned, to the end on the version they started on. Serve it with this "
                     "release's `streamrl engine` (docs/gateway.md, \"In-flight updates\")", up.url, why)
