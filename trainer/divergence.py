@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +37,20 @@ a pipelined loop trains on samples about one version behind (the measured demo r
 
 JUDGED = ("kl_behaviour", "ratio_mean", "truncated_frac")
 """The statistics averaged over the window and compared with the thresholds."""
+
+WORST = (max, min, max)
+"""Each judged statistic's worst single step (a high KL, a low ratio, a high clipped share). In a window of 3 or
+more steps it is left out of the mean: one swinging step then counts for no more than in a window of 2 (a healthy
+demo run's fourth step reached a KL of 7.8 between steps of 1.3-3.0, a 4-step mean of 3.57), while a run that
+stays off crosses on the others."""
+
+
+def window_mean(values: Sequence[float], worst: Callable[[Sequence[float]], float]) -> float:
+    """The mean of a window's values, its worst one left out when there are 3 or more (``WORST``)."""
+    kept = list(values)
+    if len(kept) >= 3:
+        kept.remove(worst(kept))
+    return sum(kept) / len(kept)
 
 FINITE = (*JUDGED, "loss", "grad_norm")
 """A step's statistics that must be finite: a NaN or infinity in any diverges at once, whatever the window
@@ -63,8 +77,9 @@ class DivergenceThresholds:
     ``ppo_clip``'s share of ratios outside 1 ± ``clip_eps`` reached 0.93 in a healthy demo run."""
     window: int = 2
     """Steps (at staleness above 0) averaged before the thresholds apply: single steps of healthy runs reached
-    a KL of 3.54 and a ratio of 0.722, their 2-step means stayed within 3.0 and 0.78. 1: each step alone.
-    Non-finite statistics diverge at once."""
+    a KL of 3.54 and a ratio of 0.722, their 2-step means stayed within 3.0 and 0.78. 1: each step alone; 3 or
+    more: each statistic's worst step is left out of its mean (``WORST``). Non-finite statistics diverge at
+    once."""
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -92,7 +107,8 @@ class DivergenceThresholds:
         """The thresholds that are on, e.g. ``thresholds on the mean of 2 steps: KL > 3.5, ratio < 0.7``."""
         on = [f"{name} {op} {value:g}" for name, op, value in
               (("KL", ">", self.kl), ("ratio", "<", self.ratio_low), ("clipped", ">", self.clipped)) if value]
-        steps = "this step" if self.window == 1 else f"the mean of {self.window} steps"
+        steps = ("this step" if self.window == 1 else f"the mean of {self.window} steps"
+                 + (", the worst left out" if self.window >= 3 else ""))
         return f"thresholds on {steps}: {', '.join(on) or 'none'}"
 
 
@@ -131,7 +147,8 @@ class DivergenceDetector:
             self.recent.append(values)
             if len(self.recent) < t.window and not broken:
                 return Verdict(False, (), None, "")
-            means = [sum(column) / len(self.recent) for column in zip(*self.recent, strict=True)]
+            means = [window_mean(column, worst) for column, worst in zip(zip(*self.recent, strict=True), WORST,
+                                                                          strict=True)]
             crossed = t.crossed(*means)
             over = "this step" if len(self.recent) == 1 else f"the last {len(self.recent)} steps"
         if broken:

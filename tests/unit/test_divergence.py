@@ -8,7 +8,7 @@ import math
 import pytest
 
 from streamrl.trainer.config import TrainerConfig
-from streamrl.trainer.divergence import DivergenceDetector, DivergenceThresholds
+from streamrl.trainer.divergence import DivergenceDetector, DivergenceThresholds, window_mean
 
 Row = tuple[float, float, float, float, float]
 """kl_behaviour, ratio_mean, truncated_frac, staleness_mean, staleness_max of one step."""
@@ -41,6 +41,10 @@ NORMAL_DEMO: list[list[Row]] = [
     [(0.0955, 1.008, 0.039, 1.0, 1), (0.1731, 1.005, 0.051, 1.0, 1), (0.1978, 0.985, 0.039, 1.0, 1),
      (2.839, 0.722, 0.070, 1.0, 1), (0.7757, 0.968, 0.066, 1.0, 1), (0.1046, 0.988, 0.004, 1.0, 1)],
 ]
+NORMAL_DEMO_SWING: list[Row] = [  # a CI run of `streamrl up --demo` (2026-12-08; its 4-step window) that reached 0.95
+    (0.0, 1.001, 0.0, 0.0, 0), (1.269, 0.96, 0.117, 1.0, 1), (2.153, 0.711, 0.098, 1.0, 1),
+    (7.818, 6.266, 0.09, 1.0, 1), (3.042, 1.053, 0.109, 1.0, 1), (0.8552, 1.09, 0.09, 1.0, 1),
+    (0.2225, 0.987, 0.075, 1.0, 1), (0.0755, 1.034, 0.012, 1.0, 1), (0.1153, 0.982, 0.043, 1.0, 1)]
 NORMAL_PPO_CLIP: list[Row] = [  # the demo with is_mode = "ppo_clip": ratios outside 1 ± 0.2 are no signal
     (5.3e-05, 1.0, 0.0, 0.0, 0), (0.3284, 0.832, 0.746, 1.0, 1), (4.2e-05, 1.0, 0.0, 0.0, 0),
     (1.115, 0.936, 0.906, 1.0, 1), (1.755, 0.762, 0.934, 1.0, 1), (0.2771, 1.027, 0.816, 1.0, 1),
@@ -122,6 +126,20 @@ def test_one_noisy_step_does_not_fire_two_do_and_the_window_is_a_setting() -> No
     assert diverging_steps([calm, spike, spike, calm, calm]) == [3]  # then (5.0 + 0.5) / 2 < 3.5
     assert diverging_steps([calm, spike, spike], detector(divergence_window=3)) == []
     assert diverging_steps([calm, spike], detector(divergence_window=1)) == [2]
+
+
+def test_a_window_of_three_or_more_leaves_each_statistics_worst_step_out() -> None:
+    """One swinging step of a healthy run does not decide a long window; a run that stays off still does."""
+    kls = [row[0] for row in NORMAL_DEMO_SWING[1:5]]
+    assert sum(kls) / 4 > 3.5 > window_mean(kls, max)  # 3.57 with the 7.8 step, 2.15 without it
+    assert window_mean([0.9, 0.5, 0.8], min) == pytest.approx(0.85) and window_mean([1.0, 3.0], max) == 2.0
+    assert diverging_steps(NORMAL_DEMO_SWING, detector(divergence_window=4)) == []
+    calm, off = (0.5, 0.95, 0.05, 1.0, 1), (6.0, 0.95, 0.05, 1.0, 1)
+    d = detector(divergence_window=4)
+    verdicts = [d.judge(step(row)) for row in (off, off, off, calm)]
+    assert [v.diverging for v in verdicts] == [False, False, False, True]  # (6 + 6 + 0.5) / 3 > 3.5
+    assert "thresholds on the mean of 4 steps, the worst left out" in verdicts[3].message
+    assert diverging_steps([calm, off, calm, calm], detector(divergence_window=4)) == []
 
 
 def test_each_threshold_alone_and_zero_turns_a_check_off() -> None:
